@@ -1,0 +1,349 @@
+"""jsdgpu benchmark: the loss against the GEMM floor, Liger-Kernel and plain PyTorch.
+
+    python bench/bench.py                 # T = 1024, 2048, 4096, 8192; writes bench/results/
+    python bench/bench.py --tokens 1024 --impls jsdgpu gemm_floor --out /tmp/r
+
+Workload (DESIGN.md): V = 128256, teacher hidden 4096, student hidden 2048, bf16. Times are
+medians of CUDA-event timings after warm-up, the inputs rotated over several sets so the L2
+cache does not flatter anyone; peak memory is that of a separate, untimed run, beyond the inputs.
+"""
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import cupy  # noqa: E402
+
+import jsdgpu  # noqa: E402
+
+V, HS, HT = 128256, 2048, 4096
+BF16 = ml_dtypes.bfloat16
+ALL_IMPLS = ["jsdgpu", "gemm_floor", "liger", "torch"]
+
+
+# ---- measuring ----
+
+class PeakHook(cupy.cuda.MemoryHook):
+    """Bytes of CuPy's pool in use, and their peak."""
+    name = "PeakHook"
+
+    def __init__(self):
+        self.in_use = self.peak = 0
+
+    def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):
+        self.in_use += mem_size
+        self.peak = max(self.peak, self.in_use)
+
+    def free_postprocess(self, device_id, mem_size, mem_ptr, pmem_id):
+        self.in_use -= mem_size
+
+
+def time_ms(fn, n_sets, warmup, repeats):
+    """Median milliseconds of fn(i) over repeats, i rotating over n_sets input sets."""
+    for i in range(warmup):
+        fn(i % n_sets)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for i in range(repeats):
+        start.record()
+        fn(i % n_sets)
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def peak_mib(fn, torch_too=False):
+    """Peak device memory of one call of fn beyond what was allocated before it."""
+    cupy.cuda.Device().synchronize()
+    hook = PeakHook()
+    if torch_too:
+        import torch
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    with hook:
+        fn(0)
+        cupy.cuda.Device().synchronize()
+    peak = hook.peak
+    if torch_too:
+        peak += torch.cuda.max_memory_allocated() - base
+    return peak / 2**20
+
+
+def copy_bandwidth():
+    """Device-to-device copy, bytes read plus written per second."""
+    a = cupy.ones(2**30, np.float32)
+    b = cupy.empty_like(a)
+    ms = time_ms(lambda i: cupy.copyto(b, a), 1, 3, 20)
+    return 2 * a.nbytes / (ms * 1e-3)
+
+
+# ---- inputs ----
+
+def make_sets(T, n_sets, rng, valid_fraction=1.0):
+    """n_sets input sets sharing nothing: [(xs, ws, xt, wt, target)], logits of std about 4."""
+    sets = []
+    for _ in range(n_sets):
+        def arr(shape, scale):
+            return (cupy.asarray(rng.standard_normal(shape, dtype=np.float32)) * scale).astype(BF16)
+        target = rng.integers(0, V, T)
+        target[rng.permutation(T)[: int(round(T * (1 - valid_fraction)))]] = -100
+        sets.append((arr((T, HS), 1.0), arr((V, HS), 4.0 / HS**0.5), arr((T, HT), 1.0),
+                     arr((V, HT), 4.0 / HT**0.5), cupy.asarray(target)))
+    return sets
+
+
+# ---- implementations: each returns fn(i) running one step on input set i ----
+
+def impl_jsdgpu(sets, mode, **options):
+    def fn(i):
+        loss, ctx = jsdgpu.forward(*sets[i], compute_grad=mode == "fwd_bwd", **options)
+        if mode == "fwd_bwd":
+            jsdgpu.backward(ctx)
+    return fn
+
+
+def impl_gemm_floor(sets, mode):
+    """The four products at full size, bf16 in and out, through CuPy (cuBLAS)."""
+    T = sets[0][0].shape[0]
+    G = (cupy.random.standard_normal((T, V), dtype=np.float32) * 1e-3).astype(BF16)
+
+    def fn(i):
+        xs, ws, xt, wt, _ = sets[i]
+        xs @ ws.T
+        xt @ wt.T
+        if mode == "fwd_bwd":
+            G @ ws
+            G.T @ xs
+    return fn
+
+
+def _torch_sets(sets, requires_grad):
+    import torch
+    out = []
+    for xs, ws, xt, wt, target in sets:
+        t = [torch.from_dlpack(a) for a in (xs, ws, xt, wt)]
+        t[0] = t[0].detach().requires_grad_(requires_grad)
+        t[1] = t[1].detach().requires_grad_(requires_grad)
+        out.append((*t, torch.from_dlpack(target)))
+    return out
+
+
+def impl_liger(sets, mode):
+    import torch
+    from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+    loss_fn = LigerFusedLinearJSDLoss()  # compiled=True, chunk_size=1024: its defaults
+    tsets = _torch_sets(sets, True)
+
+    def fn(i):
+        xs, ws, xt, wt, target = tsets[i]
+        with torch.set_grad_enabled(mode == "fwd_bwd"):
+            loss = loss_fn(xs, ws, xt, wt, target)
+            if mode == "fwd_bwd":
+                loss.backward()
+                xs.grad = ws.grad = None
+    return fn
+
+
+def torch_loss(xs, ws, xt, wt, target, beta=0.5, ignore_index=-100):
+    """SPEC.md's loss with full logits in plain PyTorch (default options)."""
+    import torch
+    s = (xs @ ws.T).float()
+    t = (xt @ wt.T).float()
+    valid = target != ignore_index
+    n = valid.sum().clamp(min=1)
+    ce = torch.nn.functional.cross_entropy(s, target, ignore_index=ignore_index, reduction="sum") / n
+    logp, logq = torch.log_softmax(s, -1), torch.log_softmax(t, -1)
+    logm = torch.logsumexp(torch.stack([logp + np.log(1 - beta), logq + np.log(beta)]), 0)
+    jsd = beta * (logq.exp() * (logq - logm)).sum(-1) + (1 - beta) * (logp.exp() * (logp - logm)).sum(-1)
+    return 0.5 * ce + 0.5 * (jsd * valid).sum() / n
+
+
+def impl_torch(sets, mode):
+    import torch
+    tsets = _torch_sets(sets, True)
+
+    def fn(i):
+        xs, ws, xt, wt, target = tsets[i]
+        with torch.set_grad_enabled(mode == "fwd_bwd"):
+            loss = torch_loss(xs, ws, xt, wt, target)
+            if mode == "fwd_bwd":
+                loss.backward()
+                xs.grad = ws.grad = None
+    return fn
+
+
+# ---- the row kernel alone ----
+
+def row_kernel_alone(T, rng, copy_bytes_per_s):
+    """Time the row kernel on one chunk of T rows and report its bandwidth: it must read the
+    float32 student and teacher logits once and write the bf16 gradient rows once."""
+    from jsdgpu._cupy_backend import CupyBackend, _logits, launch_rows
+    from jsdgpu._driver import LossOptions
+    xs, ws, xt, wt, target = make_sets(T, 1, rng)[0]
+    be = CupyBackend()
+    work = be.prepare(ws, wt, None, None, T, True)
+    _logits(xs, ws, work["logits_s"])
+    _logits(xt, wt, work["logits_t"])
+    opts = LossOptions(0.5, 0.5, 0.5, 1.0, -100)
+    ce, jsd = cupy.empty(T, np.float32), cupy.empty(T, np.float32)
+    tgt = target.astype(np.int32)
+    # the logits stay as written: time the kernel alone, not chunk() with its products
+    ms = time_ms(lambda i: launch_rows(work, T, tgt, opts, ce, jsd, work["G"][:T]), 1, 3, 20)
+    moved = T * V * (4 + 4 + 2)
+    return ms, moved / (ms * 1e-3), moved / (ms * 1e-3) / copy_bytes_per_s
+
+
+# ---- the run ----
+
+def device_name():
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    return name.replace("NVIDIA", "").strip().lower().replace(" ", "-")
+
+
+def available(impl):
+    if impl in ("jsdgpu", "gemm_floor"):
+        return True
+    try:
+        import torch  # noqa: F401
+        if impl == "liger":
+            import liger_kernel  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--impls", nargs="+", default=ALL_IMPLS, choices=ALL_IMPLS)
+    p.add_argument("--sets", type=int, default=2, help="input sets rotated between runs")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    p.add_argument("--name", help="result file name (default: the device's name)")
+    a = p.parse_args(argv)
+
+    rng = np.random.default_rng(0)
+    name = a.name or device_name()
+    impls = [i for i in a.impls if available(i)]
+    skipped = sorted(set(a.impls) - set(impls))
+    bw = copy_bandwidth()
+    print(f"device {name}: copy bandwidth {bw / 1e12:.2f} TB/s; implementations {impls}"
+          + (f" (not importable: {skipped})" if skipped else ""))
+
+    plan = []
+    for T in a.tokens:
+        for impl in impls:
+            plan.append((T, impl, "fwd_bwd", 1.0))
+            if impl in ("jsdgpu", "gemm_floor"):
+                plan.append((T, impl, "fwd", 1.0))
+            if impl == "jsdgpu":
+                plan.append((T, impl, "fwd_bwd", 0.5))
+    try:
+        from tqdm import tqdm
+        progress = tqdm(plan, file=sys.stderr, desc="bench")
+    except ImportError:
+        progress = plan
+
+    records, cache = [], {}
+    for T, impl, mode, valid in progress:
+        key = (T, valid)
+        if key not in cache:
+            cache.clear()
+            cupy.get_default_memory_pool().free_all_blocks()
+            cache[key] = make_sets(T, a.sets, rng, valid)
+        sets = cache[key]
+        fn = {"jsdgpu": lambda: impl_jsdgpu(sets, mode), "gemm_floor": lambda: impl_gemm_floor(sets, mode),
+              "liger": lambda: impl_liger(sets, mode), "torch": lambda: impl_torch(sets, mode)}[impl]()
+        torch_based = impl in ("liger", "torch")
+        try:
+            ms = time_ms(fn, a.sets, a.warmup, a.repeats)
+            mib = peak_mib(fn, torch_too=torch_based)
+        except Exception as e:  # e.g. out of memory for the full-logits PyTorch at large T
+            print(f"\n{impl} T={T} {mode}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        finally:
+            if torch_based:
+                import torch
+                torch.cuda.empty_cache()
+        records.append(dict(impl=impl, T=T, mode=mode, valid_fraction=valid, ms=round(ms, 4),
+                            peak_mib=round(mib, 1)))
+
+    rows = {}
+    for T in a.tokens:
+        ms, gbps, frac = row_kernel_alone(min(T, 2048), rng, bw)
+        rows[T] = dict(T=min(T, 2048), ms=round(ms, 4), bytes_per_s=gbps, fraction_of_copy=frac)
+
+    result = dict(device=name, copy_bytes_per_s=bw, V=V, Hs=HS, Ht=HT, dtype="bfloat16",
+                  date=time.strftime("%Y-%m-%d"), command="python bench/bench.py " + " ".join(argv or sys.argv[1:]),
+                  records=records, row_kernel=list(rows.values()))
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    table = markdown_table(result)
+    (a.out / f"{name}.md").write_text(table)
+    plot(result, a.out / f"{name}.png")
+    print(table)
+
+
+def markdown_table(result):
+    recs = result["records"]
+    floor = {(r["T"], r["mode"]): r["ms"] for r in recs if r["impl"] == "gemm_floor"}
+    lines = [f"Device {result['device']}, {result['date']}; V={result['V']}, Hs={result['Hs']}, "
+             f"Ht={result['Ht']}, bf16. `{result['command']}`", "",
+             "| impl | T | mode | valid rows | ms | × dense GEMM floor | peak MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in recs:
+        f = floor.get((r["T"], r["mode"] if r["valid_fraction"] == 1.0 else "fwd_bwd"))
+        ratio = f"{r['ms'] / f:.3f}" if f else ""
+        lines.append(f"| {r['impl']} | {r['T']} | {r['mode']} | {r['valid_fraction']:.0%} | "
+                     f"{r['ms']:.2f} | {ratio} | {r['peak_mib']:.0f} |")
+    lines += ["", f"Copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s. Row kernel alone "
+              "(reads 8 B, writes 2 B per logit):", "",
+              "| rows | ms | TB/s | of copy bandwidth |", "| --- | --- | --- | --- |"]
+    for r in result["row_kernel"]:
+        lines.append(f"| {r['T']} | {r['ms']:.3f} | {r['bytes_per_s'] / 1e12:.2f} | "
+                     f"{r['fraction_of_copy']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = {}
+    for r in result["records"]:
+        label = r["impl"] + ("" if r["mode"] == "fwd_bwd" else " fwd") + \
+            ("" if r["valid_fraction"] == 1.0 else f" {r['valid_fraction']:.0%} valid")
+        series.setdefault(label, []).append((r["T"], r["ms"]))
+    for label, pts in series.items():
+        pts.sort()
+        style = dict(color="black", linestyle="--") if label == "gemm_floor" else dict(marker="o")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("ms (median)")
+    ax.set_title(f"fused linear JSD loss, V={result['V']}, bf16, {result['device']}")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Public API: forward, backward and the loss object JSDDistillLoss (SPEC.md, "API")."""
+
+import importlib
+
+import numpy as np
+
+from . import _checks
+from ._driver import LossOptions, run
+
+# Modules of the DLPack producers the bridges take, and the bridge module of each.
+_BRIDGES = {"torch": "jsdgpu.torch", "jax": "jsdgpu.jax", "jaxlib": "jsdgpu.jax"}
+
+
+def _bridge_for(arrays):
+    """The bridge module (jsdgpu.torch or jsdgpu.jax) for framework tensors, or None."""
+    for a in arrays.values():
+        if a is not None and _checks.array_kind(a) is None:
+            root = type(a).__module__.split(".")[0]
+            if root in _BRIDGES:
+                return importlib.import_module(_BRIDGES[root])
+    return None
+
+
+def _backend(kind):
+    if kind == "cupy":
+        from ._cupy_backend import CupyBackend
+        return CupyBackend()
+    from ._numpy_backend import NumpyBackend
+    return NumpyBackend()
+
+
+class Context:
+    """What forward hands to backward: the loss parts and the float32 gradient sums."""
+
+    def __init__(self, hard_loss, soft_loss, grads, valid_rows, n_rows, dtype, backend, bridge,
+                 grad_weight_float32, device):
+        self.hard_loss = hard_loss
+        self.soft_loss = soft_loss
+        self._grads = grads
+        self._valid_rows = valid_rows
+        self._n_rows = n_rows
+        self._dtype = dtype
+        self._backend = backend
+        self._bridge = bridge
+        self._grad_weight_float32 = grad_weight_float32
+        self._device = device
+        self._done = False
+
+
+def forward(student_input, student_weight, teacher_input, teacher_weight, target,
+            student_bias=None, teacher_bias=None, *, weight_hard_loss=0.5, weight_soft_loss=0.5,
+            beta=0.5, temperature=1.0, ignore_index=-100, chunk_size=None, compute_grad=True,
+            memory_budget=None, grad_weight_float32=False):
+    """Return (loss, ctx): loss is a 0-d float32 array of the inputs' kind.
+
+    chunk_size: token rows per chunk; None picks the most that fit memory_budget bytes of
+    per-chunk buffers (logits and gradient rows; the backend's default budget when None).
+    compute_grad=False computes the loss only. grad_weight_float32 makes backward return
+    grad_weight (and grad_bias) in float32, as accumulated, instead of the student's dtype.
+    """
+    arrays = dict(student_input=student_input, student_weight=student_weight,
+                  teacher_input=teacher_input, teacher_weight=teacher_weight, target=target,
+                  student_bias=student_bias, teacher_bias=teacher_bias)
+    bridge = _bridge_for(arrays)
+    if bridge is not None:
+        arrays = {k: None if v is None else bridge.to_native(v) for k, v in arrays.items()}
+    opts = LossOptions(*_checks.check_options(weight_hard_loss, weight_soft_loss, beta,
+                                              temperature, ignore_index, chunk_size))
+    kind = _checks.check_arrays(arrays)
+    backend = _backend(kind)
+    xp = backend.xp
+    xs, ws, xt, wt = (arrays[k] for k in ("student_input", "student_weight", "teacher_input",
+                                          "teacher_weight"))
+    bs, bt = arrays["student_bias"], arrays["teacher_bias"]
+    device = xs.device.id if kind == "cupy" else None
+    with backend.on_device(device):
+        target_host = arrays["target"]
+        target_host = (xp.asnumpy(target_host) if kind == "cupy" else target_host).astype(np.int64)
+        _checks.check_target(target_host, ws.shape[0], opts.ignore_index)
+        valid = np.flatnonzero(target_host != opts.ignore_index)
+        n_rows = xs.shape[0]
+        valid_rows = None if len(valid) == n_rows else xp.asarray(valid)
+        target_valid = xp.asarray(target_host[valid].astype(np.int32))
+        xs, ws, xt, wt = (xp.ascontiguousarray(a) for a in (xs, ws, xt, wt))
+        budget = backend.default_memory_budget if memory_budget is None else int(memory_budget)
+        hard, soft, grads = run(backend, xs, ws, xt, wt, target_valid, bs, bt, opts,
+                                valid_rows=valid_rows, n_valid=len(valid),
+                                chunk_size=chunk_size, memory_budget=budget,
+                                compute_grad=bool(compute_grad))
+        loss = (opts.weight_hard_loss * hard.astype(np.float64)
+                + opts.weight_soft_loss * soft.astype(np.float64)).astype(np.float32)
+        loss = xp.asarray(loss, dtype=np.float32)
+    ctx = Context(hard, soft, grads, valid_rows, n_rows, xs.dtype, backend, bridge,
+                  bool(grad_weight_float32), device)
+    if bridge is not None:
+        ctx.hard_loss, ctx.soft_loss = bridge.from_native(hard), bridge.from_native(soft)
+        loss = bridge.from_native(loss)
+    return loss, ctx
+
+
+def backward(ctx, grad_output=1.0):
+    """Return (grad_input, grad_weight, grad_bias) of the student, times grad_output.
+
+    grad_bias is None without a student bias. May be called once per ctx.
+    """
+    if not isinstance(ctx, Context):
+        raise TypeError(f"ctx must be the Context that forward returned, got {type(ctx).__name__}")
+    if ctx._done:
+        raise RuntimeError("backward was already called on this ctx; call forward again")
+    if ctx._grads is None:
+        raise ValueError("this ctx holds no gradients: forward ran with compute_grad=False")
+    ctx._done = True
+    g, ctx._grads = ctx._grads, None  # the float32 sums are freed with the ctx's last use
+    xp = ctx._backend.xp
+    with ctx._backend.on_device(ctx._device):
+        if ctx._bridge is not None and not isinstance(grad_output, (int, float)):
+            grad_output = ctx._bridge.to_native(grad_output)
+        scale = xp.asarray(grad_output, dtype=np.float32)
+        if scale.ndim != 0:
+            raise ValueError(f"grad_output must be a scalar, got shape {tuple(scale.shape)}")
+        for a in (g.grad_input, g.grad_weight, g.grad_bias):
+            if a is not None:
+                a *= scale
+        weight_dtype = np.float32 if ctx._grad_weight_float32 else ctx._dtype
+        grad_weight = g.grad_weight.astype(weight_dtype, copy=False)
+        grad_bias = None if g.grad_bias is None else g.grad_bias.astype(weight_dtype, copy=False)
+        if ctx._valid_rows is None:
+            grad_input = g.grad_input.astype(ctx._dtype, copy=False)
+        else:
+            grad_input = xp.zeros((ctx._n_rows, g.grad_input.shape[1]), ctx._dtype)
+            grad_input[ctx._valid_rows] = g.grad_input.astype(ctx._dtype)
+    out = (grad_input, grad_weight, grad_bias)
+    if ctx._bridge is not None:
+        out = tuple(None if a is None else ctx._bridge.from_native(a) for a in out)
+    return out
+
+
+class JSDDistillLoss:
+    """The loss with its options held: loss_fn = JSDDistillLoss(beta=0.5, temperature=2.0);
+    loss, ctx = loss_fn(student_input, student_weight, teacher_input, teacher_weight, target)."""
+
+    def __init__(self, **options):
+        self.options = options
+        _checks.check_options(options.get("weight_hard_loss", 0.5),
+                              options.get("weight_soft_loss", 0.5), options.get("beta", 0.5),
+                              options.get("temperature", 1.0), options.get("ignore_index", -100),
+                              options.get("chunk_size"))
+
+    def __call__(self, student_input, student_weight, teacher_input, teacher_weight, target,
+                 student_bias=None, teacher_bias=None):
+        return forward(student_input, student_weight, teacher_input, teacher_weight, target,
+                       student_bias, teacher_bias, **self.options)
+
+    backward = staticmethod(backward)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"JSDDistillLoss({args})"

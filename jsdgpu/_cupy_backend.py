@@ -1,0 +1,152 @@
+"""GPU backend: cuBLAS products with float32 logits through CuPy, and the fused row kernel of
+rows.cu. Everything is queued on CuPy's current stream; nothing in the chunk loop waits for the
+GPU."""
+
+import functools
+import pathlib
+
+import cupy
+import ml_dtypes
+import numpy as np
+from cupy.cuda import driver
+from cupy_backends.cuda.libs import cublas
+
+# cudaDataType and cuBLAS constants
+_CUDA_TYPE = {np.dtype(np.float32): 0, np.dtype(np.float16): 2, np.dtype(ml_dtypes.bfloat16): 14}
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+_N, _T = 0, 1
+_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+
+_KERNEL_FORMAT = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
+                  np.dtype(ml_dtypes.bfloat16): "bf16"}
+_THREADS = {8: 1024, 16: 512}  # threads per CTA of each cluster size, as rows.cu defines them
+
+
+def _leading_dim(n):
+    """Row pitch in elements: a multiple of 32, so every row starts 128-byte aligned."""
+    return -(-n // 32) * 32
+
+
+@functools.lru_cache(maxsize=None)
+def _module(device_id):
+    source = (pathlib.Path(__file__).with_name("rows.cu")).read_text()
+    return cupy.RawModule(code=source, options=("-std=c++17",))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device_id, fmt, cluster):
+    """The row kernel, with its dynamic shared-memory limit raised to the device's opt-in maximum.
+    Returns (function, dynamic shared-memory bytes it may use)."""
+    func = _module(device_id).get_function(f"jsd_rows_{fmt}_c{cluster}")
+    optin = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
+    limit = optin - func.shared_size_bytes
+    func.max_dynamic_shared_size_bytes = limit
+    if cluster > 8:
+        driver.funcSetAttribute(func.ptr, _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    return func, limit
+
+
+def _slice(vt, cluster):
+    """Columns per CTA: a multiple of 4 (16-byte copies), cluster * slice >= vt."""
+    return -(-vt // (4 * cluster)) * 4
+
+
+def _gemm(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """C = alpha op(A) op(B) + beta C, column-major, float32 accumulation; a, b, c CuPy arrays
+    (views allowed) whose dtypes give the cuBLAS data types."""
+    alpha = np.array(alpha, np.float32)
+    beta = np.array(beta, np.float32)
+    cublas.gemmEx(cupy.cuda.device.get_cublas_handle(), transa, transb, m, n, k,
+                  alpha.ctypes.data, a.data.ptr, _CUDA_TYPE[a.dtype], lda,
+                  b.data.ptr, _CUDA_TYPE[b.dtype], ldb, beta.ctypes.data,
+                  c.data.ptr, _CUDA_TYPE[c.dtype], ldc, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+
+
+def _logits(x, w, out):
+    """out[:, :V] = x @ w.T in float32; x [c, H], w [V, H] row-major, out [c, ld]."""
+    (c, h), v = x.shape, w.shape[0]
+    # column-major: out^T [V, c] = w [H, V]^T @ x [H, c]
+    _gemm(_T, _N, v, c, h, 1.0, w, h, x, h, 0.0, out, out.shape[1])
+
+
+class CupyBackend:
+    xp = cupy
+    default_memory_budget = 2 * 2**30
+    cluster = None  # None: the smallest cluster whose shared memory holds a row pair
+
+    @staticmethod
+    def on_device(device):
+        return cupy.cuda.Device(device)
+
+    @staticmethod
+    def bytes_per_row(vs, vt, dtype, compute_grad):
+        grad = np.dtype(dtype).itemsize * _leading_dim(vs) if compute_grad else 0
+        return 4 * (_leading_dim(vs) + _leading_dim(vt)) + grad
+
+    def prepare(self, ws, wt, bs, bt, rows, compute_grad):
+        vs, vt = ws.shape[0], wt.shape[0]
+        device = cupy.cuda.Device().id
+        fmt = _KERNEL_FORMAT[ws.dtype]
+        for cluster in (self.cluster,) if self.cluster else (8, 16):
+            func, smem_limit = _kernel(device, fmt, cluster)
+            if 8 * _slice(vt, cluster) <= smem_limit:
+                break
+        else:
+            raise ValueError(f"teacher_weight's vocabulary of {vt} does not fit the shared memory "
+                             f"of a cluster of {cluster} CTAs ({cluster} x {smem_limit} bytes)")
+
+        def padded_bias(b, v):
+            if b is None:
+                return None
+            out = cupy.zeros(_leading_dim(v), np.float32)
+            out[:v] = b
+            return out
+
+        return dict(
+            ws=ws, wt=wt, bs=padded_bias(bs, vs), bt=padded_bias(bt, vt),
+            logits_s=cupy.empty((rows, _leading_dim(vs)), np.float32),
+            logits_t=cupy.empty((rows, _leading_dim(vt)), np.float32),
+            G=cupy.empty((rows, _leading_dim(vs)), ws.dtype) if compute_grad else None,
+            ones=cupy.ones(rows, ws.dtype) if bs is not None else None,
+            func=func, cluster=cluster, slice=_slice(vt, cluster))
+
+    @staticmethod
+    def chunk(work, xs, xt, target, opts, ce, jsd, compute_grad):
+        c = xs.shape[0]
+        _logits(xs, work["ws"], work["logits_s"][:c])
+        _logits(xt, work["wt"], work["logits_t"][:c])
+        G = work["G"][:c] if compute_grad else None
+        launch_rows(work, c, target, opts, ce, jsd, G)
+        return G
+
+    @staticmethod
+    def grad_products(work, G, xs, norm, grads, start, stop):
+        (c, hs), ldg = xs.shape, G.shape[1]
+        vs = work["ws"].shape[0]
+        accumulate = 0.0 if start == 0 else 1.0
+        # grad_input rows [c, Hs] = norm G @ Ws; column-major: Ws [Hs, V] @ G^T [V, c]
+        _gemm(_N, _N, hs, c, vs, norm, work["ws"], hs, G, ldg, 0.0,
+              grads.grad_input[start:stop], hs)
+        # grad_weight [V, Hs] += norm G^T @ Xs; column-major: Xs^T [Hs, c] @ G [c, V]
+        _gemm(_N, _T, hs, vs, c, norm, xs, hs, G, ldg, accumulate, grads.grad_weight, hs)
+        if grads.grad_bias is not None:
+            # grad_bias [V] += norm G^T @ ones; column-major: G^T [V, c] @ ones [c, 1]
+            _gemm(_N, _N, vs, 1, c, norm, G, ldg, work["ones"][:c], c, accumulate,
+                  grads.grad_bias, vs)
+
+
+def launch_rows(work, c, target, opts, ce, jsd, G):
+    """The row kernel over the first c rows of the chunk's logits (G None: the loss alone)."""
+    ls, lt = work["logits_s"][:c], work["logits_t"][:c]
+    cluster, slice_ = work["cluster"], work["slice"]
+    null = np.uint64(0)
+    args = (ls, np.int64(ls.shape[1]), lt, np.int64(lt.shape[1]),
+            null if work["bs"] is None else work["bs"],
+            null if work["bt"] is None else work["bt"],
+            target, np.int32(work["ws"].shape[0]), np.int32(work["wt"].shape[0]),
+            np.int32(slice_), np.float32(1.0 / opts.temperature), np.int32(opts.mode),
+            np.float32(opts.beta), np.float32(opts.weight_hard_loss),
+            np.float32(opts.weight_soft_loss / opts.temperature),
+            ce, jsd, null if G is None else G, np.int64(0 if G is None else G.shape[1]))
+    work["func"]((cluster * c,), (_THREADS[cluster],), args, shared_mem=8 * slice_)

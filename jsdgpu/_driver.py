@@ -1,0 +1,86 @@
+"""The chunk loop shared by every backend.
+
+Per chunk of valid token rows: student and teacher logits (float32), the row kernel (per-row CE
+and JSD values, and the gradient rows G), then grad_input = G @ Ws and grad_weight += G.T @ Xs.
+Ignored rows are dropped before the loop, so every matrix product shrinks with them.
+
+G is written without the 1/N of the mean: it stays O(1), which keeps float16 G clear of
+underflow, and 1/N goes into the matrix products' alpha.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# JSD variants of the row kernels (SPEC.md: beta == 0, 0 < beta < 1, beta == 1)
+FORWARD_KL, JSD, REVERSE_KL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    weight_hard_loss: float
+    weight_soft_loss: float
+    beta: float
+    temperature: float
+    ignore_index: int
+
+    @property
+    def mode(self):
+        return FORWARD_KL if self.beta == 0.0 else REVERSE_KL if self.beta == 1.0 else JSD
+
+
+@dataclass
+class Gradients:
+    """float32 sums of the gradient over the valid rows, before grad_output is applied."""
+    grad_input: object    # [Tv, Hs], the valid rows only
+    grad_weight: object   # [Vs, Hs]
+    grad_bias: object     # [Vs] or None
+
+
+def chunk_rows(n_rows, chunk_size, bytes_per_row, memory_budget):
+    """Rows per chunk: chunk_size if given, else the most that fit the budget, balanced so that
+    the chunks have near-equal sizes (the last one is not a sliver)."""
+    if chunk_size is not None:
+        return int(chunk_size)
+    most = max(1, memory_budget // bytes_per_row)
+    n_chunks = max(1, -(-n_rows // most))
+    return max(1, -(-n_rows // n_chunks))
+
+
+def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, n_valid, chunk_size,
+        memory_budget, compute_grad):
+    """Compute the per-row losses and, with compute_grad, the gradient sums.
+
+    target: the backend's int32 array of the valid rows' targets. valid_rows: a backend index
+    array of the valid rows, or None when every row is valid. Returns
+    (hard_loss, soft_loss, Gradients or None); the losses are 0-d float32 backend arrays.
+    """
+    xp = backend.xp
+    if valid_rows is not None:
+        xs, xt = xp.take(xs, valid_rows, axis=0), xp.take(xt, valid_rows, axis=0)
+    n_rows, vs, hs = xs.shape[0], ws.shape[0], xs.shape[1]
+    norm = 1.0 / max(1, n_valid)
+
+    ce = xp.zeros(n_rows, dtype=np.float32)
+    jsd = xp.zeros(n_rows, dtype=np.float32)
+    grads = None
+    if compute_grad:
+        # the first chunk writes the sums, the others add to them; with no chunk, they are zero
+        new = xp.empty if n_rows else xp.zeros
+        grads = Gradients(new((n_rows, hs), np.float32), new((vs, hs), np.float32),
+                          None if bs is None else new(vs, np.float32))
+    if n_rows:
+        rows = chunk_rows(n_rows, chunk_size,
+                          backend.bytes_per_row(vs, wt.shape[0], ws.dtype, compute_grad),
+                          memory_budget)
+        work = backend.prepare(ws, wt, bs, bt, min(rows, n_rows), compute_grad)
+        for start in range(0, n_rows, rows):
+            stop = min(start + rows, n_rows)
+            G = backend.chunk(work, xs[start:stop], xt[start:stop], target[start:stop], opts,
+                              ce[start:stop], jsd[start:stop], compute_grad)
+            if compute_grad:
+                backend.grad_products(work, G, xs[start:stop], norm, grads, start, stop)
+    # fixed-order sums: two runs on the same inputs give the same bits
+    hard = xp.asarray(ce.sum(dtype=np.float64) * norm, dtype=np.float32)
+    soft = xp.asarray(jsd.sum(dtype=np.float64) * norm, dtype=np.float32)
+    return hard, soft, grads

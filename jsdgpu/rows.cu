@@ -1,0 +1,358 @@
+// The fused row kernel of jsdgpu; _cupy_backend.py compiles it with NVRTC.
+//
+// One thread-block cluster of CLUSTER CTAs per token row. Each CTA copies its slice of the row's
+// float32 student and teacher logits into shared memory once (cp.async), then makes its passes
+// over shared memory: (1) biases and the row statistics, (2) the JSD sums, (3) the gradient row.
+// The CTAs of a cluster combine their partial statistics through distributed shared memory,
+// every CTA in the same rank order, so all of them hold the same bits. Each logit crosses HBM
+// once: 8 bytes in, 2 (or 4) bytes of gradient out.
+//
+// The kernel includes no header, so NVRTC compiles it anywhere (CI compiles it with no GPU).
+
+#define NEG_INF __int_as_float(0xff800000)
+#define FLT_MIN_NORMAL 1.17549435e-38f
+
+#define FORWARD_KL 0  // beta == 0: KL(q || p)
+#define JSD 1         // 0 < beta < 1
+#define REVERSE_KL 2  // beta == 1: KL(p || q)
+
+#define OUT_F32 0
+#define OUT_F16 1
+#define OUT_BF16 2
+
+// ---- cluster, shared-memory and conversion primitives (PTX, sm_90) ----
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned long long s;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(p));
+  return (unsigned)s;
+}
+
+__device__ __forceinline__ unsigned cluster_ctarank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  cluster_arrive();
+  cluster_wait();
+}
+
+// A float in the shared memory of CTA `rank` of this cluster, at the address of `p` in ours.
+__device__ __forceinline__ float ld_dsmem(const float* p, unsigned rank) {
+  unsigned remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void cp_async16(float* dst, const float* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+template <int OUT>
+__device__ __forceinline__ unsigned short to_16bit(float x) {
+  unsigned short r;
+  if (OUT == OUT_BF16)
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+
+// Four consecutive gradient values to G[0..n), n <= 4; G is 16-byte (f32) / 8-byte aligned.
+template <int OUT>
+__device__ __forceinline__ void store4(void* G, const float g[4], int n) {
+  if (OUT == OUT_F32) {
+    float* out = static_cast<float*>(G);
+    if (n == 4) {
+      *reinterpret_cast<float4*>(out) = make_float4(g[0], g[1], g[2], g[3]);
+    } else {
+      for (int k = 0; k < n; ++k) out[k] = g[k];
+    }
+  } else {
+    unsigned short* out = static_cast<unsigned short*>(G);
+    if (n == 4) {
+      uint2 packed;
+      packed.x = to_16bit<OUT>(g[0]) | ((unsigned)to_16bit<OUT>(g[1]) << 16);
+      packed.y = to_16bit<OUT>(g[2]) | ((unsigned)to_16bit<OUT>(g[3]) << 16);
+      *reinterpret_cast<uint2*>(out) = packed;
+    } else {
+      for (int k = 0; k < n; ++k) out[k] = to_16bit<OUT>(g[k]);
+    }
+  }
+}
+
+// ---- running logsumexp ----
+
+struct Lse {
+  float m, s;  // running max, and sum of exp(x - m)
+};
+
+__device__ __forceinline__ Lse lse_push(Lse a, float x) {
+  if (x > a.m) {
+    a.s = a.s * __expf(a.m - x) + 1.0f;
+    a.m = x;
+  } else {
+    a.s += __expf(x - a.m);
+  }
+  return a;
+}
+
+__device__ __forceinline__ Lse lse_merge(Lse a, Lse b) {
+  if (b.m == NEG_INF) return a;  // b holds no element
+  if (a.m == NEG_INF) return b;
+  const float m = fmaxf(a.m, b.m);
+  Lse r = {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m)};
+  return r;
+}
+
+__device__ __forceinline__ Lse lse_shfl(Lse a, int lane_mask) {
+  Lse r = {__shfl_xor_sync(0xffffffffu, a.m, lane_mask), __shfl_xor_sync(0xffffffffu, a.s, lane_mask)};
+  return r;
+}
+
+// Row statistics: logsumexp of s (temperature 1), of z = s / temperature, of t / temperature,
+// and the target's logit (held by one thread; the others hold 0, so a sum finds it).
+struct Stats {
+  Lse s, z, t;
+  float target_logit;
+};
+#define STATS_FLOATS 7
+
+__device__ __forceinline__ Stats stats_merge(Stats a, Stats b) {
+  Stats r = {lse_merge(a.s, b.s), lse_merge(a.z, b.z), lse_merge(a.t, b.t), a.target_logit + b.target_logit};
+  return r;
+}
+
+__device__ __forceinline__ void stats_store(float* dst, Stats a) {
+  dst[0] = a.s.m; dst[1] = a.s.s; dst[2] = a.z.m; dst[3] = a.z.s; dst[4] = a.t.m; dst[5] = a.t.s;
+  dst[6] = a.target_logit;
+}
+
+__device__ __forceinline__ Stats stats_load_remote(const float* src, unsigned rank) {
+  Stats a;
+  a.s.m = ld_dsmem(src + 0, rank); a.s.s = ld_dsmem(src + 1, rank);
+  a.z.m = ld_dsmem(src + 2, rank); a.z.s = ld_dsmem(src + 3, rank);
+  a.t.m = ld_dsmem(src + 4, rank); a.t.s = ld_dsmem(src + 5, rank);
+  a.target_logit = ld_dsmem(src + 6, rank);
+  return a;
+}
+
+// ---- the kernel ----
+//
+// S [rows, lds], Tl [rows, ldt]: float32 logits without bias (lds, ldt multiples of 4).
+// bias_s, bias_t: float32 biases padded with zeros to a multiple of 4, or null.
+// G [rows, ldg] in OUT's format, or null for the loss alone: the gradient with respect to the
+// student logits, without the 1/N of the mean. slice: columns per CTA, a multiple of 4, with
+// CLUSTER * slice >= vt. Dynamic shared memory: 2 * slice floats.
+template <int OUT, int CLUSTER, int THREADS>
+__device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long lds, const float* __restrict__ Tl,
+                                         long long ldt, const float* __restrict__ bias_s,
+                                         const float* __restrict__ bias_t, const int* __restrict__ target, int vs,
+                                         int vt, int slice, float inv_temp, int mode, float beta, float w_hard,
+                                         float w_soft_t, float* __restrict__ ce_out, float* __restrict__ jsd_out,
+                                         void* __restrict__ G, long long ldg) {
+  constexpr int WARPS = THREADS / 32;
+  extern __shared__ float4 dynamic_smem[];
+  float* sb = reinterpret_cast<float*>(dynamic_smem);  // student logits of this CTA's slice
+  float* tb = sb + slice;                               // teacher logits, later the gradient's h
+  __shared__ float part_stats[STATS_FLOATS];            // this CTA's partials, read by the cluster
+  __shared__ float part_sums[2];
+  __shared__ float row_values[6];                       // the cluster's totals, for every thread
+  __shared__ Stats warp_stats[WARPS];
+  __shared__ float2 warp_sums[WARPS];
+
+  const unsigned rank = cluster_ctarank();
+  const long long row = blockIdx.x / CLUSTER;
+  const int lo = rank * slice;
+  const int n = max(0, min(slice, vt - lo));  // this CTA's columns: lo + [0, n)
+  const int ns = max(0, min(n, vs - lo));     // of which student columns: lo + [0, ns)
+  const float* srow = S + row * lds + lo;
+  const float* trow = Tl + row * ldt + lo;
+  const int y = target[row];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool tempered = inv_temp != 1.0f;
+
+  // 0. this CTA's slice of both rows into shared memory, 16 bytes per copy
+  for (int i = 4 * threadIdx.x; i < n; i += 4 * THREADS) {
+    if (i + 4 <= n) {
+      cp_async16(tb + i, trow + i);
+    } else {
+      for (int k = 0; i + k < n; ++k) tb[i + k] = trow[i + k];
+    }
+    if (i + 4 <= ns) {
+      cp_async16(sb + i, srow + i);
+    } else {
+      for (int k = 0; k < 4 && i + k < n; ++k) sb[i + k] = i + k < ns ? srow[i + k] : 0.0f;
+    }
+  }
+  cp_async_wait_all();
+  __syncthreads();
+
+  // 1. biases, and the row statistics
+  Stats st = {{NEG_INF, 0.0f}, {NEG_INF, 0.0f}, {NEG_INF, 0.0f}, 0.0f};
+  for (int i = threadIdx.x; i < n; i += THREADS) {
+    const int j = lo + i;
+    float t = tb[i];
+    if (bias_t) {
+      t += bias_t[j];
+      tb[i] = t;
+    }
+    st.t = lse_push(st.t, t * inv_temp);
+    if (i < ns) {
+      float s = sb[i];
+      if (bias_s) {
+        s += bias_s[j];
+        sb[i] = s;
+      }
+      st.s = lse_push(st.s, s);
+      if (tempered) st.z = lse_push(st.z, s * inv_temp);
+      if (j == y) st.target_logit = s;
+    }
+  }
+  for (int mask = 16; mask > 0; mask >>= 1) {
+    Stats o = {lse_shfl(st.s, mask), lse_shfl(st.z, mask), lse_shfl(st.t, mask),
+               __shfl_xor_sync(0xffffffffu, st.target_logit, mask)};
+    st = stats_merge(st, o);
+  }
+  if (lane == 0) warp_stats[warp] = st;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Stats r = warp_stats[0];
+    for (int w = 1; w < WARPS; ++w) r = stats_merge(r, warp_stats[w]);
+    stats_store(part_stats, r);
+  }
+  cluster_sync();
+  if (threadIdx.x == 0) {
+    Stats r = stats_load_remote(part_stats, 0);
+    for (unsigned c = 1; c < CLUSTER; ++c) r = stats_merge(r, stats_load_remote(part_stats, c));
+    if (!tempered) r.z = r.s;
+    if (vt > vs) {  // the pad columns: z = 0, vt - vs of them
+      Lse pad = {0.0f, (float)(vt - vs)};
+      r.z = lse_merge(r.z, pad);
+    }
+    row_values[0] = r.s.m + logf(r.s.s);
+    row_values[1] = r.z.m + logf(r.z.s);
+    row_values[2] = r.t.m + logf(r.t.s);
+    row_values[3] = r.target_logit;
+  }
+  __syncthreads();
+  const float lse_s = row_values[0], lse_z = row_values[1], lse_t = row_values[2];
+
+  // 2. a = sum p (log p - log m), b = sum q (log q - log m), with m the mixture (JSD), p (forward
+  //    KL) or q (reverse KL); tb[i] becomes h, what the gradient needs of the teacher.
+  float a = 0.0f, b = 0.0f;
+  for (int i = threadIdx.x; i < n; i += THREADS) {
+    const float lp = (i < ns ? sb[i] * inv_temp : 0.0f) - lse_z;
+    const float lq = tb[i] * inv_temp - lse_t;
+    const float p = __expf(lp), q = __expf(lq);
+    float lm, h;
+    if (mode == FORWARD_KL) {
+      lm = lp;
+      h = q;
+    } else if (mode == JSD) {
+      // clamped to the smallest normal float so the log stays finite; the terms it touches are
+      // below 1e-36
+      lm = __logf(fmaxf((1.0f - beta) * p + beta * q, FLT_MIN_NORMAL));
+      h = lp - lm;
+    } else {
+      lm = lq;
+      h = lp - lq;
+    }
+    if (p > 0.0f) a += p * (lp - lm);
+    if (q > 0.0f) b += q * (lq - lm);
+    tb[i] = h;
+  }
+  for (int mask = 16; mask > 0; mask >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, mask);
+    b += __shfl_xor_sync(0xffffffffu, b, mask);
+  }
+  if (lane == 0) warp_sums[warp] = make_float2(a, b);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float2 r = warp_sums[0];
+    for (int w = 1; w < WARPS; ++w) {
+      r.x += warp_sums[w].x;
+      r.y += warp_sums[w].y;
+    }
+    part_sums[0] = r.x;
+    part_sums[1] = r.y;
+  }
+  cluster_sync();
+  if (threadIdx.x == 0) {
+    float ta = 0.0f, tb_sum = 0.0f;
+    for (unsigned c = 0; c < CLUSTER; ++c) {
+      ta += ld_dsmem(part_sums + 0, c);
+      tb_sum += ld_dsmem(part_sums + 1, c);
+    }
+    row_values[4] = ta;
+    if (rank == 0) {
+      ce_out[row] = lse_s - row_values[3];
+      jsd_out[row] = mode == FORWARD_KL ? tb_sum : mode == JSD ? beta * tb_sum + (1.0f - beta) * ta : ta;
+    }
+  }
+  // No CTA may exit while another may still read its shared memory: arrive now, wait at the end.
+  cluster_arrive();
+  __syncthreads();
+
+  // 3. the gradient row: w_hard (softmax(s) - onehot) + (w_soft / temperature) dz
+  if (G != nullptr) {
+    const float kl = row_values[4];
+    const bool softmax_is_p = !tempered && vt == vs;
+    const float c_jsd = mode == JSD ? 1.0f - beta : 1.0f;
+    const long long g0 = row * ldg + lo;
+    for (int i = 4 * threadIdx.x; i < ns; i += 4 * THREADS) {
+      const float4 s4 = *reinterpret_cast<const float4*>(sb + i);
+      const float4 h4 = *reinterpret_cast<const float4*>(tb + i);
+      const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, hv[4] = {h4.x, h4.y, h4.z, h4.w};
+      float g[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float p = __expf(sv[k] * inv_temp - lse_z);
+        const float softmax = softmax_is_p ? p : __expf(sv[k] - lse_s);
+        const float dz = mode == FORWARD_KL ? p - hv[k] : c_jsd * p * (hv[k] - kl);
+        g[k] = w_hard * (softmax - (lo + i + k == y ? 1.0f : 0.0f)) + w_soft_t * dz;
+      }
+      const int count = min(4, ns - i);
+      if (OUT == OUT_F32)
+        store4<OUT>(static_cast<float*>(G) + g0 + i, g, count);
+      else
+        store4<OUT>(static_cast<unsigned short*>(G) + g0 + i, g, count);
+    }
+  }
+  cluster_wait();
+}
+
+#define JSD_ROWS_ARGS                                                                                   \
+  const float *S, long long lds, const float *Tl, long long ldt, const float *bias_s, const float *bias_t, \
+      const int *target, int vs, int vt, int slice, float inv_temp, int mode, float beta, float w_hard,   \
+      float w_soft_t, float *ce_out, float *jsd_out, void *G, long long ldg
+#define JSD_ROWS_CALL \
+  S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, slice, inv_temp, mode, beta, w_hard, w_soft_t, ce_out, jsd_out, G, ldg
+
+#define DEFINE_JSD_ROWS(NAME, OUT, CLUSTER, THREADS)                                   \
+  extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS) \
+      NAME(JSD_ROWS_ARGS) {                                                              \
+    jsd_rows<OUT, CLUSTER, THREADS>(JSD_ROWS_CALL);                                      \
+  }
+
+// name: jsd_rows_<gradient format>_c<cluster size>
+DEFINE_JSD_ROWS(jsd_rows_f32_c8, OUT_F32, 8, 1024)
+DEFINE_JSD_ROWS(jsd_rows_f16_c8, OUT_F16, 8, 1024)
+DEFINE_JSD_ROWS(jsd_rows_bf16_c8, OUT_BF16, 8, 1024)
+DEFINE_JSD_ROWS(jsd_rows_f32_c16, OUT_F32, 16, 512)
+DEFINE_JSD_ROWS(jsd_rows_f16_c16, OUT_F16, 16, 512)
+DEFINE_JSD_ROWS(jsd_rows_bf16_c16, OUT_BF16, 16, 512)

@@ -1,0 +1,92 @@
+"""The GPU backend at real sizes: the benchmark shape's accuracy, a chunk of more than 2^31
+logits, both cluster sizes of the row kernel, and a non-default stream."""
+
+import numpy as np
+import pytest
+
+import jsdgpu
+from conftest import BF16, make_case, rel_err
+
+pytestmark = pytest.mark.gpu
+
+V, HS, HT = 128256, 2048, 4096
+
+
+def gpu_case(rng, **kw):
+    import cupy
+    case = make_case(rng, **kw)
+    return {k: None if v is None else cupy.asarray(v) for k, v in case.items()}
+
+
+def test_benchmark_shape_gradients_near_bf16_rounding(rng):
+    """T = 1024, bf16, logits of std 8: the gradient error against float64 on the same inputs
+    is at most twice the error of merely rounding the float64 gradient to bf16."""
+    case = gpu_case(rng, T=1024, hs=HS, ht=HT, vs=V, dtype=BF16, logit_std=8.0, ignored=0.2)
+    loss, ctx = jsdgpu.forward(**case)
+    gi, gw, _ = jsdgpu.backward(ctx)
+    ref = jsdgpu.reference(**case)
+    assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0]
+    for name, got, want in (("grad_input", gi, ref[3]), ("grad_weight", gw, ref[4])):
+        err = float(rel_err_gpu(got, want))
+        floor = float(rel_err_gpu(want.astype(BF16), want))
+        print(f"{name}: error {err:.3e}, bf16 rounding floor {floor:.3e}, ratio {err / floor:.2f}")
+        assert err <= 2.0 * floor, (name, err, floor)
+
+
+def rel_err_gpu(a, ref):
+    import cupy
+    d = a.astype(cupy.float64) - ref
+    return cupy.linalg.norm(d) / cupy.linalg.norm(ref)
+
+
+@pytest.mark.slow
+def test_chunk_of_more_than_2_31_logits(rng):
+    """T = chunk_size = 17000 at V = 128256: 2.18e9 logits in one chunk. The last rows (past
+    2^31 / V = 16744) must be as right as the first; the loss equals that of small chunks."""
+    import cupy
+    T = 17000
+    assert T * V > 2**31
+    case = gpu_case(rng, T=T, hs=64, ht=64, vs=V, dtype=BF16, logit_std=4.0, bias=True)
+    loss, ctx = jsdgpu.forward(**case, chunk_size=T, beta=0.3)
+    gi, _, _ = jsdgpu.backward(ctx)
+    del ctx
+    loss_small, _ = jsdgpu.forward(**case, chunk_size=4000, beta=0.3, compute_grad=False)
+    assert abs(float(loss) - float(loss_small)) <= 1e-5 * float(loss)
+    rows = cupy.asarray([0, 1, 16743, 16744, 16745, T - 2, T - 1])
+    sub = dict(case, student_input=case["student_input"][rows],
+               teacher_input=case["teacher_input"][rows], target=case["target"][rows])
+    ref = jsdgpu.reference(**sub, beta=0.3)
+    # reference rows are divided by the subset's size, ours by T
+    assert rel_err(gi[rows].astype(cupy.float32) * (T / len(rows)), ref[3].get()) <= 2**-8
+
+
+def test_cluster_sizes_agree(rng, monkeypatch):
+    """The 8-CTA and 16-CTA clusters give the reference's answer at the benchmark vocabulary."""
+    from jsdgpu._cupy_backend import CupyBackend
+    case = gpu_case(rng, T=33, hs=64, ht=96, vs=V, vt=V + 77, dtype=np.float32, bias=True,
+                    logit_std=8.0, ignored=0.3)
+    ref = jsdgpu.reference(**case, beta=0.3, temperature=2.0)
+    for cluster in (8, 16):
+        monkeypatch.setattr(CupyBackend, "cluster", cluster)
+        loss, ctx = jsdgpu.forward(**case, beta=0.3, temperature=2.0)
+        gi, gw, gb = jsdgpu.backward(ctx)
+        assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0], cluster
+        for got, want in zip((gi, gw, gb), ref[3:]):
+            assert rel_err(got.get(), want.get()) <= 1e-4, cluster
+
+
+def test_runs_on_the_current_stream(rng):
+    """Work queued on a non-default stream gives the right answer."""
+    import cupy
+    case = make_case(rng, T=40, bias=True)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        arrays = {k: None if v is None else cupy.asarray(v) for k, v in case.items()}
+        loss, ctx = jsdgpu.forward(**arrays, chunk_size=7)
+        gi, gw, gb = jsdgpu.backward(ctx)
+        host = [a.get(stream=stream) for a in (loss, gi, gw, gb)]
+    stream.synchronize()
+    ref = jsdgpu.reference(**case)
+    assert abs(float(host[0]) - ref[0]) <= 1e-5 * ref[0]
+    for got, want in zip(host[1:], ref[3:]):
+        assert rel_err(got, want) <= 1e-4
