@@ -183,25 +183,39 @@ def impl_torch(sets, mode):
     return fn
 
 
-# ---- the row kernel alone ----
+# ---- one chunk, stage by stage ----
 
-def row_kernel_alone(T, rng, copy_bytes_per_s):
-    """Time the row kernel on one chunk of T rows and report its bandwidth: it must read the
-    float32 student and teacher logits once and write the bf16 gradient rows once."""
-    from jsdgpu._cupy_backend import CupyBackend, _logits, launch_rows
-    from jsdgpu._driver import LossOptions
+def stage_breakdown(T, rng, copy_bytes_per_s):
+    """Time each stage of one all-valid chunk of T rows, and the row kernel at both cluster
+    sizes with its bandwidth: it must read the float32 student and teacher logits once and
+    write the bf16 gradient rows once (10 bytes per logit)."""
+    from jsdgpu._cupy_backend import CupyBackend, _kernel, _logits, _slice, launch_rows
+    from jsdgpu._driver import Gradients, LossOptions
     xs, ws, xt, wt, target = make_sets(T, 1, rng)[0]
     be = CupyBackend()
     work = be.prepare(ws, wt, None, None, T, True)
-    _logits(xs, ws, work["logits_s"])
-    _logits(xt, wt, work["logits_t"])
     opts = LossOptions(0.5, 0.5, 0.5, 1.0, -100)
     ce, jsd = cupy.empty(T, np.float32), cupy.empty(T, np.float32)
     tgt = target.astype(np.int32)
-    # the logits stay as written: time the kernel alone, not chunk() with its products
-    ms = time_ms(lambda i: launch_rows(work, T, tgt, opts, ce, jsd, work["G"][:T]), 1, 3, 20)
-    moved = T * V * (4 + 4 + 2)
-    return ms, moved / (ms * 1e-3), moved / (ms * 1e-3) / copy_bytes_per_s
+    G = work["G"][:T]
+    grads = Gradients(cupy.empty((T, HS), np.float32), cupy.empty((V, HS), np.float32), None)
+    _logits(xs, ws, work["logits_s"][:T])
+    _logits(xt, wt, work["logits_t"][:T])
+    stages = {"student logits": lambda i: _logits(xs, ws, work["logits_s"][:T]),
+              "teacher logits": lambda i: _logits(xt, wt, work["logits_t"][:T])}
+    row_kernel = []
+    for cluster in (8, 16):
+        w = dict(work, func=_kernel(cupy.cuda.Device().id, "bf16", cluster)[0], cluster=cluster,
+                 slice=_slice(V, cluster))
+        ms = time_ms(lambda i: launch_rows(w, T, tgt, opts, ce, jsd, G), 1, 3, 20)
+        stages[f"row kernel, cluster {cluster}"] = lambda i, w=w: launch_rows(w, T, tgt, opts, ce, jsd, G)
+        moved = T * V * (4 + 4 + 2)
+        row_kernel.append(dict(cluster=cluster, T=T, ms=round(ms, 4), bytes_per_s=moved / (ms * 1e-3),
+                               fraction_of_copy=moved / (ms * 1e-3) / copy_bytes_per_s))
+    stages["grad products (G @ Ws, G.T @ Xs)"] = lambda i: be.grad_products(work, G, xs, 1.0 / T, grads, 0, T)
+    stages["backward: grad_weight to bf16"] = lambda i: be.scale_cast(grads.grad_weight, None, BF16)
+    times = {name: round(time_ms(fn, 1, 3, 20), 4) for name, fn in stages.items()}
+    return times, row_kernel
 
 
 # ---- the run ----
@@ -280,14 +294,13 @@ def main(argv=None):
         records.append(dict(impl=impl, T=T, mode=mode, valid_fraction=valid, ms=round(ms, 4),
                             peak_mib=round(mib, 1)))
 
-    rows = {}
-    for T in a.tokens:
-        ms, gbps, frac = row_kernel_alone(min(T, 2048), rng, bw)
-        rows[T] = dict(T=min(T, 2048), ms=round(ms, 4), bytes_per_s=gbps, fraction_of_copy=frac)
+    cache.clear()
+    cupy.get_default_memory_pool().free_all_blocks()
+    stages, row_kernel = stage_breakdown(1024, rng, bw)
 
     result = dict(device=name, copy_bytes_per_s=bw, V=V, Hs=HS, Ht=HT, dtype="bfloat16",
                   date=time.strftime("%Y-%m-%d"), command="python bench/bench.py " + " ".join(argv or sys.argv[1:]),
-                  records=records, row_kernel=list(rows.values()))
+                  records=records, stages_T1024=stages, row_kernel=row_kernel)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     table = markdown_table(result)
@@ -308,11 +321,13 @@ def markdown_table(result):
         ratio = f"{r['ms'] / f:.3f}" if f else ""
         lines.append(f"| {r['impl']} | {r['T']} | {r['mode']} | {r['valid_fraction']:.0%} | "
                      f"{r['ms']:.2f} | {ratio} | {r['peak_mib']:.0f} |")
+    lines += ["", "One chunk of T = 1024 rows, stage by stage:", "", "| stage | ms |", "| --- | --- |"]
+    lines += [f"| {name} | {ms:.3f} |" for name, ms in result["stages_T1024"].items()]
     lines += ["", f"Copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s. Row kernel alone "
               "(reads 8 B, writes 2 B per logit):", "",
-              "| rows | ms | TB/s | of copy bandwidth |", "| --- | --- | --- | --- |"]
+              "| cluster | rows | ms | TB/s | of copy bandwidth |", "| --- | --- | --- | --- | --- |"]
     for r in result["row_kernel"]:
-        lines.append(f"| {r['T']} | {r['ms']:.3f} | {r['bytes_per_s'] / 1e12:.2f} | "
+        lines.append(f"| {r['cluster']} | {r['T']} | {r['ms']:.3f} | {r['bytes_per_s'] / 1e12:.2f} | "
                      f"{r['fraction_of_copy']:.0%} |")
     return "\n".join(lines) + "\n"
 

@@ -113,22 +113,23 @@ def backward(ctx, grad_output=1.0):
     g, ctx._grads = ctx._grads, None  # the float32 sums are freed with the ctx's last use
     xp = ctx._backend.xp
     with ctx._backend.on_device(ctx._device):
-        if ctx._bridge is not None and not isinstance(grad_output, (int, float)):
-            grad_output = ctx._bridge.to_native(grad_output)
-        scale = xp.asarray(grad_output, dtype=np.float32)
-        if scale.ndim != 0:
-            raise ValueError(f"grad_output must be a scalar, got shape {tuple(scale.shape)}")
-        for a in (g.grad_input, g.grad_weight, g.grad_bias):
-            if a is not None:
-                a *= scale
-        weight_dtype = np.float32 if ctx._grad_weight_float32 else ctx._dtype
-        grad_weight = g.grad_weight.astype(weight_dtype, copy=False)
-        grad_bias = None if g.grad_bias is None else g.grad_bias.astype(weight_dtype, copy=False)
-        if ctx._valid_rows is None:
-            grad_input = g.grad_input.astype(ctx._dtype, copy=False)
+        if isinstance(grad_output, (int, float)) and grad_output == 1:
+            scale = None  # the common case: a cast, no product
         else:
-            grad_input = xp.zeros((ctx._n_rows, g.grad_input.shape[1]), ctx._dtype)
-            grad_input[ctx._valid_rows] = g.grad_input.astype(ctx._dtype)
+            if ctx._bridge is not None and not isinstance(grad_output, (int, float)):
+                grad_output = ctx._bridge.to_native(grad_output)
+            scale = xp.asarray(grad_output, dtype=np.float32)
+            if scale.ndim != 0:
+                raise ValueError(f"grad_output must be a scalar, got shape {tuple(scale.shape)}")
+        cast = ctx._backend.scale_cast
+        weight_dtype = np.float32 if ctx._grad_weight_float32 else ctx._dtype
+        grad_weight = cast(g.grad_weight, scale, weight_dtype)
+        grad_bias = None if g.grad_bias is None else cast(g.grad_bias, scale, weight_dtype)
+        grad_input = cast(g.grad_input, scale, ctx._dtype)
+        if ctx._valid_rows is not None:
+            valid_rows_grad, grad_input = grad_input, xp.zeros((ctx._n_rows, grad_input.shape[1]),
+                                                               ctx._dtype)
+            grad_input[ctx._valid_rows] = valid_rows_grad
     out = (grad_input, grad_weight, grad_bias)
     if ctx._bridge is not None:
         out = tuple(None if a is None else ctx._bridge.from_native(a) for a in out)

@@ -47,6 +47,11 @@ def _kernel(device_id, fmt, cluster):
     return func, limit
 
 
+@functools.lru_cache(maxsize=None)
+def _scale_cast_kernel():
+    return cupy.ElementwiseKernel("float32 x, float32 s", "Y y", "y = (Y)(x * s)", "jsdgpu_scale_cast")
+
+
 def _slice(vt, cluster):
     """Columns per CTA: a multiple of 4 (16-byte copies), cluster * slice >= vt."""
     return -(-vt // (4 * cluster)) * 4
@@ -78,6 +83,17 @@ class CupyBackend:
     @staticmethod
     def on_device(device):
         return cupy.cuda.Device(device)
+
+    @staticmethod
+    def scale_cast(a, scale, dtype):
+        """a * scale (a float32 array of ours, scale None for 1) as dtype, in one pass."""
+        if scale is None or np.dtype(dtype) == np.float32:
+            if scale is not None:
+                a *= scale
+            return a.astype(dtype, copy=False)
+        out = cupy.empty(a.shape, dtype)
+        _scale_cast_kernel()(a, scale, out)
+        return out
 
     @staticmethod
     def bytes_per_row(vs, vt, dtype, compute_grad):

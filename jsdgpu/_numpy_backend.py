@@ -98,6 +98,13 @@ class NumpyBackend:
         return contextlib.nullcontext()
 
     @staticmethod
+    def scale_cast(a, scale, dtype):
+        """a * scale (a float32 array of ours, scale None for 1) as dtype."""
+        if scale is not None:
+            a *= scale
+        return a.astype(dtype, copy=False)
+
+    @staticmethod
     def bytes_per_row(vs, vt, dtype, compute_grad):
         return 4 * (vs + vt) + (4 * vs if compute_grad else 0)
 

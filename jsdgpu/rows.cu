@@ -47,12 +47,15 @@ __device__ __forceinline__ void cluster_sync() {
   cluster_wait();
 }
 
-// A float in the shared memory of CTA `rank` of this cluster, at the address of `p` in ours.
-__device__ __forceinline__ float ld_dsmem(const float* p, unsigned rank) {
+// The float4 in the shared memory of CTA `rank` of this cluster, at the address of `p` in ours.
+__device__ __forceinline__ float4 ld_dsmem(const float4* p, unsigned rank) {
   unsigned remote;
-  float v;
+  float4 v;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
   return v;
 }
 
@@ -112,8 +115,10 @@ __device__ __forceinline__ Lse lse_push(Lse a, float x) {
 }
 
 __device__ __forceinline__ Lse lse_merge(Lse a, Lse b) {
-  if (b.m == NEG_INF) return a;  // b holds no element
-  if (a.m == NEG_INF) return b;
+  // s == 0 only when no element was pushed; a NaN element leaves m at -inf but s NaN, and
+  // must not be dropped as empty
+  if (b.s == 0.0f) return a;
+  if (a.s == 0.0f) return b;
   const float m = fmaxf(a.m, b.m);
   Lse r = {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m)};
   return r;
@@ -130,24 +135,45 @@ struct Stats {
   Lse s, z, t;
   float target_logit;
 };
-#define STATS_FLOATS 7
+
+__device__ __forceinline__ Stats stats_empty() {
+  Stats r = {{NEG_INF, 0.0f}, {NEG_INF, 0.0f}, {NEG_INF, 0.0f}, 0.0f};
+  return r;
+}
 
 __device__ __forceinline__ Stats stats_merge(Stats a, Stats b) {
   Stats r = {lse_merge(a.s, b.s), lse_merge(a.z, b.z), lse_merge(a.t, b.t), a.target_logit + b.target_logit};
   return r;
 }
 
-__device__ __forceinline__ void stats_store(float* dst, Stats a) {
-  dst[0] = a.s.m; dst[1] = a.s.s; dst[2] = a.z.m; dst[3] = a.z.s; dst[4] = a.t.m; dst[5] = a.t.s;
-  dst[6] = a.target_logit;
+// Merged over the 32 lanes of a warp by an xor tree: lane 0's result depends only on the
+// inputs, not on timing, so every CTA of a cluster gets the same bits from the same inputs.
+__device__ __forceinline__ Stats stats_warp_merge(Stats st) {
+  for (int mask = 16; mask > 0; mask >>= 1) {
+    Stats o = {lse_shfl(st.s, mask), lse_shfl(st.z, mask), lse_shfl(st.t, mask),
+               __shfl_xor_sync(0xffffffffu, st.target_logit, mask)};
+    st = stats_merge(st, o);
+  }
+  return st;
 }
 
-__device__ __forceinline__ Stats stats_load_remote(const float* src, unsigned rank) {
-  Stats a;
-  a.s.m = ld_dsmem(src + 0, rank); a.s.s = ld_dsmem(src + 1, rank);
-  a.z.m = ld_dsmem(src + 2, rank); a.z.s = ld_dsmem(src + 3, rank);
-  a.t.m = ld_dsmem(src + 4, rank); a.t.s = ld_dsmem(src + 5, rank);
-  a.target_logit = ld_dsmem(src + 6, rank);
+__device__ __forceinline__ float2 sums_warp_merge(float2 v) {
+  for (int mask = 16; mask > 0; mask >>= 1) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, mask);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, mask);
+  }
+  return v;
+}
+
+// Stats as two float4s, for 16-byte distributed shared-memory loads
+__device__ __forceinline__ void stats_store(float4* dst, Stats a) {
+  dst[0] = make_float4(a.s.m, a.s.s, a.z.m, a.z.s);
+  dst[1] = make_float4(a.t.m, a.t.s, a.target_logit, 0.0f);
+}
+
+__device__ __forceinline__ Stats stats_load_remote(const float4* src, unsigned rank) {
+  const float4 u = ld_dsmem(src, rank), v = ld_dsmem(src + 1, rank);
+  Stats a = {{u.x, u.y}, {u.z, u.w}, {v.x, v.y}, v.z};
   return a;
 }
 
@@ -169,8 +195,8 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
   extern __shared__ float4 dynamic_smem[];
   float* sb = reinterpret_cast<float*>(dynamic_smem);  // student logits of this CTA's slice
   float* tb = sb + slice;                               // teacher logits, later the gradient's h
-  __shared__ float part_stats[STATS_FLOATS];            // this CTA's partials, read by the cluster
-  __shared__ float part_sums[2];
+  __shared__ float4 part_stats[2];                      // this CTA's partials, read by the cluster
+  __shared__ float4 part_sums;
   __shared__ float row_values[6];                       // the cluster's totals, for every thread
   __shared__ Stats warp_stats[WARPS];
   __shared__ float2 warp_sums[WARPS];
@@ -203,7 +229,7 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
   __syncthreads();
 
   // 1. biases, and the row statistics
-  Stats st = {{NEG_INF, 0.0f}, {NEG_INF, 0.0f}, {NEG_INF, 0.0f}, 0.0f};
+  Stats st = stats_empty();
   for (int i = threadIdx.x; i < n; i += THREADS) {
     const int j = lo + i;
     float t = tb[i];
@@ -223,31 +249,28 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
       if (j == y) st.target_logit = s;
     }
   }
-  for (int mask = 16; mask > 0; mask >>= 1) {
-    Stats o = {lse_shfl(st.s, mask), lse_shfl(st.z, mask), lse_shfl(st.t, mask),
-               __shfl_xor_sync(0xffffffffu, st.target_logit, mask)};
-    st = stats_merge(st, o);
-  }
+  // warps, then warp 0 over the warps, then warp 0 over the cluster's CTAs (lane r reads rank r)
+  st = stats_warp_merge(st);
   if (lane == 0) warp_stats[warp] = st;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    Stats r = warp_stats[0];
-    for (int w = 1; w < WARPS; ++w) r = stats_merge(r, warp_stats[w]);
-    stats_store(part_stats, r);
+  if (warp == 0) {
+    const Stats r = stats_warp_merge(lane < WARPS ? warp_stats[lane] : stats_empty());
+    if (lane == 0) stats_store(part_stats, r);
   }
   cluster_sync();
-  if (threadIdx.x == 0) {
-    Stats r = stats_load_remote(part_stats, 0);
-    for (unsigned c = 1; c < CLUSTER; ++c) r = stats_merge(r, stats_load_remote(part_stats, c));
+  if (warp == 0) {
+    Stats r = stats_warp_merge(lane < CLUSTER ? stats_load_remote(part_stats, lane) : stats_empty());
     if (!tempered) r.z = r.s;
     if (vt > vs) {  // the pad columns: z = 0, vt - vs of them
       Lse pad = {0.0f, (float)(vt - vs)};
       r.z = lse_merge(r.z, pad);
     }
-    row_values[0] = r.s.m + logf(r.s.s);
-    row_values[1] = r.z.m + logf(r.z.s);
-    row_values[2] = r.t.m + logf(r.t.s);
-    row_values[3] = r.target_logit;
+    if (lane == 0) {  // the other lanes merged in another order: only lane 0's bits are kept
+      row_values[0] = r.s.m + logf(r.s.s);
+      row_values[1] = r.z.m + logf(r.z.s);
+      row_values[2] = r.t.m + logf(r.t.s);
+      row_values[3] = r.target_logit;
+    }
   }
   __syncthreads();
   const float lse_s = row_values[0], lse_z = row_values[1], lse_t = row_values[2];
@@ -276,30 +299,24 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
     if (q > 0.0f) b += q * (lq - lm);
     tb[i] = h;
   }
-  for (int mask = 16; mask > 0; mask >>= 1) {
-    a += __shfl_xor_sync(0xffffffffu, a, mask);
-    b += __shfl_xor_sync(0xffffffffu, b, mask);
-  }
-  if (lane == 0) warp_sums[warp] = make_float2(a, b);
+  const float2 ab = sums_warp_merge(make_float2(a, b));
+  if (lane == 0) warp_sums[warp] = ab;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float2 r = warp_sums[0];
-    for (int w = 1; w < WARPS; ++w) {
-      r.x += warp_sums[w].x;
-      r.y += warp_sums[w].y;
-    }
-    part_sums[0] = r.x;
-    part_sums[1] = r.y;
+  if (warp == 0) {
+    const float2 r = sums_warp_merge(lane < WARPS ? warp_sums[lane] : make_float2(0.0f, 0.0f));
+    if (lane == 0) part_sums = make_float4(r.x, r.y, 0.0f, 0.0f);
   }
   cluster_sync();
-  if (threadIdx.x == 0) {
-    float ta = 0.0f, tb_sum = 0.0f;
-    for (unsigned c = 0; c < CLUSTER; ++c) {
-      ta += ld_dsmem(part_sums + 0, c);
-      tb_sum += ld_dsmem(part_sums + 1, c);
+  if (warp == 0) {
+    float2 r = make_float2(0.0f, 0.0f);
+    if (lane < CLUSTER) {
+      const float4 v = ld_dsmem(&part_sums, lane);
+      r = make_float2(v.x, v.y);
     }
-    row_values[4] = ta;
-    if (rank == 0) {
+    r = sums_warp_merge(r);
+    const float ta = r.x, tb_sum = r.y;
+    if (lane == 0) row_values[4] = ta;
+    if (lane == 0 && rank == 0) {
       ce_out[row] = lse_s - row_values[3];
       jsd_out[row] = mode == FORWARD_KL ? tb_sum : mode == JSD ? beta * tb_sum + (1.0f - beta) * ta : ta;
     }
