@@ -43,7 +43,7 @@ def _kernel(device_id, fmt, cluster):
     limit = optin - func.shared_size_bytes
     func.max_dynamic_shared_size_bytes = limit
     if cluster > 8:
-        driver.funcSetAttribute(func.ptr, _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        driver.funcSetAttribute(func.kernel.ptr, _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
     return func, limit
 
 

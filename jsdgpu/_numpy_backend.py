@@ -59,9 +59,9 @@ def _rows_kernel(s, t, target, mode, beta, inv_temp, w_hard, w_soft_t, ce, jsd, 
                 lm = math.log((1.0 - beta) * p + beta * q)
             else:
                 lm = lq
-            if p > 0.0:
+            if p != 0.0:  # 0 log 0 = 0; "!= 0" so that a NaN reaches the loss
                 a += p * (lp - lm)
-            if q > 0.0:
+            if q != 0.0:
                 b += q * (lq - lm)
         if mode == FORWARD_KL:
             jsd[i] = b

@@ -19,8 +19,9 @@ def _log_softmax(xp, x):
 
 
 def _xlogy_diff(xp, w, a, b):
-    """sum of w * (a - b) over each row, with 0 where w == 0 (the limit 0 log 0 = 0)."""
-    return xp.where(w > 0, w * (a - b), 0.0).sum(axis=1)
+    """sum of w * (a - b) over each row, with 0 where w == 0 (the limit 0 log 0 = 0); a NaN
+    weight stays NaN."""
+    return xp.where(w != 0, w * (a - b), 0.0).sum(axis=1)
 
 
 def reference(student_input, student_weight, teacher_input, teacher_weight, target,

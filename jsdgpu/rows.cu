@@ -287,16 +287,18 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
       lm = lp;
       h = q;
     } else if (mode == JSD) {
-      // clamped to the smallest normal float so the log stays finite; the terms it touches are
-      // below 1e-36
-      lm = __logf(fmaxf((1.0f - beta) * p + beta * q, FLT_MIN_NORMAL));
+      // clamped to the smallest normal float so the log stays finite (the terms it touches are
+      // below 1e-36); written so that a NaN passes (fmaxf would drop it)
+      const float m = (1.0f - beta) * p + beta * q;
+      lm = __logf(m < FLT_MIN_NORMAL ? FLT_MIN_NORMAL : m);
       h = lp - lm;
     } else {
       lm = lq;
       h = lp - lq;
     }
-    if (p > 0.0f) a += p * (lp - lm);
-    if (q > 0.0f) b += q * (lq - lm);
+    // 0 log 0 = 0; "!= 0" rather than "> 0" so that a NaN reaches the loss
+    if (p != 0.0f) a += p * (lp - lm);
+    if (q != 0.0f) b += q * (lq - lm);
     tb[i] = h;
   }
   const float2 ab = sums_warp_merge(make_float2(a, b));

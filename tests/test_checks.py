@@ -121,8 +121,12 @@ def test_different_devices():
         jsdgpu.forward(**case)
 
 
-def test_non_finite_inputs_give_non_finite_loss(xp, rng):
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("where", ["teacher_input", "student_weight"])
+def test_non_finite_inputs_give_non_finite_loss(xp, rng, beta, where):
+    """Not masked: a NaN in either model's inputs reaches the loss, whatever the JSD variant."""
     case = make_case(rng, T=5)
-    case["teacher_input"][2, 3] = np.nan
-    loss, ctx = jsdgpu.forward(**to_xp(case, xp))
-    assert not np.isfinite(float(loss))
+    case[where][2, 3] = np.nan
+    loss, ctx = jsdgpu.forward(**to_xp(case, xp), beta=beta, weight_hard_loss=0.0)
+    assert np.isnan(float(loss)) and np.isnan(float(ctx.soft_loss))
+    assert np.isnan(jsdgpu.reference(**case, beta=beta, weight_hard_loss=0.0)[0])
