@@ -32,7 +32,7 @@ def _backend(kind):
 class Context:
     """What forward hands to backward: the loss parts and the float32 gradient sums."""
 
-    def __init__(self, hard_loss, soft_loss, grads, valid_rows, n_rows, dtype, backend, bridge,
+    def __init__(self, hard_loss, soft_loss, grads, valid_rows, n_rows, dtype, backend,
                  grad_weight_float32, device):
         self.hard_loss = hard_loss
         self.soft_loss = soft_loss
@@ -41,9 +41,10 @@ class Context:
         self._n_rows = n_rows
         self._dtype = dtype
         self._backend = backend
-        self._bridge = bridge
         self._grad_weight_float32 = grad_weight_float32
         self._device = device
+        self._bridge = None  # set for framework tensors: the bridge, and an input tensor
+        self._like = None
         self._done = False
 
 
@@ -61,9 +62,24 @@ def forward(student_input, student_weight, teacher_input, teacher_weight, target
     arrays = dict(student_input=student_input, student_weight=student_weight,
                   teacher_input=teacher_input, teacher_weight=teacher_weight, target=target,
                   student_bias=student_bias, teacher_bias=teacher_bias)
+    options = dict(weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
+                   temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
+                   compute_grad=compute_grad, memory_budget=memory_budget,
+                   grad_weight_float32=grad_weight_float32)
     bridge = _bridge_for(arrays)
-    if bridge is not None:
-        arrays = {k: None if v is None else bridge.to_native(v) for k, v in arrays.items()}
+    if bridge is None:
+        return _forward(arrays, **options)
+    # framework tensors: viewed zero-copy, the work queued on the framework's current stream
+    with bridge.current_stream(student_input):
+        loss, ctx = _forward({k: None if v is None else bridge.to_native(v)
+                              for k, v in arrays.items()}, **options)
+        ctx._bridge, ctx._like = bridge, student_input
+        ctx.hard_loss, ctx.soft_loss = bridge.from_native(ctx.hard_loss), bridge.from_native(ctx.soft_loss)
+        return bridge.from_native(loss), ctx
+
+
+def _forward(arrays, *, weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index,
+             chunk_size, compute_grad, memory_budget, grad_weight_float32):
     opts = LossOptions(*_checks.check_options(weight_hard_loss, weight_soft_loss, beta,
                                               temperature, ignore_index, chunk_size))
     kind = _checks.check_arrays(arrays)
@@ -90,11 +106,8 @@ def forward(student_input, student_weight, teacher_input, teacher_weight, target
         loss = (opts.weight_hard_loss * hard.astype(np.float64)
                 + opts.weight_soft_loss * soft.astype(np.float64)).astype(np.float32)
         loss = xp.asarray(loss, dtype=np.float32)
-    ctx = Context(hard, soft, grads, valid_rows, n_rows, xs.dtype, backend, bridge,
+    ctx = Context(hard, soft, grads, valid_rows, n_rows, xs.dtype, backend,
                   bool(grad_weight_float32), device)
-    if bridge is not None:
-        ctx.hard_loss, ctx.soft_loss = bridge.from_native(hard), bridge.from_native(soft)
-        loss = bridge.from_native(loss)
     return loss, ctx
 
 
@@ -110,14 +123,23 @@ def backward(ctx, grad_output=1.0):
     if ctx._grads is None:
         raise ValueError("this ctx holds no gradients: forward ran with compute_grad=False")
     ctx._done = True
+    bridge = ctx._bridge
+    if bridge is None:
+        return _backward(ctx, grad_output)
+    with bridge.current_stream(ctx._like):
+        if not isinstance(grad_output, (int, float)):
+            grad_output = bridge.to_native(grad_output)
+        return tuple(None if a is None else bridge.from_native(a)
+                     for a in _backward(ctx, grad_output))
+
+
+def _backward(ctx, grad_output):
     g, ctx._grads = ctx._grads, None  # the float32 sums are freed with the ctx's last use
     xp = ctx._backend.xp
     with ctx._backend.on_device(ctx._device):
         if isinstance(grad_output, (int, float)) and grad_output == 1:
             scale = None  # the common case: a cast, no product
         else:
-            if ctx._bridge is not None and not isinstance(grad_output, (int, float)):
-                grad_output = ctx._bridge.to_native(grad_output)
             scale = xp.asarray(grad_output, dtype=np.float32)
             if scale.ndim != 0:
                 raise ValueError(f"grad_output must be a scalar, got shape {tuple(scale.shape)}")
@@ -130,10 +152,7 @@ def backward(ctx, grad_output=1.0):
             valid_rows_grad, grad_input = grad_input, xp.zeros((ctx._n_rows, grad_input.shape[1]),
                                                                ctx._dtype)
             grad_input[ctx._valid_rows] = valid_rows_grad
-    out = (grad_input, grad_weight, grad_bias)
-    if ctx._bridge is not None:
-        out = tuple(None if a is None else ctx._bridge.from_native(a) for a in out)
-    return out
+    return grad_input, grad_weight, grad_bias
 
 
 class JSDDistillLoss:

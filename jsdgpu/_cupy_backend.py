@@ -42,14 +42,12 @@ def _kernel(device_id, fmt, cluster):
     optin = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
     limit = optin - func.shared_size_bytes
     func.max_dynamic_shared_size_bytes = limit
-    if cluster > 8:
-        driver.funcSetAttribute(func.kernel.ptr, _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    if cluster > 8:  # beyond the portable cluster size: allowed on Hopper, asked for explicitly
+        try:
+            driver.funcSetAttribute(func.kernel.ptr, _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        except driver.CUDADriverError:
+            return None, 0
     return func, limit
-
-
-@functools.lru_cache(maxsize=None)
-def _scale_cast_kernel():
-    return cupy.ElementwiseKernel("float32 x, float32 s", "Y y", "y = (Y)(x * s)", "jsdgpu_scale_cast")
 
 
 def _slice(vt, cluster):
@@ -77,8 +75,10 @@ def _logits(x, w, out):
 
 class CupyBackend:
     xp = cupy
-    default_memory_budget = 2 * 2**30
-    cluster = None  # None: the smallest cluster whose shared memory holds a row pair
+    default_memory_budget = 5 * 2**29  # 2.5 GiB: T = 8192 at V = 128256 in 4 chunks
+    # None: 16-CTA clusters (measured faster: 3 CTAs per SM overlap one another's loads and
+    # math, bench/NOTES.md), else 8 where 16 cannot launch
+    cluster = None
 
     @staticmethod
     def on_device(device):
@@ -87,12 +87,15 @@ class CupyBackend:
     @staticmethod
     def scale_cast(a, scale, dtype):
         """a * scale (a float32 array of ours, scale None for 1) as dtype, in one pass."""
-        if scale is None or np.dtype(dtype) == np.float32:
+        if np.dtype(dtype) == np.float32:
             if scale is not None:
                 a *= scale
-            return a.astype(dtype, copy=False)
+            return a
         out = cupy.empty(a.shape, dtype)
-        _scale_cast_kernel()(a, scale, out)
+        n = a.size
+        blocks = max(1, min(-(-n // 1024), 8 * cupy.cuda.Device().attributes["MultiProcessorCount"]))
+        func = _module(cupy.cuda.Device().id).get_function(f"scale_cast_{_KERNEL_FORMAT[out.dtype]}")
+        func((blocks,), (256,), (a, out, np.int64(n), np.uint64(0) if scale is None else scale))
         return out
 
     @staticmethod
@@ -104,7 +107,7 @@ class CupyBackend:
         vs, vt = ws.shape[0], wt.shape[0]
         device = cupy.cuda.Device().id
         fmt = _KERNEL_FORMAT[ws.dtype]
-        for cluster in (self.cluster,) if self.cluster else (8, 16):
+        for cluster in (self.cluster,) if self.cluster else (16, 8):
             func, smem_limit = _kernel(device, fmt, cluster)
             if 8 * _slice(vt, cluster) <= smem_limit:
                 break

@@ -98,21 +98,11 @@ __device__ __forceinline__ void store4(void* G, const float g[4], int n) {
   }
 }
 
-// ---- running logsumexp ----
+// ---- logsumexp in parts ----
 
 struct Lse {
-  float m, s;  // running max, and sum of exp(x - m)
+  float m, s;  // a max, and the sum of exp(x - m) over the values; s == 0: no value
 };
-
-__device__ __forceinline__ Lse lse_push(Lse a, float x) {
-  if (x > a.m) {
-    a.s = a.s * __expf(a.m - x) + 1.0f;
-    a.m = x;
-  } else {
-    a.s += __expf(x - a.m);
-  }
-  return a;
-}
 
 __device__ __forceinline__ Lse lse_merge(Lse a, Lse b) {
   // s == 0 only when no element was pushed; a NaN element leaves m at -inf but s NaN, and
@@ -228,25 +218,27 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
   cp_async_wait_all();
   __syncthreads();
 
-  // 1. biases, and the row statistics
-  Stats st = stats_empty();
+  // 1. biases, and the row statistics: each thread takes the max of its columns, then sums
+  //    exp(x - max) (no data-dependent branch, one exp per value and statistic)
+  float max_s = NEG_INF, max_t = NEG_INF;
   for (int i = threadIdx.x; i < n; i += THREADS) {
     const int j = lo + i;
-    float t = tb[i];
-    if (bias_t) {
-      t += bias_t[j];
-      tb[i] = t;
-    }
-    st.t = lse_push(st.t, t * inv_temp);
+    if (bias_t) tb[i] += bias_t[j];
+    max_t = fmaxf(max_t, tb[i]);
     if (i < ns) {
-      float s = sb[i];
-      if (bias_s) {
-        s += bias_s[j];
-        sb[i] = s;
-      }
-      st.s = lse_push(st.s, s);
-      if (tempered) st.z = lse_push(st.z, s * inv_temp);
-      if (j == y) st.target_logit = s;
+      if (bias_s) sb[i] += bias_s[j];
+      max_s = fmaxf(max_s, sb[i]);
+    }
+  }
+  // inv_temp > 0, so the max of x * inv_temp is max(x) * inv_temp
+  Stats st = {{max_s, 0.0f}, {max_s * inv_temp, 0.0f}, {max_t * inv_temp, 0.0f}, 0.0f};
+  for (int i = threadIdx.x; i < n; i += THREADS) {
+    st.t.s += __expf(tb[i] * inv_temp - st.t.m);
+    if (i < ns) {
+      const float s = sb[i];
+      st.s.s += __expf(s - st.s.m);
+      if (tempered) st.z.s += __expf(s * inv_temp - st.z.m);
+      if (lo + i == y) st.target_logit = s;
     }
   }
   // warps, then warp 0 over the warps, then warp 0 over the cluster's CTAs (lane r reads rank r)
@@ -375,3 +367,30 @@ DEFINE_JSD_ROWS(jsd_rows_bf16_c8, OUT_BF16, 8, 1024)
 DEFINE_JSD_ROWS(jsd_rows_f32_c16, OUT_F32, 16, 512)
 DEFINE_JSD_ROWS(jsd_rows_f16_c16, OUT_F16, 16, 512)
 DEFINE_JSD_ROWS(jsd_rows_bf16_c16, OUT_BF16, 16, 512)
+
+// ---- float32 sums to 16-bit gradients, times grad_output (scale null: 1) ----
+
+template <int OUT>
+__device__ __forceinline__ void scale_cast(const float* __restrict__ in, unsigned short* __restrict__ out,
+                                           long long n, const float* __restrict__ scale) {
+  const float k = scale ? *scale : 1.0f;
+  const long long stride = 4LL * gridDim.x * blockDim.x;
+  for (long long i = 4LL * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n; i += stride) {
+    float g[4];
+    const int count = n - i < 4 ? (int)(n - i) : 4;
+    if (count == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(in + i);
+      g[0] = v.x * k; g[1] = v.y * k; g[2] = v.z * k; g[3] = v.w * k;
+    } else {
+      for (int c = 0; c < count; ++c) g[c] = in[i + c] * k;
+    }
+    store4<OUT>(out + i, g, count);
+  }
+}
+
+extern "C" __global__ void scale_cast_bf16(const float* in, unsigned short* out, long long n, const float* scale) {
+  scale_cast<OUT_BF16>(in, out, n, scale);
+}
+extern "C" __global__ void scale_cast_f16(const float* in, unsigned short* out, long long n, const float* scale) {
+  scale_cast<OUT_F16>(in, out, n, scale);
+}
