@@ -50,7 +50,7 @@ def test_module_against_reference(rng, device, dtype, beta, temperature):
     for got, want in ((loss, ref[0]), (hard, ref[1]), (soft, ref[2])):
         assert abs(float(got.detach()) - want) <= 1e-5 * max(1.0, abs(want))
     g = grads_of(ts)
-    tol = 1e-4 if dtype == np.float32 else 2.0**-8
+    tol = 1e-4 if dtype == np.float32 else 2.0**-7  # 16-bit: 2 eps, tiny arrays are noisy
     for got, want in zip((g[0], g[1], g[5]), ref[3:]):
         assert rel_err(got, 2.0 * want) <= tol
     assert g[2] is None and g[3] is None and g[6] is None  # the teacher gets no gradient
@@ -99,7 +99,7 @@ def test_runs_on_the_current_torch_stream(rng):
         loss.backward()
     stream.synchronize()
     ref = jsdgpu.reference(**case)
-    assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0]
+    assert abs(float(loss.detach()) - ref[0]) <= 1e-5 * ref[0]
     g = grads_of(ts)
     for got, want in zip((g[0], g[1], g[5]), ref[3:]):
         assert rel_err(got, want) <= 1e-4
