@@ -106,14 +106,17 @@ def test_runs_on_the_current_torch_stream(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("logit_std", [1.0, 8.0])
 @pytest.mark.parametrize("beta,temperature,weights", [(0.5, 1.0, (0.5, 0.5)), (0.0, 2.0, (0.3, 0.7)),
                                                       (1.0, 0.5, (0.7, 0.3)), (0.3, 1.0, (1.0, 0.0))])
-def test_matches_liger(rng, beta, temperature, weights):
-    """Against Liger 0.8.5 on the same bf16 inputs (logits of std 8): the loss within 1e-4, and
-    gradients at least as close to float64 as Liger's."""
+def test_matches_liger(rng, beta, temperature, weights, logit_std):
+    """Against Liger 0.8.5 on the same bf16 inputs: gradients at least as close to float64 as
+    Liger's; the loss within 1e-4 of Liger's where Liger's own loss is that accurate (logits of
+    std 1), and closer to float64 than Liger's at std 8, where Liger's bf16 logits cost it more
+    (about 1.4e-4 relative, seen on the H200)."""
     liger = pytest.importorskip("liger_kernel.chunked_loss")
     case = make_case(rng, T=300, hs=256, ht=512, vs=32003, vt=32003, dtype=BF16, ignored=0.25,
-                     logit_std=8.0)
+                     logit_std=logit_std)
     opts = dict(beta=beta, temperature=temperature, weight_hard_loss=weights[0],
                 weight_soft_loss=weights[1])
     ref = jsdgpu.reference(**case, **opts)
@@ -122,9 +125,14 @@ def test_matches_liger(rng, beta, temperature, weights):
         ts = tensors(case, "cuda")
         loss = module(*ts[:5])
         loss.backward()
-        results.append((float(loss), grads_of(ts)))
+        results.append((float(loss.detach()), grads_of(ts)))
     (ours, g_ours), (theirs, g_theirs) = results
-    assert abs(ours - theirs) <= 1e-4 * max(1.0, abs(theirs)), (ours, theirs)
+    print(f"loss: jsdgpu {ours:.7f}, liger {theirs:.7f}, float64 {ref[0]:.7f}")
+    assert abs(ours - ref[0]) <= 1e-5 * max(1.0, ref[0])
+    if logit_std == 1.0:
+        assert abs(ours - theirs) <= 1e-4 * max(1.0, abs(theirs)), (ours, theirs)
+    else:
+        assert abs(ours - ref[0]) <= abs(theirs - ref[0])
     for k, want in ((0, ref[3]), (1, ref[4])):
         e_ours, e_theirs = rel_err(g_ours[k], want), rel_err(g_theirs[k], want)
         print(f"grad {k}: jsdgpu {e_ours:.2e}, liger {e_theirs:.2e}")
