@@ -203,7 +203,7 @@ def stage_breakdown(T, rng, copy_bytes_per_s):
     be = CupyBackend()
     work = be.prepare(ws, wt, None, None, T, True)
     opts = LossOptions(0.5, 0.5, 0.5, 1.0, -100)
-    ce, jsd = cupy.empty(T, np.float32), cupy.empty(T, np.float32)
+    ce, jsd, terms = (cupy.empty(T, np.float32) for _ in range(3))
     tgt = target.astype(np.int32)
     G = work["G"][:T]
     grads = Gradients(cupy.empty((T, HS), np.float32), cupy.empty((V, HS), np.float32), None)
@@ -215,8 +215,8 @@ def stage_breakdown(T, rng, copy_bytes_per_s):
     for cluster in (8, 16):
         w = dict(work, func=_kernel(cupy.cuda.Device().id, "bf16", cluster)[0], cluster=cluster,
                  slice=_slice(V, cluster))
-        ms = time_ms(lambda i: launch_rows(w, T, tgt, opts, ce, jsd, G), 1, 3, 20)
-        stages[f"row kernel, cluster {cluster}"] = lambda i, w=w: launch_rows(w, T, tgt, opts, ce, jsd, G)
+        ms = time_ms(lambda i: launch_rows(w, T, tgt, opts, ce, jsd, G, terms), 1, 3, 20)
+        stages[f"row kernel, cluster {cluster}"] = lambda i, w=w: launch_rows(w, T, tgt, opts, ce, jsd, G, terms)
         moved = T * V * (4 + 4 + 2)
         row_kernel.append(dict(cluster=cluster, T=T, ms=round(ms, 4), bytes_per_s=moved / (ms * 1e-3),
                                fraction_of_copy=moved / (ms * 1e-3) / copy_bytes_per_s))

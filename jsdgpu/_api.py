@@ -96,10 +96,9 @@ def _forward(arrays, *, weight_hard_loss, weight_soft_loss, beta, temperature, i
         valid = np.flatnonzero(target_host != opts.ignore_index)
         n_rows = xs.shape[0]
         valid_rows = None if len(valid) == n_rows else xp.asarray(valid)
-        target_valid = xp.asarray(target_host[valid].astype(np.int32))
         xs, ws, xt, wt = (xp.ascontiguousarray(a) for a in (xs, ws, xt, wt))
         budget = backend.default_memory_budget if memory_budget is None else int(memory_budget)
-        hard, soft, grads = run(backend, xs, ws, xt, wt, target_valid, bs, bt, opts,
+        hard, soft, grads = run(backend, xs, ws, xt, wt, target_host[valid], bs, bt, opts,
                                 valid_rows=valid_rows, n_valid=len(valid),
                                 chunk_size=chunk_size, memory_budget=budget,
                                 compute_grad=bool(compute_grad))

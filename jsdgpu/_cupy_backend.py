@@ -131,13 +131,27 @@ class CupyBackend:
             func=func, cluster=cluster, slice=_slice(vt, cluster))
 
     @staticmethod
-    def chunk(work, xs, xt, target, opts, ce, jsd, compute_grad):
+    def chunk(work, xs, xt, target, opts, ce, jsd, label_terms):
         c = xs.shape[0]
         _logits(xs, work["ws"], work["logits_s"][:c])
         _logits(xt, work["wt"], work["logits_t"][:c])
-        G = work["G"][:c] if compute_grad else None
-        launch_rows(work, c, target, opts, ce, jsd, G)
+        G = work["G"][:c] if label_terms is not None else None
+        launch_rows(work, c, target, opts, ce, jsd, G, label_terms)
         return G
+
+    @staticmethod
+    def add_label_terms(work, label_terms, target, xs, norm, grads, label_groups):
+        """The label terms the row kernel left out of G, added exactly in float32: a gather of
+        Ws rows for grad_input, and label_scatter (rows.cu) for grad_weight and grad_bias."""
+        terms = label_terms * np.float32(norm)
+        grads.grad_input += terms[:, None] * work["ws"][target].astype(np.float32)
+        order, starts, labels = label_groups
+        fmt = _KERNEL_FORMAT[xs.dtype]
+        func = _module(cupy.cuda.Device().id).get_function(f"label_scatter_{fmt}")
+        func((len(labels),), (256,),
+             (label_terms, order, starts, labels, np.int32(len(labels)), np.int32(len(order)), xs,
+              np.int32(xs.shape[1]), np.float32(norm), grads.grad_weight,
+              np.uint64(0) if grads.grad_bias is None else grads.grad_bias))
 
     @staticmethod
     def grad_products(work, G, xs, norm, grads, start, stop):
@@ -155,7 +169,7 @@ class CupyBackend:
                   grads.grad_bias, vs)
 
 
-def launch_rows(work, c, target, opts, ce, jsd, G):
+def launch_rows(work, c, target, opts, ce, jsd, G, label_terms):
     """The row kernel over the first c rows of the chunk's logits (G None: the loss alone)."""
     ls, lt = work["logits_s"][:c], work["logits_t"][:c]
     cluster, slice_ = work["cluster"], work["slice"]
@@ -167,5 +181,6 @@ def launch_rows(work, c, target, opts, ce, jsd, G):
             np.int32(slice_), np.float32(1.0 / opts.temperature), np.int32(opts.mode),
             np.float32(opts.beta), np.float32(opts.weight_hard_loss),
             np.float32(opts.weight_soft_loss / opts.temperature),
-            ce, jsd, null if G is None else G, np.int64(0 if G is None else G.shape[1]))
+            ce, jsd, null if G is None else G, np.int64(0 if G is None else G.shape[1]),
+            null if G is None else label_terms)
     work["func"]((cluster * c,), (_THREADS[cluster],), args, shared_mem=8 * slice_)

@@ -2,7 +2,9 @@
 
 Per chunk of valid token rows: student and teacher logits (float32), the row kernel (per-row CE
 and JSD values, and the gradient rows G), then grad_input = G @ Ws and grad_weight += G.T @ Xs.
-Ignored rows are dropped before the loop, so every matrix product shrinks with them.
+Ignored rows are dropped before the loop, so every matrix product shrinks with them. After the
+loop, the label terms the row kernel kept out of G (where the one-hot dominates a 16-bit G
+entry) are added exactly.
 
 G is written without the 1/N of the mean: it stays O(1), which keeps float16 G clear of
 underflow, and 1/N goes into the matrix products' alpha.
@@ -47,15 +49,26 @@ def chunk_rows(n_rows, chunk_size, bytes_per_row, memory_budget):
     return max(1, -(-n_rows // n_chunks))
 
 
+def label_groups(target):
+    """The rows grouped by label, in a fixed order: (order, starts, labels), int32 NumPy arrays;
+    the rows of labels[u] are order[starts[u]:starts[u + 1]] (the last group runs to the end)."""
+    order = np.argsort(target, kind="stable")
+    sorted_target = target[order]
+    starts = np.flatnonzero(np.r_[len(target) > 0, sorted_target[1:] != sorted_target[:-1]])
+    return tuple(a.astype(np.int32) for a in (order, starts, sorted_target[starts]))
+
+
 def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, n_valid, chunk_size,
         memory_budget, compute_grad):
     """Compute the per-row losses and, with compute_grad, the gradient sums.
 
-    target: the backend's int32 array of the valid rows' targets. valid_rows: a backend index
-    array of the valid rows, or None when every row is valid. Returns
-    (hard_loss, soft_loss, Gradients or None); the losses are 0-d float32 backend arrays.
+    target: a NumPy array of the valid rows' targets. valid_rows: a backend index array of the
+    valid rows, or None when every row is valid. Returns (hard_loss, soft_loss, Gradients or
+    None); the losses are 0-d float32 backend arrays.
     """
     xp = backend.xp
+    groups = tuple(xp.asarray(g) for g in label_groups(target)) if compute_grad else None
+    target = xp.asarray(target.astype(np.int32))
     if valid_rows is not None:
         xs, xt = xp.take(xs, valid_rows, axis=0), xp.take(xt, valid_rows, axis=0)
     n_rows, vs, hs = xs.shape[0], ws.shape[0], xs.shape[1]
@@ -63,8 +76,9 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, n_valid, c
 
     ce = xp.zeros(n_rows, dtype=np.float32)
     jsd = xp.zeros(n_rows, dtype=np.float32)
-    grads = None
+    grads = label_terms = None
     if compute_grad:
+        label_terms = xp.zeros(n_rows, dtype=np.float32)  # written by the row kernel
         # the first chunk writes the sums, the others add to them; with no chunk, they are zero
         new = xp.empty if n_rows else xp.zeros
         grads = Gradients(new((n_rows, hs), np.float32), new((vs, hs), np.float32),
@@ -77,9 +91,12 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, n_valid, c
         for start in range(0, n_rows, rows):
             stop = min(start + rows, n_rows)
             G = backend.chunk(work, xs[start:stop], xt[start:stop], target[start:stop], opts,
-                              ce[start:stop], jsd[start:stop], compute_grad)
+                              ce[start:stop], jsd[start:stop],
+                              None if label_terms is None else label_terms[start:stop])
             if compute_grad:
                 backend.grad_products(work, G, xs[start:stop], norm, grads, start, stop)
+        if compute_grad:
+            backend.add_label_terms(work, label_terms, target, xs, norm, grads, groups)
     # fixed-order sums: two runs on the same inputs give the same bits
     hard = xp.asarray(ce.sum(dtype=np.float64) * norm, dtype=np.float32)
     soft = xp.asarray(jsd.sum(dtype=np.float64) * norm, dtype=np.float32)

@@ -14,7 +14,8 @@ from ._driver import FORWARD_KL, JSD
 
 
 @numba.njit(parallel=True, cache=True)
-def _rows_kernel(s, t, target, mode, beta, inv_temp, w_hard, w_soft_t, ce, jsd, G, write_grad):
+def _rows_kernel(s, t, target, mode, beta, inv_temp, w_hard, w_soft_t, ce, jsd, G, label_terms,
+                 write_grad):
     n, vs = s.shape
     vt = t.shape[1]
     for i in numba.prange(n):
@@ -70,8 +71,11 @@ def _rows_kernel(s, t, target, mode, beta, inv_temp, w_hard, w_soft_t, ce, jsd, 
         else:
             jsd[i] = a
 
-        # 3. the gradient row, without the 1/N of the mean
+        # 3. the gradient row, without the 1/N of the mean; the label's one-hot term apart where
+        #    it dominates (as rows.cu does, where G is 16-bit)
         if write_grad:
+            label_apart = math.exp(s[i, target[i]] - lse_s) < 0.5
+            label_terms[i] = -w_hard if label_apart else 0.0
             for j in range(vs):
                 x = np.float64(s[i, j])
                 lp = x * inv_temp - lse_z
@@ -85,7 +89,7 @@ def _rows_kernel(s, t, target, mode, beta, inv_temp, w_hard, w_soft_t, ce, jsd, 
                     dz = (1.0 - beta) * p * (lp - lm - a)
                 else:
                     dz = p * (lp - lq - a)
-                hard = math.exp(x - lse_s) - (1.0 if j == target[i] else 0.0)
+                hard = math.exp(x - lse_s) - (1.0 if j == target[i] and not label_apart else 0.0)
                 G[i, j] = w_hard * hard + w_soft_t * dz
 
 
@@ -114,17 +118,18 @@ class NumpyBackend:
         return dict(ws=f32(ws), wt=f32(wt), bs=f32(bs), bt=f32(bt))
 
     @staticmethod
-    def chunk(work, xs, xt, target, opts, ce, jsd, compute_grad):
+    def chunk(work, xs, xt, target, opts, ce, jsd, label_terms):
         s = xs.astype(np.float32) @ work["ws"].T
         t = xt.astype(np.float32) @ work["wt"].T
         if work["bs"] is not None:
             s += work["bs"]
         if work["bt"] is not None:
             t += work["bt"]
+        compute_grad = label_terms is not None
         G = np.empty(s.shape if compute_grad else (0, 0), np.float32)
         _rows_kernel(s, t, target, opts.mode, opts.beta, 1.0 / opts.temperature,
                      opts.weight_hard_loss, opts.weight_soft_loss / opts.temperature,
-                     ce, jsd, G, compute_grad)
+                     ce, jsd, G, label_terms if compute_grad else ce, compute_grad)
         return G
 
     @staticmethod
@@ -139,3 +144,13 @@ class NumpyBackend:
                 np.multiply(part, norm, out=total)
             else:
                 total += part * norm
+
+    @staticmethod
+    def add_label_terms(work, label_terms, target, xs, norm, grads, label_groups):
+        """The label terms the row kernel left out of G, added exactly (np.add.at adds in row
+        order, so the result does not vary)."""
+        terms = label_terms * np.float32(norm)
+        grads.grad_input += terms[:, None] * work["ws"][target]
+        np.add.at(grads.grad_weight, target, terms[:, None] * xs.astype(np.float32))
+        if grads.grad_bias is not None:
+            np.add.at(grads.grad_bias, target, terms)

@@ -172,15 +172,18 @@ __device__ __forceinline__ Stats stats_load_remote(const float4* src, unsigned r
 // S [rows, lds], Tl [rows, ldt]: float32 logits without bias (lds, ldt multiples of 4).
 // bias_s, bias_t: float32 biases padded with zeros to a multiple of 4, or null.
 // G [rows, ldg] in OUT's format, or null for the loss alone: the gradient with respect to the
-// student logits, without the 1/N of the mean. slice: columns per CTA, a multiple of 4, with
-// CLUSTER * slice >= vt. Dynamic shared memory: 2 * slice floats.
+// student logits, without the 1/N of the mean. Where softmax(s)[y] < 1/2 the label's one-hot
+// term -w_hard dominates G[y] and would be rounded with it to 16 bits: it is left out of G and
+// written to label_terms[row] instead (else 0), for the caller to add exactly (label_scatter).
+// slice: columns per CTA, a multiple of 4, with CLUSTER * slice >= vt. Dynamic shared memory:
+// 2 * slice floats.
 template <int OUT, int CLUSTER, int THREADS>
 __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long lds, const float* __restrict__ Tl,
                                          long long ldt, const float* __restrict__ bias_s,
                                          const float* __restrict__ bias_t, const int* __restrict__ target, int vs,
                                          int vt, int slice, float inv_temp, int mode, float beta, float w_hard,
                                          float w_soft_t, float* __restrict__ ce_out, float* __restrict__ jsd_out,
-                                         void* __restrict__ G, long long ldg) {
+                                         void* __restrict__ G, long long ldg, float* __restrict__ label_terms) {
   constexpr int WARPS = THREADS / 32;
   extern __shared__ float4 dynamic_smem[];
   float* sb = reinterpret_cast<float*>(dynamic_smem);  // student logits of this CTA's slice
@@ -266,6 +269,7 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
   }
   __syncthreads();
   const float lse_s = row_values[0], lse_z = row_values[1], lse_t = row_values[2];
+  const bool label_apart = G != nullptr && __expf(row_values[3] - lse_s) < 0.5f;
 
   // 2. a = sum p (log p - log m), b = sum q (log q - log m), with m the mixture (JSD), p (forward
   //    KL) or q (reverse KL); tb[i] becomes h, what the gradient needs of the teacher.
@@ -311,6 +315,7 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
     const float ta = r.x, tb_sum = r.y;
     if (lane == 0) row_values[4] = ta;
     if (lane == 0 && rank == 0) {
+      if (G != nullptr) label_terms[row] = label_apart ? -w_hard : 0.0f;
       ce_out[row] = lse_s - row_values[3];
       jsd_out[row] = mode == FORWARD_KL ? tb_sum : mode == JSD ? beta * tb_sum + (1.0f - beta) * ta : ta;
     }
@@ -335,7 +340,8 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
         const float p = __expf(sv[k] * inv_temp - lse_z);
         const float softmax = softmax_is_p ? p : __expf(sv[k] - lse_s);
         const float dz = mode == FORWARD_KL ? p - hv[k] : c_jsd * p * (hv[k] - kl);
-        g[k] = w_hard * (softmax - (lo + i + k == y ? 1.0f : 0.0f)) + w_soft_t * dz;
+        const float onehot = lo + i + k == y && !label_apart ? 1.0f : 0.0f;
+        g[k] = w_hard * (softmax - onehot) + w_soft_t * dz;
       }
       const int count = min(4, ns - i);
       if (OUT == OUT_F32)
@@ -350,9 +356,10 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
 #define JSD_ROWS_ARGS                                                                                   \
   const float *S, long long lds, const float *Tl, long long ldt, const float *bias_s, const float *bias_t, \
       const int *target, int vs, int vt, int slice, float inv_temp, int mode, float beta, float w_hard,   \
-      float w_soft_t, float *ce_out, float *jsd_out, void *G, long long ldg
-#define JSD_ROWS_CALL \
-  S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, slice, inv_temp, mode, beta, w_hard, w_soft_t, ce_out, jsd_out, G, ldg
+      float w_soft_t, float *ce_out, float *jsd_out, void *G, long long ldg, float *label_terms
+#define JSD_ROWS_CALL                                                                                           \
+  S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, slice, inv_temp, mode, beta, w_hard, w_soft_t, ce_out, jsd_out, G, \
+      ldg, label_terms
 
 #define DEFINE_JSD_ROWS(NAME, OUT, CLUSTER, THREADS)                                   \
   extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS) \
@@ -394,3 +401,51 @@ extern "C" __global__ void scale_cast_bf16(const float* in, unsigned short* out,
 extern "C" __global__ void scale_cast_f16(const float* in, unsigned short* out, long long n, const float* scale) {
   scale_cast<OUT_F16>(in, out, n, scale);
 }
+
+// ---- the label terms left out of G, added to the float32 gradient sums ----
+//
+// grad_weight[label] += norm * sum over the rows i with that label of label_terms[i] * x[i],
+// and grad_bias[label] likewise. One block per label, its rows in a fixed order (order[starts[u]
+// .. starts[u + 1]) lists them): no atomics, so the sums have the same bits on every run.
+
+template <int IN>
+__device__ __forceinline__ float load_value(const void* x, long long k) {
+  if (IN == OUT_F32) return static_cast<const float*>(x)[k];
+  const unsigned short v = static_cast<const unsigned short*>(x)[k];
+  if (IN == OUT_BF16) return __uint_as_float((unsigned)v << 16);
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+}
+
+template <int IN>
+__device__ __forceinline__ void label_scatter(const float* __restrict__ label_terms, const int* __restrict__ order,
+                                              const int* __restrict__ starts, const int* __restrict__ labels,
+                                              int n_labels, int n_rows, const void* __restrict__ x, int hs,
+                                              float norm, float* __restrict__ grad_weight,
+                                              float* __restrict__ grad_bias) {
+  const int u = blockIdx.x;
+  const int begin = starts[u], end = u + 1 < n_labels ? starts[u + 1] : n_rows;
+  const long long label = labels[u];
+  for (int h = threadIdx.x; h < hs; h += blockDim.x) {
+    float acc = 0.0f;
+    for (int r = begin; r < end; ++r) {
+      const int i = order[r];
+      acc += label_terms[i] * load_value<IN>(x, (long long)i * hs + h);
+    }
+    grad_weight[label * hs + h] += norm * acc;
+  }
+  if (grad_bias != nullptr && threadIdx.x == 0) {
+    float acc = 0.0f;
+    for (int r = begin; r < end; ++r) acc += label_terms[order[r]];
+    grad_bias[label] += norm * acc;
+  }
+}
+
+#define LABEL_SCATTER_ARGS                                                                                \
+  const float *label_terms, const int *order, const int *starts, const int *labels, int n_labels, int n_rows, \
+      const void *x, int hs, float norm, float *grad_weight, float *grad_bias
+#define LABEL_SCATTER_CALL label_terms, order, starts, labels, n_labels, n_rows, x, hs, norm, grad_weight, grad_bias
+extern "C" __global__ void label_scatter_f32(LABEL_SCATTER_ARGS) { label_scatter<OUT_F32>(LABEL_SCATTER_CALL); }
+extern "C" __global__ void label_scatter_f16(LABEL_SCATTER_ARGS) { label_scatter<OUT_F16>(LABEL_SCATTER_CALL); }
+extern "C" __global__ void label_scatter_bf16(LABEL_SCATTER_ARGS) { label_scatter<OUT_BF16>(LABEL_SCATTER_CALL); }

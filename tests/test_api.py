@@ -178,3 +178,16 @@ def test_outputs_do_not_alias_inputs(xp, rng):
         for a in case.values():
             assert not np.shares_memory(to_numpy(g), to_numpy(a)) if xp is np else \
                 g.data.ptr != a.data.ptr
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.gpu)])
+def test_confident_and_unsure_rows(rng, dtype):
+    """Logits of std 8, half the rows labelled with the student's own top token (softmax near 1:
+    the label stays in G) and half at random (the label term is added apart, exactly), with
+    repeated labels so several rows add into one grad_weight row."""
+    xp = np if dtype == "float32" else pytest.importorskip("cupy")
+    case = make_case(rng, T=40, vs=257, dtype=DTYPES[dtype], bias=True, logit_std=8.0, ignored=0.1)
+    logits = case["student_input"].astype(np.float64) @ case["student_weight"].astype(np.float64).T
+    confident = rng.random(40) < 0.5
+    case["target"] = np.where(confident, logits.argmax(1), rng.integers(0, 5, 40))
+    check_against_reference(case, xp, DTYPES[dtype], chunk_size=7, beta=0.3)
