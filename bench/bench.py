@@ -147,10 +147,9 @@ def _torch_sets(sets, requires_grad):
     return out
 
 
-def impl_liger(sets, mode):
+def _torch_step(sets, mode, loss_fn):
+    """fn(i): loss_fn on input set i as torch tensors, and its backward for fwd_bwd."""
     import torch
-    from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
-    loss_fn = LigerFusedLinearJSDLoss()  # compiled=True, chunk_size=1024: its defaults
     tsets = _torch_sets(sets, True)
 
     def fn(i):
@@ -161,6 +160,11 @@ def impl_liger(sets, mode):
                 loss.backward()
                 xs.grad = ws.grad = None
     return fn
+
+
+def impl_liger(sets, mode):
+    from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+    return _torch_step(sets, mode, LigerFusedLinearJSDLoss())  # compiled, chunk_size=1024: its defaults
 
 
 def torch_loss(xs, ws, xt, wt, target, beta=0.5, ignore_index=-100):
@@ -178,17 +182,7 @@ def torch_loss(xs, ws, xt, wt, target, beta=0.5, ignore_index=-100):
 
 
 def impl_torch(sets, mode):
-    import torch
-    tsets = _torch_sets(sets, True)
-
-    def fn(i):
-        xs, ws, xt, wt, target = tsets[i]
-        with torch.set_grad_enabled(mode == "fwd_bwd"):
-            loss = torch_loss(xs, ws, xt, wt, target)
-            if mode == "fwd_bwd":
-                loss.backward()
-                xs.grad = ws.grad = None
-    return fn
+    return _torch_step(sets, mode, torch_loss)
 
 
 # ---- one chunk, stage by stage ----
