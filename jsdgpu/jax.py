@@ -9,6 +9,7 @@ outside of JAX's tracing: under jax.jit the function raises a TypeError that say
 README for why).
 """
 
+import contextlib
 import functools
 
 import jax
@@ -44,7 +45,6 @@ def from_native(a):
 
 def current_stream(x):
     """JAX exposes no stream of its own to join: DLPack's exchange orders the work."""
-    import contextlib
     return contextlib.nullcontext()
 
 
