@@ -107,23 +107,24 @@ def test_runs_on_the_current_torch_stream(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("logit_std", [1.0, 8.0])
-@pytest.mark.parametrize("beta,temperature,weights", [(0.5, 1.0, (0.5, 0.5)), (0.0, 2.0, (0.3, 0.7)),
-                                                      (1.0, 0.5, (0.7, 0.3)), (0.3, 1.0, (1.0, 0.0))])
-def test_matches_liger(rng, beta, temperature, weights, logit_std):
+@pytest.mark.parametrize("beta,temperature,weights,bias,ignore_index", [
+    (0.5, 1.0, (0.5, 0.5), False, -100), (0.0, 2.0, (0.3, 0.7), True, -100),
+    (1.0, 0.5, (0.7, 0.3), False, 3), (0.3, 1.0, (1.0, 0.0), True, 3)])
+def test_matches_liger(rng, beta, temperature, weights, bias, ignore_index, logit_std):
     """Against Liger 0.8.5 on the same bf16 inputs: gradients at least as close to float64 as
     Liger's; the loss within 1e-4 of Liger's where Liger's own loss is that accurate (logits of
     std 1), and closer to float64 than Liger's at std 8, where Liger's bf16 logits cost it more
     (about 1.4e-4 relative, seen on the H200)."""
     liger = pytest.importorskip("liger_kernel.chunked_loss")
     case = make_case(rng, T=300, hs=256, ht=512, vs=32003, vt=32003, dtype=BF16, ignored=0.25,
-                     logit_std=logit_std)
+                     logit_std=logit_std, bias=bias, ignore_index=ignore_index)
     opts = dict(beta=beta, temperature=temperature, weight_hard_loss=weights[0],
-                weight_soft_loss=weights[1])
+                weight_soft_loss=weights[1], ignore_index=ignore_index)
     ref = jsdgpu.reference(**case, **opts)
     results = []
     for module in (jtorch.FusedLinearJSDLoss(**opts), liger.LigerFusedLinearJSDLoss(**opts)):
         ts = tensors(case, "cuda")
-        loss = module(*ts[:5])
+        loss = module(*ts)
         loss.backward()
         results.append((float(loss.detach()), grads_of(ts)))
     (ours, g_ours), (theirs, g_theirs) = results
@@ -133,7 +134,7 @@ def test_matches_liger(rng, beta, temperature, weights, logit_std):
         assert abs(ours - theirs) <= 1e-4 * max(1.0, abs(theirs)), (ours, theirs)
     else:
         assert abs(ours - ref[0]) <= abs(theirs - ref[0])
-    for k, want in ((0, ref[3]), (1, ref[4])):
+    for k, want in ((0, ref[3]), (1, ref[4])) + (((5, ref[5]),) if bias else ()):
         e_ours, e_theirs = rel_err(g_ours[k], want), rel_err(g_theirs[k], want)
         print(f"grad {k}: jsdgpu {e_ours:.2e}, liger {e_theirs:.2e}")
         assert e_ours <= e_theirs
