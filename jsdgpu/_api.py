@@ -51,13 +51,16 @@ class Context:
 def forward(student_input, student_weight, teacher_input, teacher_weight, target,
             student_bias=None, teacher_bias=None, *, weight_hard_loss=0.5, weight_soft_loss=0.5,
             beta=0.5, temperature=1.0, ignore_index=-100, chunk_size=None, compute_grad=True,
-            memory_budget=None, grad_weight_float32=False):
+            memory_budget=None, grad_weight_float32=False, num_valid_tokens=None):
     """Return (loss, ctx): loss is a 0-d float32 array of the inputs' kind.
 
     chunk_size: token rows per chunk; None picks the most that fit memory_budget bytes of
     per-chunk buffers (logits and gradient rows; the backend's default budget when None).
     compute_grad=False computes the loss only. grad_weight_float32 makes backward return
     grad_weight (and grad_bias) in float32, as accumulated, instead of the student's dtype.
+    num_valid_tokens: the N that the summed row losses are divided by, in place of this call's
+    count of valid rows: with the count of a whole batch, the calls on its parts (data-parallel
+    ranks, gradient-accumulation steps) add up to the loss and gradients of the whole.
     """
     arrays = dict(student_input=student_input, student_weight=student_weight,
                   teacher_input=teacher_input, teacher_weight=teacher_weight, target=target,
@@ -65,7 +68,7 @@ def forward(student_input, student_weight, teacher_input, teacher_weight, target
     options = dict(weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
                    temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
                    compute_grad=compute_grad, memory_budget=memory_budget,
-                   grad_weight_float32=grad_weight_float32)
+                   grad_weight_float32=grad_weight_float32, num_valid_tokens=num_valid_tokens)
     bridge = _bridge_for(arrays)
     if bridge is None:
         return _forward(arrays, **options)
@@ -79,9 +82,10 @@ def forward(student_input, student_weight, teacher_input, teacher_weight, target
 
 
 def _forward(arrays, *, weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index,
-             chunk_size, compute_grad, memory_budget, grad_weight_float32):
+             chunk_size, compute_grad, memory_budget, grad_weight_float32, num_valid_tokens):
     opts = LossOptions(*_checks.check_options(weight_hard_loss, weight_soft_loss, beta,
                                               temperature, ignore_index, chunk_size))
+    _checks.check_normalizer(num_valid_tokens, 0)  # its type and sign, before any work
     kind = _checks.check_arrays(arrays)
     backend = _backend(kind)
     xp = backend.xp
@@ -99,7 +103,8 @@ def _forward(arrays, *, weight_hard_loss, weight_soft_loss, beta, temperature, i
         xs, ws, xt, wt = (xp.ascontiguousarray(a) for a in (xs, ws, xt, wt))
         budget = backend.default_memory_budget if memory_budget is None else int(memory_budget)
         hard, soft, grads = run(backend, xs, ws, xt, wt, target_host[valid], bs, bt, opts,
-                                valid_rows=valid_rows, n_valid=len(valid),
+                                valid_rows=valid_rows,
+                                normalizer=_checks.check_normalizer(num_valid_tokens, len(valid)),
                                 chunk_size=chunk_size, memory_budget=budget,
                                 compute_grad=bool(compute_grad))
         loss = (opts.weight_hard_loss * hard.astype(np.float64)

@@ -53,6 +53,17 @@ def check_options(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_
     return w_hard, w_soft, beta, temperature, int(ignore_index)
 
 
+def check_normalizer(num_valid_tokens, n_valid):
+    """N, the divisor of the loss: num_valid_tokens when given (a positive real), else
+    max(1, number of valid rows)."""
+    if num_valid_tokens is None:
+        return float(max(1, n_valid))
+    n = _real("num_valid_tokens", num_valid_tokens)
+    if n <= 0.0:
+        raise ValueError(f"num_valid_tokens must be > 0, got {n}")
+    return n
+
+
 def check_arrays(arrays):
     """arrays: dict name -> array (biases may be None). Returns the kind, 'numpy' or 'cupy'.
 

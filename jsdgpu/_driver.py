@@ -58,12 +58,13 @@ def label_groups(target):
     return tuple(a.astype(np.int32) for a in (order, starts, sorted_target[starts]))
 
 
-def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, n_valid, chunk_size,
+def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer, chunk_size,
         memory_budget, compute_grad):
     """Compute the per-row losses and, with compute_grad, the gradient sums.
 
     target: a NumPy array of the valid rows' targets. valid_rows: a backend index array of the
-    valid rows, or None when every row is valid. Returns (hard_loss, soft_loss, Gradients or
+    valid rows, or None when every row is valid. normalizer: N, the divisor of the summed row
+    losses. Returns (hard_loss, soft_loss, Gradients or
     None); the losses are 0-d float32 backend arrays.
     """
     xp = backend.xp
@@ -72,7 +73,7 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, n_valid, c
     if valid_rows is not None:
         xs, xt = xp.take(xs, valid_rows, axis=0), xp.take(xt, valid_rows, axis=0)
     n_rows, vs, hs = xs.shape[0], ws.shape[0], xs.shape[1]
-    norm = 1.0 / max(1, n_valid)
+    norm = 1.0 / normalizer
 
     ce = xp.zeros(n_rows, dtype=np.float32)
     jsd = xp.zeros(n_rows, dtype=np.float32)

@@ -51,13 +51,14 @@ def current_stream(x):
 # ---- the differentiable function ----
 
 _OPTIONS = ("weight_hard_loss", "weight_soft_loss", "beta", "temperature", "ignore_index",
-            "chunk_size")
+            "chunk_size", "num_valid_tokens")
 
 
 def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_weight, target,
                           student_bias=None, teacher_bias=None, **options):
     """SPEC.md's loss; differentiable with respect to the student input, weight and bias.
-    options: weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size."""
+    options: weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size,
+    num_valid_tokens (see jsdgpu.forward)."""
     unknown = set(options) - set(_OPTIONS)
     if unknown:
         raise TypeError(f"unknown options: {sorted(unknown)}")

@@ -87,14 +87,15 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
                           true_labels, student_bias=None, teacher_bias=None, *,
                           weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5,
                           ignore_index=-100, temperature=1.0, chunk_size=None,
-                          return_soft_hard_loss=False):
-    """The loss as a function; see FusedLinearJSDLoss."""
+                          return_soft_hard_loss=False, num_valid_tokens=None):
+    """The loss as a function; see FusedLinearJSDLoss. num_valid_tokens: see jsdgpu.forward."""
     # grad mode is off inside Function.forward: decide here whether gradients are wanted
     compute_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
     options = dict(weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
                    beta=beta, ignore_index=ignore_index, temperature=temperature,
-                   chunk_size=chunk_size, compute_grad=compute_grad)
+                   chunk_size=chunk_size, compute_grad=compute_grad,
+                   num_valid_tokens=num_valid_tokens)
     loss, soft, hard = FusedLinearJSDFunction.apply(student_input, student_weight, teacher_input,
                                                     teacher_weight, true_labels, student_bias,
                                                     teacher_bias, options)

@@ -191,3 +191,32 @@ def test_confident_and_unsure_rows(rng, dtype):
     confident = rng.random(40) < 0.5
     case["target"] = np.where(confident, logits.argmax(1), rng.integers(0, 5, 40))
     check_against_reference(case, xp, DTYPES[dtype], chunk_size=7, beta=0.3)
+
+
+def test_num_valid_tokens_parts_add_up_to_the_whole(xp, rng):
+    """Two parts of a batch, each divided by the whole batch's count of valid rows, add up to
+    the loss and gradients of the whole batch in one call (data parallelism, accumulation)."""
+    case = make_case(rng, T=20, bias=True, ignored=0.3)
+    n = max(1, int((case["target"] != -100).sum()))
+    loss, ctx = jsdgpu.forward(**to_xp(case, xp), beta=0.3)
+    whole = [to_numpy(a) for a in (loss, *jsdgpu.backward(ctx))]
+    parts = []
+    for rows in (slice(0, 8), slice(8, 20)):
+        part = dict(case, student_input=case["student_input"][rows],
+                    teacher_input=case["teacher_input"][rows], target=case["target"][rows])
+        loss, ctx = jsdgpu.forward(**to_xp(part, xp), beta=0.3, num_valid_tokens=n)
+        parts.append([to_numpy(a) for a in (loss, *jsdgpu.backward(ctx))])
+    assert abs(float(parts[0][0]) + float(parts[1][0]) - float(whole[0])) <= 1e-5 * float(whole[0])
+    assert rel_err(np.concatenate([parts[0][1], parts[1][1]]), whole[1]) <= 1e-5
+    for k in (2, 3):  # grad_weight, grad_bias
+        assert rel_err(parts[0][k] + parts[1][k], whole[k]) <= 1e-5
+
+
+def test_num_valid_tokens_scales(xp, rng):
+    case = make_case(rng, T=9, ignored=0.3)
+    n = max(1, int((case["target"] != -100).sum()))
+    ref = jsdgpu.reference(**case)
+    loss, ctx = jsdgpu.forward(**to_xp(case, xp), num_valid_tokens=2.5 * n)
+    gi, gw, _ = jsdgpu.backward(ctx)
+    assert abs(float(loss) - ref[0] / 2.5) <= 1e-5 * ref[0]
+    assert rel_err(gi, ref[3] / 2.5) <= 1e-4 and rel_err(gw, ref[4] / 2.5) <= 1e-4

@@ -72,6 +72,10 @@ BAD_INPUTS = [
     ("weight string", None, {"weight_soft_loss": "0.5"}, TypeError, "weight_soft_loss"),
     ("ignore_index float", None, {"ignore_index": 1.5}, TypeError, "ignore_index"),
     ("chunk_size 0", None, {"chunk_size": 0}, ValueError, "chunk_size"),
+    ("num_valid_tokens 0", None, {"num_valid_tokens": 0}, ValueError, "num_valid_tokens"),
+    ("num_valid_tokens nan", None, {"num_valid_tokens": float("nan")}, ValueError,
+     "num_valid_tokens"),
+    ("num_valid_tokens text", None, {"num_valid_tokens": "8"}, TypeError, "num_valid_tokens"),
     ("not an array", _set("student_weight", lambda c, xp: [[1.0]]), {}, TypeError,
      "student_weight"),
 ]

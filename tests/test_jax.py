@@ -45,3 +45,14 @@ def test_under_jit_raises_a_clear_error(rng):
                                            "teacher_weight", "target")]
     with pytest.raises(TypeError, match="outside jit"):
         jax.jit(jjax.fused_linear_jsd_loss)(*args)
+
+
+def test_num_valid_tokens(rng):
+    case = make_case(rng, T=6, ignored=0.3)
+    n = max(1, int((case["target"] != -100).sum()))
+    args = [jnp.asarray(case[k]) for k in ("student_input", "student_weight", "teacher_input",
+                                           "teacher_weight", "target")]
+    loss, g = jax.value_and_grad(jjax.fused_linear_jsd_loss, argnums=1)(*args, num_valid_tokens=4.0 * n)
+    ref = jsdgpu.reference(**case)
+    assert abs(float(loss) - ref[0] / 4.0) <= 1e-5 * ref[0]
+    assert rel_err(np.asarray(g), ref[4] / 4.0) <= 1e-4

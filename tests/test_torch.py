@@ -138,3 +138,14 @@ def test_matches_liger(rng, beta, temperature, weights, bias, ignore_index, logi
         e_ours, e_theirs = rel_err(g_ours[k], want), rel_err(g_theirs[k], want)
         print(f"grad {k}: jsdgpu {e_ours:.2e}, liger {e_theirs:.2e}")
         assert e_ours <= e_theirs
+
+
+def test_num_valid_tokens(rng, device):
+    case = make_case(rng, T=6, ignored=0.3)
+    ts = tensors(case, device)
+    n = max(1, int((case["target"] != -100).sum()))
+    loss = jtorch.fused_linear_jsd_loss(*ts, num_valid_tokens=4.0 * n)
+    loss.backward()
+    ref = jsdgpu.reference(**case)
+    assert abs(float(loss.detach()) - ref[0] / 4.0) <= 1e-5 * ref[0]
+    assert rel_err(grads_of(ts)[1], ref[4] / 4.0) <= 1e-4
