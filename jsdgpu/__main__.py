@@ -10,12 +10,13 @@ import ml_dtypes
 import numpy as np
 
 import jsdgpu
+from jsdgpu._checks import gpu_available
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
 
 def parse_args(argv):
-    gpu = _gpu_available()
+    gpu = gpu_available()
     p = argparse.ArgumentParser(
         prog="python -m jsdgpu", description=__doc__,
         epilog="Defaults: on a GPU the benchmark workload (T=1024, V=128256, teacher hidden 4096, "
@@ -49,14 +50,6 @@ def parse_args(argv):
     a.teacher_hidden = a.teacher_hidden or (4096 if big else 512)
     a.dtype = a.dtype or ("bfloat16" if big else "float32")
     return a
-
-
-def _gpu_available():
-    try:
-        import cupy
-        return cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
 
 
 def main(argv=None):

@@ -20,6 +20,15 @@ def array_kind(a):
     return None
 
 
+def gpu_available():
+    """Whether CuPy is installed and sees a CUDA device."""
+    try:
+        import cupy
+        return cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, or no driver
+        return False
+
+
 def _device_of(a):
     return a.device.id if array_kind(a) == "cupy" else "cpu"
 

@@ -14,16 +14,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jsdgpu._checks import gpu_available
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
-
-
-def gpu_available():
-    try:
-        import cupy
-        return cupy.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
 
 
 def pytest_collection_modifyitems(config, items):
