@@ -64,8 +64,8 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
 
     target: a NumPy array of the valid rows' targets. valid_rows: a backend index array of the
     valid rows, or None when every row is valid. normalizer: N, the divisor of the summed row
-    losses. Returns (hard_loss, soft_loss, Gradients or
-    None); the losses are 0-d float32 backend arrays.
+    losses. Returns (hard_loss, soft_loss, Gradients or None); the losses are 0-d float32
+    backend arrays.
     """
     xp = backend.xp
     groups = tuple(xp.asarray(g) for g in label_groups(target)) if compute_grad else None

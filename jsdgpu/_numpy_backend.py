@@ -126,6 +126,8 @@ class NumpyBackend:
         if work["bt"] is not None:
             t += work["bt"]
         compute_grad = label_terms is not None
+        # without gradients, G and label_terms are placeholders of the types Numba compiled
+        # for (one compiled kernel); the kernel does not touch them
         G = np.empty(s.shape if compute_grad else (0, 0), np.float32)
         _rows_kernel(s, t, target, opts.mode, opts.beta, 1.0 / opts.temperature,
                      opts.weight_hard_loss, opts.weight_soft_loss / opts.temperature,

@@ -105,8 +105,8 @@ struct Lse {
 };
 
 __device__ __forceinline__ Lse lse_merge(Lse a, Lse b) {
-  // s == 0 only when no element was pushed; a NaN element leaves m at -inf but s NaN, and
-  // must not be dropped as empty
+  // s == 0 only when a part holds no value; a part of NaNs has m = -inf (fmaxf skips NaN) but
+  // s = NaN, and must not be dropped as empty
   if (b.s == 0.0f) return a;
   if (a.s == 0.0f) return b;
   const float m = fmaxf(a.m, b.m);
