@@ -4,7 +4,7 @@ import importlib
 
 import numpy as np
 
-from . import _checks
+from . import _checks, parallel
 from ._driver import LossOptions, run
 
 # Modules of the DLPack producers the bridges take, and the bridge module of each.
@@ -51,7 +51,8 @@ class Context:
 def forward(student_input, student_weight, teacher_input, teacher_weight, target,
             student_bias=None, teacher_bias=None, *, weight_hard_loss=0.5, weight_soft_loss=0.5,
             beta=0.5, temperature=1.0, ignore_index=-100, chunk_size=None, compute_grad=True,
-            memory_budget=None, grad_weight_float32=False, num_valid_tokens=None):
+            memory_budget=None, grad_weight_float32=False, num_valid_tokens=None,
+            vocab_parallel=None):
     """Return (loss, ctx): loss is a 0-d float32 array of the inputs' kind.
 
     chunk_size: token rows per chunk; None picks the most that fit memory_budget bytes of
@@ -61,6 +62,8 @@ def forward(student_input, student_weight, teacher_input, teacher_weight, target
     num_valid_tokens: the N that the summed row losses are divided by, in place of this call's
     count of valid rows: with the count of a whole batch, the calls on its parts (data-parallel
     ranks, gradient-accumulation steps) add up to the loss and gradients of the whole.
+    vocab_parallel: a communicator over ranks that each hold a shard of the vocabulary (the
+    weights and biases passed are this rank's rows); see jsdgpu.parallel.
     """
     arrays = dict(student_input=student_input, student_weight=student_weight,
                   teacher_input=teacher_input, teacher_weight=teacher_weight, target=target,
@@ -68,7 +71,8 @@ def forward(student_input, student_weight, teacher_input, teacher_weight, target
     options = dict(weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
                    temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
                    compute_grad=compute_grad, memory_budget=memory_budget,
-                   grad_weight_float32=grad_weight_float32, num_valid_tokens=num_valid_tokens)
+                   grad_weight_float32=grad_weight_float32, num_valid_tokens=num_valid_tokens,
+                   vocab_parallel=vocab_parallel)
     bridge = _bridge_for(arrays)
     if bridge is None:
         return _forward(arrays, **options)
@@ -82,10 +86,12 @@ def forward(student_input, student_weight, teacher_input, teacher_weight, target
 
 
 def _forward(arrays, *, weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index,
-             chunk_size, compute_grad, memory_budget, grad_weight_float32, num_valid_tokens):
+             chunk_size, compute_grad, memory_budget, grad_weight_float32, num_valid_tokens,
+             vocab_parallel):
     opts = LossOptions(*_checks.check_options(weight_hard_loss, weight_soft_loss, beta,
                                               temperature, ignore_index, chunk_size))
     _checks.check_normalizer(num_valid_tokens, 0)  # its type and sign, before any work
+    comm = parallel.communicator(vocab_parallel)
     kind = _checks.check_arrays(arrays)
     backend = _backend(kind)
     xp = backend.xp
@@ -96,7 +102,10 @@ def _forward(arrays, *, weight_hard_loss, weight_soft_loss, beta, temperature, i
     with backend.on_device(device):
         target_host = arrays["target"]
         target_host = (xp.asnumpy(target_host) if kind == "cupy" else target_host).astype(np.int64)
-        _checks.check_target(target_host, ws.shape[0], opts.ignore_index)
+        # the shard sizes cross the ranks first: the targets index the whole vocabulary
+        shard = None if comm is None else parallel.shard_layout(comm, xp, ws.shape[0], wt.shape[0])
+        _checks.check_target(target_host, ws.shape[0] if shard is None else shard.vs_total,
+                             opts.ignore_index)
         valid = np.flatnonzero(target_host != opts.ignore_index)
         n_rows = xs.shape[0]
         valid_rows = None if len(valid) == n_rows else xp.asarray(valid)
@@ -106,7 +115,7 @@ def _forward(arrays, *, weight_hard_loss, weight_soft_loss, beta, temperature, i
                                 valid_rows=valid_rows,
                                 normalizer=_checks.check_normalizer(num_valid_tokens, len(valid)),
                                 chunk_size=chunk_size, memory_budget=budget,
-                                compute_grad=bool(compute_grad))
+                                compute_grad=bool(compute_grad), shard=shard)
         loss = (opts.weight_hard_loss * hard.astype(np.float64)
                 + opts.weight_soft_loss * soft.astype(np.float64)).astype(np.float32)
         loss = xp.asarray(loss, dtype=np.float32)

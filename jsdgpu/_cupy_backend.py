@@ -103,17 +103,21 @@ class CupyBackend:
         grad = np.dtype(dtype).itemsize * _leading_dim(vs) if compute_grad else 0
         return 4 * (_leading_dim(vs) + _leading_dim(vt)) + grad
 
-    def prepare(self, ws, wt, bs, bt, rows, compute_grad):
+    def prepare(self, ws, wt, bs, bt, rows, compute_grad, fused):
+        """The chunk buffers, and with fused the row kernel's cluster size that fits vt."""
         vs, vt = ws.shape[0], wt.shape[0]
-        device = cupy.cuda.Device().id
-        fmt = _KERNEL_FORMAT[ws.dtype]
-        for cluster in (self.cluster,) if self.cluster else (16, 8):
-            func, smem_limit = _kernel(device, fmt, cluster)
-            if 8 * _slice(vt, cluster) <= smem_limit:
-                break
-        else:
-            raise ValueError(f"teacher_weight's vocabulary of {vt} does not fit the shared memory "
-                             f"of a cluster of {cluster} CTAs ({cluster} x {smem_limit} bytes)")
+        func = cluster = None
+        if fused:
+            device = cupy.cuda.Device().id
+            fmt = _KERNEL_FORMAT[ws.dtype]
+            for cluster in (self.cluster,) if self.cluster else (16, 8):
+                func, smem_limit = _kernel(device, fmt, cluster)
+                if 8 * _slice(vt, cluster) <= smem_limit:
+                    break
+            else:
+                raise ValueError(f"teacher_weight's vocabulary of {vt} does not fit the shared "
+                                 f"memory of a cluster of {cluster} CTAs "
+                                 f"({cluster} x {smem_limit} bytes)")
 
         def padded_bias(b, v):
             if b is None:
@@ -128,24 +132,58 @@ class CupyBackend:
             logits_t=cupy.empty((rows, _leading_dim(vt)), np.float32),
             G=cupy.empty((rows, _leading_dim(vs)), ws.dtype) if compute_grad else None,
             ones=cupy.ones(rows, ws.dtype) if bs is not None else None,
-            func=func, cluster=cluster, slice=_slice(vt, cluster))
+            func=func, cluster=cluster, slice=None if func is None else _slice(vt, cluster))
 
     @staticmethod
-    def chunk(work, xs, xt, target, opts, ce, jsd, label_terms):
+    def logits(work, xs, xt):
         c = xs.shape[0]
         _logits(xs, work["ws"], work["logits_s"][:c])
         _logits(xt, work["wt"], work["logits_t"][:c])
+
+    @staticmethod
+    def fused_rows(work, target, opts, ce, jsd, label_terms):
+        """The fused row kernel over the chunk's logits; returns G (None without label_terms)."""
+        c = len(target)
         G = work["G"][:c] if label_terms is not None else None
         launch_rows(work, c, target, opts, ce, jsd, G, label_terms)
         return G
 
+    # the three phases of the row work (vocab parallel): rows.cu's vp_* kernels
+
+    @staticmethod
+    def row_stats(work, target, opts):
+        stats = cupy.empty((7, len(target)), np.float32)
+        _vp_launch("vp_stats", work, target, opts, (stats,))
+        return stats
+
+    @staticmethod
+    def row_kl(work, target, stats, opts):
+        kl = cupy.empty((2, stats.shape[1]), np.float32)
+        _vp_launch("vp_kl", work, target, opts,
+                   (np.int32(opts.mode), np.float32(opts.beta), stats, kl))
+        return kl
+
+    @staticmethod
+    def row_finish(work, target, stats, kl, opts, ce, jsd, label_terms):
+        G = work["G"][:len(target)] if label_terms is not None else None
+        null = np.uint64(0)
+        _vp_launch(f"vp_finish_{_KERNEL_FORMAT[work['ws'].dtype]}", work, target, opts, (
+            np.int32(opts.mode), np.float32(opts.beta), np.float32(opts.weight_hard_loss),
+            np.float32(opts.weight_soft_loss / opts.temperature), stats, kl, ce, jsd,
+            null if G is None else G, np.int64(0 if G is None else G.shape[1]),
+            null if G is None else label_terms))
+        return G
+
     @staticmethod
     def add_label_terms(work, label_terms, target, xs, norm, grads, label_groups):
-        """The label terms the row kernel left out of G, added exactly in float32: a gather of
-        Ws rows for grad_input, and label_scatter (rows.cu) for grad_weight and grad_bias."""
-        terms = label_terms * np.float32(norm)
-        grads.grad_input += terms[:, None] * work["ws"][target].astype(np.float32)
+        """The label terms the row kernel left out of G, added exactly in float32 for the rows
+        whose label this rank owns: a gather of Ws rows for grad_input, and label_scatter
+        (rows.cu) for grad_weight and grad_bias."""
         order, starts, labels = label_groups
+        if len(labels) == 0:
+            return
+        terms = label_terms[order] * np.float32(norm)
+        grads.grad_input[order] += terms[:, None] * work["ws"][target[order]].astype(np.float32)
         fmt = _KERNEL_FORMAT[xs.dtype]
         func = _module(cupy.cuda.Device().id).get_function(f"label_scatter_{fmt}")
         func((len(labels),), (256,),
@@ -167,6 +205,18 @@ class CupyBackend:
             # grad_bias [V] += norm G^T @ ones; column-major: G^T [V, c] @ ones [c, 1]
             _gemm(_N, _N, vs, 1, c, norm, G, ldg, work["ones"][:c], c, accumulate,
                   grads.grad_bias, vs)
+
+
+def _vp_launch(name, work, target, opts, more_args):
+    """A vp_* kernel of rows.cu over the chunk's rows (one CTA of VP_THREADS = 256 per row)."""
+    ls, lt = work["logits_s"], work["logits_t"]
+    null = np.uint64(0)
+    args = (ls, np.int64(ls.shape[1]), lt, np.int64(lt.shape[1]),
+            null if work["bs"] is None else work["bs"], null if work["bt"] is None else work["bt"],
+            target, np.int32(work["ws"].shape[0]), np.int32(work["wt"].shape[0]),
+            np.float32(1.0 / opts.temperature), np.int32(len(target)))
+    func = _module(cupy.cuda.Device().id).get_function(name)
+    func((len(target),), (256,), args + more_args)
 
 
 def launch_rows(work, c, target, opts, ce, jsd, G, label_terms):

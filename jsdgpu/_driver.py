@@ -1,10 +1,15 @@
 """The chunk loop shared by every backend.
 
-Per chunk of valid token rows: student and teacher logits (float32), the row kernel (per-row CE
+Per chunk of valid token rows: student and teacher logits (float32), the row work (per-row CE
 and JSD values, and the gradient rows G), then grad_input = G @ Ws and grad_weight += G.T @ Xs.
 Ignored rows are dropped before the loop, so every matrix product shrinks with them. After the
 loop, the label terms the row kernel kept out of G (where the one-hot dominates a 16-bit G
 entry) are added exactly.
+
+The row work is one fused kernel where the backend has one and the whole vocabulary is here;
+otherwise three phases (statistics, KL sums, results and G). Under vocab parallelism each rank
+holds a shard of the vocabulary, and the phases' per-row vectors are combined across ranks
+between the phases; grad_input is summed across ranks at the end.
 
 G is written without the 1/N of the mean: it stays O(1), which keeps float16 G clear of
 underflow, and 1/N goes into the matrix products' alpha.
@@ -50,29 +55,60 @@ def chunk_rows(n_rows, chunk_size, bytes_per_row, memory_budget):
 
 
 def label_groups(target):
-    """The rows grouped by label, in a fixed order: (order, starts, labels), int32 NumPy arrays;
-    the rows of labels[u] are order[starts[u]:starts[u + 1]] (the last group runs to the end)."""
-    order = np.argsort(target, kind="stable")
+    """The rows with a label on this rank (target >= 0) grouped by label, in a fixed order:
+    (order, starts, labels), int32 NumPy arrays; the rows of labels[u] are
+    order[starts[u]:starts[u + 1]] (the last group runs to the end)."""
+    owned = np.flatnonzero(target >= 0)
+    order = owned[np.argsort(target[owned], kind="stable")]
     sorted_target = target[order]
-    starts = np.flatnonzero(np.r_[len(target) > 0, sorted_target[1:] != sorted_target[:-1]])
+    starts = np.flatnonzero(np.r_[len(order) > 0, sorted_target[1:] != sorted_target[:-1]])
     return tuple(a.astype(np.int32) for a in (order, starts, sorted_target[starts]))
 
 
+def combine_stats(xp, comm, stats):
+    """The row statistics of every rank's shard merged in place: stats [7, rows] as the row
+    kernels write them (maxima of s, z, t; sums of exp(x - max); the target logit)."""
+    maxima, sums = stats[:3], stats[3:6]
+    local = maxima.copy()
+    comm.allreduce(maxima, "max")
+    # each rank's sums rescaled to the global max; an empty part (sum 0, max -inf) stays 0
+    sums *= xp.exp(xp.where(sums == 0, maxima, local) - maxima)
+    comm.allreduce(stats[3:], "sum")
+
+
+def _row_work(backend, work, comm, target, opts, ce, jsd, label_terms):
+    """The rows' results and G (None without label_terms) over the chunk's logits."""
+    if comm is None and backend.fused_rows is not None:
+        return backend.fused_rows(work, target, opts, ce, jsd, label_terms)
+    stats = backend.row_stats(work, target, opts)
+    if comm is not None:
+        combine_stats(backend.xp, comm, stats)
+    kl = backend.row_kl(work, target, stats, opts)
+    if comm is not None:
+        comm.allreduce(kl, "sum")
+    return backend.row_finish(work, target, stats, kl, opts, ce, jsd, label_terms)
+
+
 def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer, chunk_size,
-        memory_budget, compute_grad):
+        memory_budget, compute_grad, shard=None):
     """Compute the per-row losses and, with compute_grad, the gradient sums.
 
     target: a NumPy array of the valid rows' targets. valid_rows: a backend index array of the
     valid rows, or None when every row is valid. normalizer: N, the divisor of the summed row
-    losses. Returns (hard_loss, soft_loss, Gradients or None); the losses are 0-d float32
-    backend arrays.
+    losses. shard: under vocab parallelism, this rank's parallel.Shard (its weights and biases
+    are then its shards of the vocabulary), else None. Returns (hard_loss, soft_loss, Gradients
+    or None); the losses are 0-d float32 backend arrays.
     """
     xp = backend.xp
+    comm = None if shard is None else shard.comm
+    vs, vt = ws.shape[0], wt.shape[0]
+    if shard is not None:  # the labels as columns of this rank's shard, -1 where not owned
+        target = np.where((target >= shard.v0) & (target < shard.v0 + vs), target - shard.v0, -1)
     groups = tuple(xp.asarray(g) for g in label_groups(target)) if compute_grad else None
     target = xp.asarray(target.astype(np.int32))
     if valid_rows is not None:
         xs, xt = xp.take(xs, valid_rows, axis=0), xp.take(xt, valid_rows, axis=0)
-    n_rows, vs, hs = xs.shape[0], ws.shape[0], xs.shape[1]
+    n_rows, hs = xs.shape
     norm = 1.0 / normalizer
 
     ce = xp.zeros(n_rows, dtype=np.float32)
@@ -85,19 +121,24 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
         grads = Gradients(new((n_rows, hs), np.float32), new((vs, hs), np.float32),
                           None if bs is None else new(vs, np.float32))
     if n_rows:
+        # every rank must cut the same chunks: size them by the largest shard
+        widest = (vs, vt) if shard is None else (shard.max_vs, shard.max_vt)
         rows = chunk_rows(n_rows, chunk_size,
-                          backend.bytes_per_row(vs, wt.shape[0], ws.dtype, compute_grad),
-                          memory_budget)
-        work = backend.prepare(ws, wt, bs, bt, min(rows, n_rows), compute_grad)
+                          backend.bytes_per_row(*widest, ws.dtype, compute_grad), memory_budget)
+        work = backend.prepare(ws, wt, bs, bt, min(rows, n_rows), compute_grad,
+                               fused=comm is None)
         for start in range(0, n_rows, rows):
             stop = min(start + rows, n_rows)
-            G = backend.chunk(work, xs[start:stop], xt[start:stop], target[start:stop], opts,
-                              ce[start:stop], jsd[start:stop],
-                              None if label_terms is None else label_terms[start:stop])
+            backend.logits(work, xs[start:stop], xt[start:stop])
+            G = _row_work(backend, work, comm, target[start:stop], opts, ce[start:stop],
+                          jsd[start:stop],
+                          None if label_terms is None else label_terms[start:stop])
             if compute_grad:
                 backend.grad_products(work, G, xs[start:stop], norm, grads, start, stop)
         if compute_grad:
             backend.add_label_terms(work, label_terms, target, xs, norm, grads, groups)
+    if compute_grad and comm is not None:
+        comm.allreduce(grads.grad_input, "sum")
     # fixed-order sums: two runs on the same inputs give the same bits
     hard = xp.asarray(ce.sum(dtype=np.float64) * norm, dtype=np.float32)
     soft = xp.asarray(jsd.sum(dtype=np.float64) * norm, dtype=np.float32)

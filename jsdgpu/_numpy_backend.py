@@ -1,7 +1,8 @@
-"""CPU backend: NumPy float32 matrix products and a Numba row kernel, parallel over rows.
+"""CPU backend: NumPy float32 matrix products and Numba row kernels, parallel over rows.
 
-The row kernel keeps its sums in float64 (cheap on a CPU); it follows the same three passes as
-the CUDA kernel in rows.cu: the row statistics, the JSD sums, then the gradient row.
+The row kernels keep their sums in float64 (cheap on a CPU). They are the three phases of the
+row work that the driver runs (and, under vocab parallelism, combines across ranks between):
+the row statistics, the KL sums, then the row results and the gradient row.
 """
 
 import contextlib
@@ -14,13 +15,12 @@ from ._driver import FORWARD_KL, JSD
 
 
 @numba.njit(parallel=True, cache=True)
-def _rows_kernel(s, t, target, mode, beta, inv_temp, w_hard, w_soft_t, ce, jsd, G, label_terms,
-                 write_grad):
+def _stats_kernel(s, t, target, inv_temp, stats):
+    """stats [7, n]: the maxima of s, z = s / temperature (padded with zeros to vt) and
+    t / temperature; the sums of exp(x - max) of each; the target logit (0 where target < 0)."""
     n, vs = s.shape
     vt = t.shape[1]
     for i in numba.prange(n):
-        # 1. statistics: the logsumexp of s, of z = s / temperature padded with zeros to vt,
-        #    and of t / temperature
         ms = -np.inf
         for j in range(vs):
             ms = max(ms, s[i, j])
@@ -40,56 +40,87 @@ def _rows_kernel(s, t, target, mode, beta, inv_temp, w_hard, w_soft_t, ce, jsd, 
         sum_t = 0.0
         for j in range(vt):
             sum_t += math.exp(t[i, j] * inv_temp - mt)
-        lse_s = ms + math.log(sum_s)
-        lse_z = mz + math.log(sum_z)
-        lse_t = mt + math.log(sum_t)
-        ce[i] = lse_s - s[i, target[i]]
+        stats[0, i], stats[1, i], stats[2, i] = ms, mz, mt
+        stats[3, i], stats[4, i], stats[5, i] = sum_s, sum_z, sum_t
+        stats[6, i] = s[i, target[i]] if target[i] >= 0 else 0.0
 
-        # 2. a = sum p (log p - log m), b = sum q (log q - log m), with m = p (beta = 1) or
-        #    m = p (beta = 0, then a stays 0) or the mixture
+
+@numba.njit(cache=True)
+def _lse(stats, i):
+    return (stats[0, i] + math.log(stats[3, i]), stats[1, i] + math.log(stats[4, i]),
+            stats[2, i] + math.log(stats[5, i]))
+
+
+@numba.njit(cache=True)
+def _kl_terms(z, tt, lse_z, lse_t, mode, beta):
+    """One column's share of a = sum p (log p - log m) and b = sum q (log q - log m), with m the
+    mixture (JSD), p (forward KL) or q (reverse KL); then p, and h, what the gradient needs of
+    the teacher. z, tt: the tempered student (0 in a pad column) and teacher logits."""
+    lp = z - lse_z
+    lq = tt - lse_t
+    p = math.exp(lp)
+    q = math.exp(lq)
+    if mode == FORWARD_KL:
+        lm = lp
+        h = q
+    elif mode == JSD:
+        lm = math.log((1.0 - beta) * p + beta * q)
+        h = lp - lm
+    else:
+        lm = lq
+        h = lp - lq
+    # 0 log 0 = 0; "!= 0" so that a NaN reaches the loss
+    a = p * (lp - lm) if p != 0.0 else 0.0
+    b = q * (lq - lm) if q != 0.0 else 0.0
+    return a, b, p, h
+
+
+@numba.njit(parallel=True, cache=True)
+def _kl_kernel(s, t, inv_temp, mode, beta, stats, kl):
+    """kl [2, n]: a and b of each row."""
+    n, vs = s.shape
+    vt = t.shape[1]
+    for i in numba.prange(n):
+        _, lse_z, lse_t = _lse(stats, i)
         a = 0.0
         b = 0.0
         for j in range(vt):
-            lp = (s[i, j] * inv_temp if j < vs else 0.0) - lse_z
-            lq = t[i, j] * inv_temp - lse_t
-            p = math.exp(lp)
-            q = math.exp(lq)
-            if mode == FORWARD_KL:
-                lm = lp
-            elif mode == JSD:
-                lm = math.log((1.0 - beta) * p + beta * q)
-            else:
-                lm = lq
-            if p != 0.0:  # 0 log 0 = 0; "!= 0" so that a NaN reaches the loss
-                a += p * (lp - lm)
-            if q != 0.0:
-                b += q * (lq - lm)
+            z = np.float64(s[i, j]) * inv_temp if j < vs else 0.0
+            da, db, _, _ = _kl_terms(z, t[i, j] * inv_temp, lse_z, lse_t, mode, beta)
+            a += da
+            b += db
+        kl[0, i] = a
+        kl[1, i] = b
+
+
+@numba.njit(parallel=True, cache=True)
+def _finish_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_t, stats, kl, ce, jsd, G,
+                   label_terms, write_grad):
+    """The row's CE and JSD values, and with write_grad its gradient row without the 1/N of
+    the mean; the label's one-hot term kept apart where it dominates (as rows.cu does, where G
+    is 16-bit)."""
+    n, vs = s.shape
+    c_jsd = 1.0 - beta if mode == JSD else 1.0
+    for i in numba.prange(n):
+        lse_s, lse_z, lse_t = _lse(stats, i)
+        a = kl[0, i]
+        b = kl[1, i]
+        ce[i] = lse_s - stats[6, i]
         if mode == FORWARD_KL:
             jsd[i] = b
         elif mode == JSD:
             jsd[i] = beta * b + (1.0 - beta) * a
         else:
             jsd[i] = a
-
-        # 3. the gradient row, without the 1/N of the mean; the label's one-hot term apart where
-        #    it dominates (as rows.cu does, where G is 16-bit)
         if write_grad:
-            label_apart = math.exp(s[i, target[i]] - lse_s) < 0.5
+            y = target[i]
+            label_apart = y >= 0 and math.exp(stats[6, i] - lse_s) < 0.5
             label_terms[i] = -w_hard if label_apart else 0.0
             for j in range(vs):
                 x = np.float64(s[i, j])
-                lp = x * inv_temp - lse_z
-                lq = t[i, j] * inv_temp - lse_t
-                p = math.exp(lp)
-                q = math.exp(lq)
-                if mode == FORWARD_KL:
-                    dz = p - q
-                elif mode == JSD:
-                    lm = math.log((1.0 - beta) * p + beta * q)
-                    dz = (1.0 - beta) * p * (lp - lm - a)
-                else:
-                    dz = p * (lp - lq - a)
-                hard = math.exp(x - lse_s) - (1.0 if j == target[i] and not label_apart else 0.0)
+                _, _, p, h = _kl_terms(x * inv_temp, t[i, j] * inv_temp, lse_z, lse_t, mode, beta)
+                dz = p - h if mode == FORWARD_KL else c_jsd * p * (h - a)
+                hard = math.exp(x - lse_s) - (1.0 if j == y and not label_apart else 0.0)
                 G[i, j] = w_hard * hard + w_soft_t * dz
 
 
@@ -112,27 +143,45 @@ class NumpyBackend:
     def bytes_per_row(vs, vt, dtype, compute_grad):
         return 4 * (vs + vt) + (4 * vs if compute_grad else 0)
 
+    fused_rows = None  # the driver runs the three phases
+
     @staticmethod
-    def prepare(ws, wt, bs, bt, rows, compute_grad):
+    def prepare(ws, wt, bs, bt, rows, compute_grad, fused):
         f32 = lambda a: None if a is None else a.astype(np.float32, copy=False)
         return dict(ws=f32(ws), wt=f32(wt), bs=f32(bs), bt=f32(bt))
 
     @staticmethod
-    def chunk(work, xs, xt, target, opts, ce, jsd, label_terms):
+    def logits(work, xs, xt):
         s = xs.astype(np.float32) @ work["ws"].T
         t = xt.astype(np.float32) @ work["wt"].T
         if work["bs"] is not None:
             s += work["bs"]
         if work["bt"] is not None:
             t += work["bt"]
+        work["s"], work["t"] = s, t
+
+    @staticmethod
+    def row_stats(work, target, opts):
+        stats = np.empty((7, len(target)))
+        _stats_kernel(work["s"], work["t"], target, 1.0 / opts.temperature, stats)
+        return stats
+
+    @staticmethod
+    def row_kl(work, target, stats, opts):
+        kl = np.empty((2, stats.shape[1]))
+        _kl_kernel(work["s"], work["t"], 1.0 / opts.temperature, opts.mode, opts.beta, stats, kl)
+        return kl
+
+    @staticmethod
+    def row_finish(work, target, stats, kl, opts, ce, jsd, label_terms):
         compute_grad = label_terms is not None
         # without gradients, G and label_terms are placeholders of the types Numba compiled
         # for (one compiled kernel); the kernel does not touch them
-        G = np.empty(s.shape if compute_grad else (0, 0), np.float32)
-        _rows_kernel(s, t, target, opts.mode, opts.beta, 1.0 / opts.temperature,
-                     opts.weight_hard_loss, opts.weight_soft_loss / opts.temperature,
-                     ce, jsd, G, label_terms if compute_grad else ce, compute_grad)
-        return G
+        G = np.empty(work["s"].shape if compute_grad else (0, 0), np.float32)
+        _finish_kernel(work["s"], work["t"], target, 1.0 / opts.temperature, opts.mode, opts.beta,
+                       opts.weight_hard_loss, opts.weight_soft_loss / opts.temperature, stats, kl,
+                       ce, jsd, G, label_terms if compute_grad else ce, compute_grad)
+        return G if compute_grad else None
 
     @staticmethod
     def grad_products(work, G, xs, norm, grads, start, stop):
@@ -149,10 +198,12 @@ class NumpyBackend:
 
     @staticmethod
     def add_label_terms(work, label_terms, target, xs, norm, grads, label_groups):
-        """The label terms the row kernel left out of G, added exactly (np.add.at adds in row
-        order, so the result does not vary)."""
-        terms = label_terms * np.float32(norm)
-        grads.grad_input += terms[:, None] * work["ws"][target]
-        np.add.at(grads.grad_weight, target, terms[:, None] * xs.astype(np.float32))
+        """The label terms the row kernel left out of G, added exactly, for the rows whose label
+        this rank owns (np.add.at adds in the groups' row order, so the result does not vary)."""
+        order = label_groups[0]
+        labels = target[order]
+        terms = label_terms[order] * np.float32(norm)
+        grads.grad_input[order] += terms[:, None] * work["ws"][labels]
+        np.add.at(grads.grad_weight, labels, terms[:, None] * xs[order].astype(np.float32))
         if grads.grad_bias is not None:
-            np.add.at(grads.grad_bias, target, terms)
+            np.add.at(grads.grad_bias, labels, terms)

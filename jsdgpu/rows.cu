@@ -167,6 +167,62 @@ __device__ __forceinline__ Stats stats_load_remote(const float4* src, unsigned r
   return a;
 }
 
+// ---- the per-column math, shared by the fused kernel and the vocab-parallel phases ----
+
+// What a row's KL sums and gradient need once its statistics are known.
+struct RowMath {
+  float inv_temp, lse_s, lse_z, lse_t, beta, w_hard, w_soft_t;
+  int mode;
+};
+
+// One column's share of a = sum p (log p - log m) and b = sum q (log q - log m), with m the
+// mixture (JSD), p (forward KL) or q (reverse KL); p, and h, what the gradient needs of the
+// teacher. z: the tempered student logit (0 in a pad column), tt: the tempered teacher logit.
+struct KlTerms {
+  float a, b, p, h;
+};
+
+__device__ __forceinline__ KlTerms kl_terms(float z, float tt, const RowMath& r) {
+  const float lp = z - r.lse_z, lq = tt - r.lse_t;
+  const float p = __expf(lp), q = __expf(lq);
+  float lm, h;
+  if (r.mode == FORWARD_KL) {
+    lm = lp;
+    h = q;
+  } else if (r.mode == JSD) {
+    // clamped to the smallest normal float so the log stays finite (the terms it touches are
+    // below 1e-36); written so that a NaN passes (fmaxf would drop it)
+    const float m = (1.0f - r.beta) * p + r.beta * q;
+    lm = __logf(m < FLT_MIN_NORMAL ? FLT_MIN_NORMAL : m);
+    h = lp - lm;
+  } else {
+    lm = lq;
+    h = lp - lq;
+  }
+  // 0 log 0 = 0; "!= 0" rather than "> 0" so that a NaN reaches the loss
+  KlTerms k = {p != 0.0f ? p * (lp - lm) : 0.0f, q != 0.0f ? q * (lq - lm) : 0.0f, p, h};
+  return k;
+}
+
+// One gradient value: w_hard (softmax(s) - onehot) + (w_soft / temperature) dz, where kl is the
+// row's a (the KL(p || m) of SPEC.md) and softmax_is_p says softmax(s) == p (no temperature, no pad).
+__device__ __forceinline__ float grad_value(float s, float p, float h, bool onehot, float kl,
+                                            bool softmax_is_p, const RowMath& r) {
+  const float softmax = softmax_is_p ? p : __expf(s - r.lse_s);
+  const float c_jsd = r.mode == JSD ? 1.0f - r.beta : 1.0f;
+  const float dz = r.mode == FORWARD_KL ? p - h : c_jsd * p * (h - kl);
+  return r.w_hard * (softmax - (onehot ? 1.0f : 0.0f)) + r.w_soft_t * dz;
+}
+
+// The row's CE and JSD values from its sums, and the label term kept out of G (with G only).
+__device__ __forceinline__ void write_row_results(long long row, float target_logit, float a, float b,
+                                                  bool label_apart, const RowMath& r, bool with_grad,
+                                                  float* ce_out, float* jsd_out, float* label_terms) {
+  if (with_grad) label_terms[row] = label_apart ? -r.w_hard : 0.0f;
+  ce_out[row] = r.lse_s - target_logit;
+  jsd_out[row] = r.mode == FORWARD_KL ? b : r.mode == JSD ? r.beta * b + (1.0f - r.beta) * a : a;
+}
+
 // ---- the kernel ----
 //
 // S [rows, lds], Tl [rows, ldt]: float32 logits without bias (lds, ldt multiples of 4).
@@ -273,29 +329,16 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
 
   // 2. a = sum p (log p - log m), b = sum q (log q - log m), with m the mixture (JSD), p (forward
   //    KL) or q (reverse KL); tb[i] becomes h, what the gradient needs of the teacher.
+  //    Where softmax(s) == p (no temperature, no pad), sb[i] becomes p: pass 3 then needs no exp.
+  const RowMath rm = {inv_temp, lse_s, lse_z, lse_t, beta, w_hard, w_soft_t, mode};
+  const bool softmax_is_p = !tempered && vt == vs;
   float a = 0.0f, b = 0.0f;
   for (int i = threadIdx.x; i < n; i += THREADS) {
-    const float lp = (i < ns ? sb[i] * inv_temp : 0.0f) - lse_z;
-    const float lq = tb[i] * inv_temp - lse_t;
-    const float p = __expf(lp), q = __expf(lq);
-    float lm, h;
-    if (mode == FORWARD_KL) {
-      lm = lp;
-      h = q;
-    } else if (mode == JSD) {
-      // clamped to the smallest normal float so the log stays finite (the terms it touches are
-      // below 1e-36); written so that a NaN passes (fmaxf would drop it)
-      const float m = (1.0f - beta) * p + beta * q;
-      lm = __logf(m < FLT_MIN_NORMAL ? FLT_MIN_NORMAL : m);
-      h = lp - lm;
-    } else {
-      lm = lq;
-      h = lp - lq;
-    }
-    // 0 log 0 = 0; "!= 0" rather than "> 0" so that a NaN reaches the loss
-    if (p != 0.0f) a += p * (lp - lm);
-    if (q != 0.0f) b += q * (lq - lm);
-    tb[i] = h;
+    const KlTerms k = kl_terms(i < ns ? sb[i] * inv_temp : 0.0f, tb[i] * inv_temp, rm);
+    a += k.a;
+    b += k.b;
+    tb[i] = k.h;
+    if (softmax_is_p) sb[i] = k.p;
   }
   const float2 ab = sums_warp_merge(make_float2(a, b));
   if (lane == 0) warp_sums[warp] = ab;
@@ -314,11 +357,8 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
     r = sums_warp_merge(r);
     const float ta = r.x, tb_sum = r.y;
     if (lane == 0) row_values[4] = ta;
-    if (lane == 0 && rank == 0) {
-      if (G != nullptr) label_terms[row] = label_apart ? -w_hard : 0.0f;
-      ce_out[row] = lse_s - row_values[3];
-      jsd_out[row] = mode == FORWARD_KL ? tb_sum : mode == JSD ? beta * tb_sum + (1.0f - beta) * ta : ta;
-    }
+    if (lane == 0 && rank == 0)
+      write_row_results(row, row_values[3], ta, tb_sum, label_apart, rm, G != nullptr, ce_out, jsd_out, label_terms);
   }
   // No CTA may exit while another may still read its shared memory: arrive now, wait at the end.
   cluster_arrive();
@@ -327,8 +367,6 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
   // 3. the gradient row: w_hard (softmax(s) - onehot) + (w_soft / temperature) dz
   if (G != nullptr) {
     const float kl = row_values[4];
-    const bool softmax_is_p = !tempered && vt == vs;
-    const float c_jsd = mode == JSD ? 1.0f - beta : 1.0f;
     const long long g0 = row * ldg + lo;
     for (int i = 4 * threadIdx.x; i < ns; i += 4 * THREADS) {
       const float4 s4 = *reinterpret_cast<const float4*>(sb + i);
@@ -337,11 +375,8 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
       float g[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const float p = __expf(sv[k] * inv_temp - lse_z);
-        const float softmax = softmax_is_p ? p : __expf(sv[k] - lse_s);
-        const float dz = mode == FORWARD_KL ? p - hv[k] : c_jsd * p * (hv[k] - kl);
-        const float onehot = lo + i + k == y && !label_apart ? 1.0f : 0.0f;
-        g[k] = w_hard * (softmax - onehot) + w_soft_t * dz;
+        const float p = softmax_is_p ? sv[k] : __expf(sv[k] * inv_temp - lse_z);
+        g[k] = grad_value(sv[k], p, hv[k], lo + i + k == y && !label_apart, kl, softmax_is_p, rm);
       }
       const int count = min(4, ns - i);
       if (OUT == OUT_F32)
@@ -374,6 +409,185 @@ DEFINE_JSD_ROWS(jsd_rows_bf16_c8, OUT_BF16, 8, 1024)
 DEFINE_JSD_ROWS(jsd_rows_f32_c16, OUT_F32, 16, 512)
 DEFINE_JSD_ROWS(jsd_rows_f16_c16, OUT_F16, 16, 512)
 DEFINE_JSD_ROWS(jsd_rows_bf16_c16, OUT_BF16, 16, 512)
+
+// ---- vocab parallel: the row kernel in three phases ----
+//
+// Under vocab parallelism each rank holds columns [v0, v0 + vt) of every row (student columns
+// [v0, v0 + vs)). The row statistics and the KL sums are combined across ranks (NCCL, by the
+// driver) between the phases, so each phase is a kernel of its own that streams this rank's
+// logits from HBM: one CTA per row, 16-byte loads, partial sums merged in a fixed order.
+//
+// stats [7, rows]: the maxima of s, z and t; the sums of exp(x - max) of s, z (with this
+// rank's pad columns) and t; the target logit where this rank owns the label (else 0).
+// kl [2, rows]: a and b. target: the label's column in this rank's shard, -1 where not owned.
+
+#define VP_THREADS 256
+
+// Columns i..i+3 of the row: the biased student (NEG_INF past ns) and teacher logits. i < n and
+// i is a multiple of 4; the rows and biases are padded to a multiple of 4, so a float4 at i < ns
+// (i < n) stays inside the student (teacher) row.
+__device__ __forceinline__ void load_columns(const float* srow, const float* trow, const float* bias_s,
+                                             const float* bias_t, int i, int ns, float s[4], float t[4]) {
+  float4 t4 = *reinterpret_cast<const float4*>(trow + i);
+  if (bias_t) {
+    const float4 b = *reinterpret_cast<const float4*>(bias_t + i);
+    t4 = make_float4(t4.x + b.x, t4.y + b.y, t4.z + b.z, t4.w + b.w);
+  }
+  t[0] = t4.x; t[1] = t4.y; t[2] = t4.z; t[3] = t4.w;
+  float4 s4 = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+  if (i < ns) {
+    s4 = *reinterpret_cast<const float4*>(srow + i);
+    if (bias_s) {
+      const float4 b = *reinterpret_cast<const float4*>(bias_s + i);
+      s4 = make_float4(s4.x + b.x, s4.y + b.y, s4.z + b.z, s4.w + b.w);
+    }
+  }
+  s[0] = s4.x; s[1] = s4.y; s[2] = s4.z; s[3] = s4.w;
+}
+
+// The logsumexp parts of x[k] * scale over the first count of four values
+__device__ __forceinline__ Lse lse_of4(const float x[4], float scale, int count) {
+  float m = NEG_INF;
+  for (int k = 0; k < 4; ++k)
+    if (k < count) m = fmaxf(m, x[k] * scale);
+  float s = 0.0f;
+  for (int k = 0; k < 4; ++k)
+    if (k < count) s += __expf(x[k] * scale - m);
+  Lse r = {m, s};
+  return r;
+}
+
+// A block's Stats merged in a fixed order (warps, then warp 0 over the warps); for thread 0.
+__device__ __forceinline__ Stats stats_block_merge(Stats st) {
+  __shared__ Stats warp_stats[VP_THREADS / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  st = stats_warp_merge(st);
+  if (lane == 0) warp_stats[warp] = st;
+  __syncthreads();
+  return stats_warp_merge(lane < VP_THREADS / 32 ? warp_stats[lane] : stats_empty());
+}
+
+__device__ __forceinline__ float2 sums_block_merge(float2 v) {
+  __shared__ float2 warp_sums[VP_THREADS / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = sums_warp_merge(v);
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  return sums_warp_merge(lane < VP_THREADS / 32 ? warp_sums[lane] : make_float2(0.0f, 0.0f));
+}
+
+#define VP_ROW_ARGS                                                                                    \
+  const float *S, long long lds, const float *Tl, long long ldt, const float *bias_s, const float *bias_t, \
+      const int *target, int vs, int vt, float inv_temp, int rows
+
+// Phase 1: this rank's part of the row statistics.
+extern "C" __global__ void __launch_bounds__(VP_THREADS) vp_stats(VP_ROW_ARGS, float* stats) {
+  const long long row = blockIdx.x;
+  const float *srow = S + row * lds, *trow = Tl + row * ldt;
+  const int y = target[row];
+  const bool tempered = inv_temp != 1.0f;
+  Stats st = stats_empty();
+  for (int i = 4 * threadIdx.x; i < vt; i += 4 * VP_THREADS) {
+    float s[4], t[4];
+    load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
+    const int cs = max(0, min(4, vs - i)), ct = min(4, vt - i);
+    st.s = lse_merge(st.s, lse_of4(s, 1.0f, cs));
+    if (tempered) st.z = lse_merge(st.z, lse_of4(s, inv_temp, cs));
+    st.t = lse_merge(st.t, lse_of4(t, inv_temp, ct));
+    if (y >= i && y < i + cs) st.target_logit = s[y - i];
+  }
+  Stats r = stats_block_merge(st);
+  if (threadIdx.x == 0) {
+    if (!tempered) r.z = r.s;
+    if (vt > vs) {  // this rank's pad columns: z = 0, vt - vs of them
+      Lse pad = {0.0f, (float)(vt - vs)};
+      r.z = lse_merge(r.z, pad);
+    }
+    const float v[7] = {r.s.m, r.z.m, r.t.m, r.s.s, r.z.s, r.t.s, r.target_logit};
+    for (int k = 0; k < 7; ++k) stats[k * (long long)rows + row] = v[k];
+  }
+}
+
+// The row's RowMath from the statistics combined over all ranks
+__device__ __forceinline__ RowMath vp_row_math(const float* stats, long long row, int rows, float inv_temp,
+                                               int mode, float beta, float w_hard, float w_soft_t) {
+  const float* st = stats + row;
+  RowMath r = {inv_temp,
+               st[0] + logf(st[3 * (long long)rows]),
+               st[(long long)rows] + logf(st[4 * (long long)rows]),
+               st[2 * (long long)rows] + logf(st[5 * (long long)rows]),
+               beta, w_hard, w_soft_t, mode};
+  return r;
+}
+
+// Phase 2: this rank's part of the row's KL sums a and b.
+extern "C" __global__ void __launch_bounds__(VP_THREADS)
+    vp_kl(VP_ROW_ARGS, int mode, float beta, const float* stats, float* kl) {
+  const long long row = blockIdx.x;
+  const float *srow = S + row * lds, *trow = Tl + row * ldt;
+  const RowMath rm = vp_row_math(stats, row, rows, inv_temp, mode, beta, 0.0f, 0.0f);
+  float2 ab = make_float2(0.0f, 0.0f);
+  for (int i = 4 * threadIdx.x; i < vt; i += 4 * VP_THREADS) {
+    float s[4], t[4];
+    load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
+    for (int k = 0; k < 4 && i + k < vt; ++k) {
+      const KlTerms terms = kl_terms(i + k < vs ? s[k] * inv_temp : 0.0f, t[k] * inv_temp, rm);
+      ab.x += terms.a;
+      ab.y += terms.b;
+    }
+  }
+  ab = sums_block_merge(ab);
+  if (threadIdx.x == 0) {
+    kl[row] = ab.x;
+    kl[rows + row] = ab.y;
+  }
+}
+
+// Phase 3: the row's CE and JSD values (every rank the same), and this rank's gradient columns.
+template <int OUT>
+__device__ __forceinline__ void vp_finish(VP_ROW_ARGS, int mode, float beta, float w_hard, float w_soft_t,
+                                          const float* stats, const float* kl, float* ce_out, float* jsd_out,
+                                          void* G, long long ldg, float* label_terms) {
+  const long long row = blockIdx.x;
+  const float *srow = S + row * lds, *trow = Tl + row * ldt;
+  const int y = target[row];
+  const RowMath rm = vp_row_math(stats, row, rows, inv_temp, mode, beta, w_hard, w_soft_t);
+  const float target_logit = stats[6 * (long long)rows + row], a = kl[row];
+  const bool label_apart = G != nullptr && y >= 0 && __expf(target_logit - rm.lse_s) < 0.5f;
+  if (threadIdx.x == 0)
+    write_row_results(row, target_logit, a, kl[rows + row], label_apart, rm, G != nullptr, ce_out, jsd_out,
+                      label_terms);
+  if (G == nullptr) return;
+  // softmax(s) == p only when no temperature and no pad column anywhere in the row: the rank
+  // cannot see the other ranks' pads, so it compares the logsumexps instead
+  const bool softmax_is_p = inv_temp == 1.0f && rm.lse_z == rm.lse_s;
+  for (int i = 4 * threadIdx.x; i < vs; i += 4 * VP_THREADS) {
+    float s[4], t[4], g[4];
+    load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const KlTerms terms = kl_terms(s[k] * inv_temp, t[k] * inv_temp, rm);
+      g[k] = grad_value(s[k], terms.p, terms.h, i + k == y && !label_apart, a, softmax_is_p, rm);
+    }
+    const int count = min(4, vs - i);
+    if (OUT == OUT_F32)
+      store4<OUT>(static_cast<float*>(G) + row * ldg + i, g, count);
+    else
+      store4<OUT>(static_cast<unsigned short*>(G) + row * ldg + i, g, count);
+  }
+}
+
+#define DEFINE_VP_FINISH(NAME, OUT)                                                                         \
+  extern "C" __global__ void __launch_bounds__(VP_THREADS)                                                 \
+      NAME(VP_ROW_ARGS, int mode, float beta, float w_hard, float w_soft_t, const float* stats, const float* kl, \
+           float* ce_out, float* jsd_out, void* G, long long ldg, float* label_terms) {                   \
+    vp_finish<OUT>(S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, inv_temp, rows, mode, beta, w_hard,    \
+                   w_soft_t, stats, kl, ce_out, jsd_out, G, ldg, label_terms);                            \
+  }
+
+DEFINE_VP_FINISH(vp_finish_f32, OUT_F32)
+DEFINE_VP_FINISH(vp_finish_f16, OUT_F16)
+DEFINE_VP_FINISH(vp_finish_bf16, OUT_BF16)
 
 // ---- float32 sums to 16-bit gradients, times grad_output (scale null: 1) ----
 

@@ -87,15 +87,17 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
                           true_labels, student_bias=None, teacher_bias=None, *,
                           weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5,
                           ignore_index=-100, temperature=1.0, chunk_size=None,
-                          return_soft_hard_loss=False, num_valid_tokens=None):
-    """The loss as a function; see FusedLinearJSDLoss. num_valid_tokens: see jsdgpu.forward."""
+                          return_soft_hard_loss=False, num_valid_tokens=None,
+                          vocab_parallel=None):
+    """The loss as a function; see FusedLinearJSDLoss. num_valid_tokens and vocab_parallel (a
+    torch.distributed process group here): see jsdgpu.forward."""
     # grad mode is off inside Function.forward: decide here whether gradients are wanted
     compute_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
     options = dict(weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
                    beta=beta, ignore_index=ignore_index, temperature=temperature,
                    chunk_size=chunk_size, compute_grad=compute_grad,
-                   num_valid_tokens=num_valid_tokens)
+                   num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel)
     loss, soft, hard = FusedLinearJSDFunction.apply(student_input, student_weight, teacher_input,
                                                     teacher_weight, true_labels, student_bias,
                                                     teacher_bias, options)
@@ -106,15 +108,18 @@ class FusedLinearJSDLoss(torch.nn.Module):
     """LigerFusedLinearJSDLoss's constructor and call, computed by jsdgpu.
 
     `compiled` is accepted for compatibility and ignored (there is nothing to compile);
-    chunk_size=None picks the chunk from a memory budget.
+    chunk_size=None picks the chunk from a memory budget. vocab_parallel: a torch.distributed
+    process group whose ranks each hold a vocabulary shard of both LM heads (jsdgpu.parallel).
     """
 
     def __init__(self, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100,
-                 temperature=1.0, compiled=True, chunk_size=None, return_soft_hard_loss=False):
+                 temperature=1.0, compiled=True, chunk_size=None, return_soft_hard_loss=False,
+                 vocab_parallel=None):
         super().__init__()
         self.options = dict(weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
                             beta=beta, ignore_index=ignore_index, temperature=temperature,
-                            chunk_size=chunk_size, return_soft_hard_loss=return_soft_hard_loss)
+                            chunk_size=chunk_size, return_soft_hard_loss=return_soft_hard_loss,
+                            vocab_parallel=vocab_parallel)
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels,
                 student_bias=None, teacher_bias=None):
