@@ -195,7 +195,7 @@ def stage_breakdown(T, rng, copy_bytes_per_s):
     from jsdgpu._driver import Gradients, LossOptions
     xs, ws, xt, wt, target = make_sets(T, make_weights(1), rng)[0]
     be = CupyBackend()
-    work = be.prepare(ws, wt, None, None, T, True)
+    work = be.prepare(ws, wt, None, None, T, True, fused=True)
     opts = LossOptions(0.5, 0.5, 0.5, 1.0, -100)
     ce, jsd, terms = (cupy.empty(T, np.float32) for _ in range(3))
     tgt = target.astype(np.int32)
@@ -214,6 +214,16 @@ def stage_breakdown(T, rng, copy_bytes_per_s):
         moved = T * V * (4 + 4 + 2)
         row_kernel.append(dict(cluster=cluster, T=T, ms=round(ms, 4), bytes_per_s=moved / (ms * 1e-3),
                                fraction_of_copy=moved / (ms * 1e-3) / copy_bytes_per_s))
+    # the vocab-parallel path's three phase kernels on one GPU (no communicator): they read the
+    # logits three times and write G once, 26 bytes per logit
+    def phases(i):
+        stats = be.row_stats(work, tgt, opts)
+        kl = be.row_kl(work, tgt, stats, opts)
+        be.row_finish(work, tgt, stats, kl, opts, ce, jsd, terms)
+    ms = time_ms(phases, 1, 3, 20)
+    moved = T * V * (3 * 8 + 2)
+    row_kernel.append(dict(cluster="phases", T=T, ms=round(ms, 4), bytes_per_s=moved / (ms * 1e-3),
+                           fraction_of_copy=moved / (ms * 1e-3) / copy_bytes_per_s))
     stages["grad products (G @ Ws, G.T @ Xs)"] = lambda i: be.grad_products(work, G, xs, 1.0 / T, grads, 0, T)
     stages["backward: grad_weight to bf16"] = lambda i: be.scale_cast(grads.grad_weight, None, BF16)
     times = {name: round(time_ms(fn, 1, 3, 20), 4) for name, fn in stages.items()}
@@ -248,6 +258,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     p.add_argument("--name", help="result file name (default: the device's name)")
+    p.add_argument("--budgets-gib", type=float, nargs="*", default=[0.25, 0.5, 1.0, 5.0],
+                   help="memory_budget values (GiB) timed at the largest T beside the default")
     a = p.parse_args(argv)
 
     rng = np.random.default_rng(0)
@@ -258,14 +270,15 @@ def main(argv=None):
     print(f"device {name}: copy bandwidth {bw / 1e12:.2f} TB/s; implementations {impls}"
           + (f" (not importable: {skipped})" if skipped else ""))
 
-    plan = []
+    plan = []  # (T, impl, mode, valid fraction, memory budget or None for the default)
     for T in a.tokens:
         for impl in impls:
-            plan.append((T, impl, "fwd_bwd", 1.0))
+            plan.append((T, impl, "fwd_bwd", 1.0, None))
             if impl in ("jsdgpu", "gemm_floor"):
-                plan.append((T, impl, "fwd", 1.0))
+                plan.append((T, impl, "fwd", 1.0, None))
             if impl == "jsdgpu":
-                plan.append((T, impl, "fwd_bwd", 0.5))
+                plan.append((T, impl, "fwd_bwd", 0.5, None))
+    plan += [(max(a.tokens), "jsdgpu", "fwd_bwd", 1.0, int(g * 2**30)) for g in a.budgets_gib]
     try:
         from tqdm import tqdm
         progress = tqdm(plan, file=sys.stderr, desc="bench")
@@ -279,14 +292,14 @@ def main(argv=None):
                   command="python bench/bench.py " + " ".join(argv or sys.argv[1:]),
                   records=records)
     a.out.mkdir(parents=True, exist_ok=True)
-    for T, impl, mode, valid in progress:
+    for T, impl, mode, valid, budget in progress:
         key = (T, valid)
         if key not in cache:
             cache.clear()
             cupy.get_default_memory_pool().free_all_blocks()
             cache[key] = make_sets(T, weights, rng, valid)
         sets = cache[key]
-        fn = {"jsdgpu": lambda: impl_jsdgpu(sets, mode), "gemm_floor": lambda: impl_gemm_floor(sets, mode),
+        fn = {"jsdgpu": lambda: impl_jsdgpu(sets, mode, memory_budget=budget), "gemm_floor": lambda: impl_gemm_floor(sets, mode),
               "liger": lambda: impl_liger(sets, mode), "torch": lambda: impl_torch(sets, mode)}[impl]()
         torch_based = impl in ("liger", "torch")
         try:
@@ -300,7 +313,8 @@ def main(argv=None):
                 import torch
                 torch.cuda.empty_cache()
         records.append(dict(impl=impl, T=T, mode=mode, valid_fraction=valid, ms=round(ms, 4),
-                            peak_mib=round(mib, 1)))
+                            peak_mib=round(mib, 1), **({} if budget is None else
+                                                       dict(memory_budget=budget))))
         (a.out / f"{name}.json").write_text(json.dumps(result, indent=1))  # kept if cut short
 
     cache.clear()
@@ -320,18 +334,19 @@ def markdown_table(result):
     floor = {(r["T"], r["mode"]): r["ms"] for r in recs if r["impl"] == "gemm_floor"}
     lines = [f"Device {result['device']}, {result['date']}; V={result['V']}, Hs={result['Hs']}, "
              f"Ht={result['Ht']}, bf16. `{result['command']}`", "",
-             "| impl | T | mode | valid rows | ms | × floor (fwd+bwd) | × floor of its mode | peak MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| impl | T | mode | valid rows | memory_budget | ms | × floor (fwd+bwd) | × floor of its mode | peak MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     ratio = lambda ms, f: f"{ms / f:.3f}" if f else ""
     for r in recs:
         dense, same = floor.get((r["T"], "fwd_bwd")), floor.get((r["T"], r["mode"]))
-        lines.append(f"| {r['impl']} | {r['T']} | {r['mode']} | {r['valid_fraction']:.0%} | "
+        budget = f"{r['memory_budget'] / 2**30:g} GiB" if "memory_budget" in r else "default"
+        lines.append(f"| {r['impl']} | {r['T']} | {r['mode']} | {r['valid_fraction']:.0%} | {budget} | "
                      f"{r['ms']:.2f} | {ratio(r['ms'], dense)} | {ratio(r['ms'], same)} | "
                      f"{r['peak_mib']:.0f} |")
     lines += ["", "One chunk of T = 1024 rows, stage by stage:", "", "| stage | ms |", "| --- | --- |"]
     lines += [f"| {name} | {ms:.3f} |" for name, ms in result["stages_T1024"].items()]
     lines += ["", f"Copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s. Row kernel alone "
-              "(reads 8 B, writes 2 B per logit):", "",
+              "(fused: reads 8 B, writes 2 B per logit; the vocab-parallel phases: 26 B):", "",
               "| cluster | rows | ms | TB/s | of copy bandwidth |", "| --- | --- | --- | --- | --- |"]
     for r in result["row_kernel"]:
         lines.append(f"| {r['cluster']} | {r['T']} | {r['ms']:.3f} | {r['bytes_per_s'] / 1e12:.2f} | "
@@ -349,6 +364,8 @@ def plot(result, path):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series = {}
     for r in result["records"]:
+        if "memory_budget" in r:
+            continue
         label = r["impl"] + ("" if r["mode"] == "fwd_bwd" else " fwd") + \
             ("" if r["valid_fraction"] == 1.0 else f" {r['valid_fraction']:.0%} valid")
         series.setdefault(label, []).append((r["T"], r["ms"]))
