@@ -11,7 +11,7 @@ whole loss, the whole grad_input, and the grad_weight / grad_bias of its own sha
 comm is one of:
   - a cupy.cuda.nccl.NcclCommunicator (standalone use, CuPy arrays);
   - a torch.distributed ProcessGroup with the NCCL backend (from jsdgpu.torch, or with CuPy
-    arrays: the collectives are queued on CuPy's current stream either way);
+    arrays); each all-reduce then waits on the host for the GPU, before and after;
   - any object with `rank`, `size` and `allreduce(array, op)` (op "sum" or "max", in place, on
     the backend's arrays), such as the tests' simulated ranks.
 """
@@ -50,7 +50,12 @@ class _NcclCommunicator:
 
 
 class _TorchProcessGroup:
-    """A torch.distributed process group; the arrays cross to torch through DLPack, zero-copy."""
+    """A torch.distributed process group; the arrays cross to torch through DLPack, zero-copy.
+
+    Each all-reduce waits on the host for the GPU before and after it: run on torch's NCCL
+    stream, ordered by events on a torch stream wrapping CuPy's, it read inputs that CuPy's
+    queued work had not yet written (seen on two H200s with torch 2.11). The CuPy NCCL
+    communicator, which queues everything on one stream, needs no such wait."""
 
     def __init__(self, group):
         import torch.distributed as dist
@@ -62,10 +67,9 @@ class _TorchProcessGroup:
         import torch
         import torch.distributed as dist
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-        # torch orders a collective after the work of its current stream: make that CuPy's
-        stream = cupy.cuda.get_current_stream()
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=stream.device_id)):
-            dist.all_reduce(torch.from_dlpack(a), op=ops[op], group=self._group)
+        cupy.cuda.get_current_stream().synchronize()
+        dist.all_reduce(torch.from_dlpack(a), op=ops[op], group=self._group)
+        torch.cuda.synchronize(cupy.cuda.Device().id)
 
 
 def communicator(comm):

@@ -168,11 +168,13 @@ __device__ __forceinline__ Stats stats_load_remote(const float4* src, unsigned r
 }
 
 // ---- the per-column math, shared by the fused kernel and the vocab-parallel phases ----
+//
+// MODE (FORWARD_KL, JSD, REVERSE_KL) is a template parameter: the kernels' inner loops hold no
+// branch on it. Each kernel switches on its mode argument once (mode_dispatch).
 
 // What a row's KL sums and gradient need once its statistics are known.
 struct RowMath {
   float inv_temp, lse_s, lse_z, lse_t, beta, w_hard, w_soft_t;
-  int mode;
 };
 
 // One column's share of a = sum p (log p - log m) and b = sum q (log q - log m), with m the
@@ -182,14 +184,15 @@ struct KlTerms {
   float a, b, p, h;
 };
 
+template <int MODE>
 __device__ __forceinline__ KlTerms kl_terms(float z, float tt, const RowMath& r) {
   const float lp = z - r.lse_z, lq = tt - r.lse_t;
   const float p = __expf(lp), q = __expf(lq);
   float lm, h;
-  if (r.mode == FORWARD_KL) {
+  if (MODE == FORWARD_KL) {
     lm = lp;
     h = q;
-  } else if (r.mode == JSD) {
+  } else if (MODE == JSD) {
     // clamped to the smallest normal float so the log stays finite (the terms it touches are
     // below 1e-36); written so that a NaN passes (fmaxf would drop it)
     const float m = (1.0f - r.beta) * p + r.beta * q;
@@ -205,25 +208,49 @@ __device__ __forceinline__ KlTerms kl_terms(float z, float tt, const RowMath& r)
 }
 
 // One gradient value: w_hard (softmax(s) - onehot) + (w_soft / temperature) dz, where kl is the
-// row's a (the KL(p || m) of SPEC.md) and softmax_is_p says softmax(s) == p (no temperature, no pad).
-__device__ __forceinline__ float grad_value(float s, float p, float h, bool onehot, float kl,
-                                            bool softmax_is_p, const RowMath& r) {
-  const float softmax = softmax_is_p ? p : __expf(s - r.lse_s);
-  const float c_jsd = r.mode == JSD ? 1.0f - r.beta : 1.0f;
-  const float dz = r.mode == FORWARD_KL ? p - h : c_jsd * p * (h - kl);
+// row's a (the KL(p || m) of SPEC.md) and softmax is softmax(s) at the column.
+template <int MODE>
+__device__ __forceinline__ float grad_value(float softmax, float p, float h, bool onehot, float kl,
+                                            const RowMath& r) {
+  const float c_jsd = MODE == JSD ? 1.0f - r.beta : 1.0f;
+  const float dz = MODE == FORWARD_KL ? p - h : c_jsd * p * (h - kl);
   return r.w_hard * (softmax - (onehot ? 1.0f : 0.0f)) + r.w_soft_t * dz;
 }
 
 // The row's CE and JSD values from its sums, and the label term kept out of G (with G only).
+template <int MODE>
 __device__ __forceinline__ void write_row_results(long long row, float target_logit, float a, float b,
                                                   bool label_apart, const RowMath& r, bool with_grad,
                                                   float* ce_out, float* jsd_out, float* label_terms) {
   if (with_grad) label_terms[row] = label_apart ? -r.w_hard : 0.0f;
   ce_out[row] = r.lse_s - target_logit;
-  jsd_out[row] = r.mode == FORWARD_KL ? b : r.mode == JSD ? r.beta * b + (1.0f - r.beta) * a : a;
+  jsd_out[row] = MODE == FORWARD_KL ? b : MODE == JSD ? r.beta * b + (1.0f - r.beta) * a : a;
 }
 
-// ---- the kernel ----
+// f.template run<MODE>() for the runtime mode
+template <typename F>
+__device__ __forceinline__ void mode_dispatch(int mode, F& f) {
+  if (mode == FORWARD_KL)
+    f.template run<FORWARD_KL>();
+  else if (mode == JSD)
+    f.template run<JSD>();
+  else
+    f.template run<REVERSE_KL>();
+}
+
+__device__ __forceinline__ float max4(float4 v) { return fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)); }
+
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+// sum over the four values of exp(v * scale - shift)
+__device__ __forceinline__ float sum_exp4(float4 v, float scale, float shift) {
+  return __expf(v.x * scale - shift) + __expf(v.y * scale - shift) + __expf(v.z * scale - shift) +
+         __expf(v.w * scale - shift);
+}
+
+// ---- the fused kernel ----
 //
 // S [rows, lds], Tl [rows, ldt]: float32 logits without bias (lds, ldt multiples of 4).
 // bias_s, bias_t: float32 biases padded with zeros to a multiple of 4, or null.
@@ -233,6 +260,103 @@ __device__ __forceinline__ void write_row_results(long long row, float target_lo
 // written to label_terms[row] instead (else 0), for the caller to add exactly (label_scatter).
 // slice: columns per CTA, a multiple of 4, with CLUSTER * slice >= vt. Dynamic shared memory:
 // 2 * slice floats.
+//
+// The passes work on float4 groups of columns (the profile of a scalar version showed it bound
+// by instruction issue, ~136 instructions per logit). The slice's last group is completed with
+// -inf in both rows (exp gives 0, so no bounds checks are needed), and the student columns past
+// vs (teacher pad) hold -inf for the statistics, then 0 (z = 0) for the JSD sums.
+
+// Passes 2 and 3 of one row, and its results: what depends on the mode.
+template <int OUT, int CLUSTER, int THREADS>
+struct FusedRowTail {
+  float4 *sb4, *tb4;  // the slice in shared memory: student logits (later p), teacher (later h)
+  int groups, ns, lo, y;
+  long long row;
+  unsigned rank;
+  RowMath rm;
+  bool label_apart, softmax_is_p;
+  float *ce_out, *jsd_out, *label_terms;
+  void* G;
+  long long ldg;
+  float2* warp_sums;
+  float4* part_sums;
+  float* row_values;
+
+  template <int MODE>
+  __device__ __forceinline__ void run() {
+    constexpr int WARPS = THREADS / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float inv_temp = rm.inv_temp;
+    // 2. a and b (kl_terms); tb becomes h, and sb becomes p where softmax(s) == p (no
+    //    temperature, no pad), so that pass 3 needs no exp
+    float a = 0.0f, b = 0.0f;
+    for (int g = threadIdx.x; g < groups; g += THREADS) {
+      const float4 s = sb4[g], t = tb4[g];
+      const KlTerms k0 = kl_terms<MODE>(s.x * inv_temp, t.x * inv_temp, rm);
+      const KlTerms k1 = kl_terms<MODE>(s.y * inv_temp, t.y * inv_temp, rm);
+      const KlTerms k2 = kl_terms<MODE>(s.z * inv_temp, t.z * inv_temp, rm);
+      const KlTerms k3 = kl_terms<MODE>(s.w * inv_temp, t.w * inv_temp, rm);
+      a += (k0.a + k1.a) + (k2.a + k3.a);
+      b += (k0.b + k1.b) + (k2.b + k3.b);
+      tb4[g] = make_float4(k0.h, k1.h, k2.h, k3.h);
+      if (softmax_is_p) sb4[g] = make_float4(k0.p, k1.p, k2.p, k3.p);
+    }
+    const float2 ab = sums_warp_merge(make_float2(a, b));
+    if (lane == 0) warp_sums[warp] = ab;
+    __syncthreads();
+    if (warp == 0) {
+      const float2 r = sums_warp_merge(lane < WARPS ? warp_sums[lane] : make_float2(0.0f, 0.0f));
+      if (lane == 0) *part_sums = make_float4(r.x, r.y, 0.0f, 0.0f);
+    }
+    cluster_sync();
+    if (warp == 0) {
+      float2 r = make_float2(0.0f, 0.0f);
+      if (lane < CLUSTER) {
+        const float4 v = ld_dsmem(part_sums, lane);
+        r = make_float2(v.x, v.y);
+      }
+      r = sums_warp_merge(r);
+      if (lane == 0) row_values[4] = r.x;
+      if (lane == 0 && rank == 0)
+        write_row_results<MODE>(row, row_values[3], r.x, r.y, label_apart, rm, G != nullptr, ce_out, jsd_out,
+                                label_terms);
+    }
+    // No CTA may exit while another may still read its shared memory: arrive now, wait at the end.
+    cluster_arrive();
+    __syncthreads();
+    // 3. the gradient row
+    if (G != nullptr) {
+      if (softmax_is_p)
+        gradient<MODE, true>();
+      else
+        gradient<MODE, false>();
+    }
+    cluster_wait();
+  }
+
+  template <int MODE, bool SOFTMAX_IS_P>
+  __device__ __forceinline__ void gradient() {
+    const float kl = row_values[4];
+    const long long g0 = row * ldg + lo;
+    for (int g = threadIdx.x; 4 * g < ns; g += THREADS) {
+      const float4 s4 = sb4[g], h4 = tb4[g];
+      const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, hv[4] = {h4.x, h4.y, h4.z, h4.w};
+      float out[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float p = SOFTMAX_IS_P ? sv[k] : __expf(sv[k] * rm.inv_temp - rm.lse_z);
+        const float softmax = SOFTMAX_IS_P ? p : __expf(sv[k] - rm.lse_s);
+        out[k] = grad_value<MODE>(softmax, p, hv[k], lo + 4 * g + k == y && !label_apart, kl, rm);
+      }
+      const int count = min(4, ns - 4 * g);
+      if (OUT == OUT_F32)
+        store4<OUT>(static_cast<float*>(G) + g0 + 4 * g, out, count);
+      else
+        store4<OUT>(static_cast<unsigned short*>(G) + g0 + 4 * g, out, count);
+    }
+  }
+};
+
 template <int OUT, int CLUSTER, int THREADS>
 __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long lds, const float* __restrict__ Tl,
                                          long long ldt, const float* __restrict__ bias_s,
@@ -243,7 +367,8 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
   constexpr int WARPS = THREADS / 32;
   extern __shared__ float4 dynamic_smem[];
   float* sb = reinterpret_cast<float*>(dynamic_smem);  // student logits of this CTA's slice
-  float* tb = sb + slice;                               // teacher logits, later the gradient's h
+  float* tb = sb + slice;                               // teacher logits
+  float4 *sb4 = reinterpret_cast<float4*>(sb), *tb4 = reinterpret_cast<float4*>(tb);
   __shared__ float4 part_stats[2];                      // this CTA's partials, read by the cluster
   __shared__ float4 part_sums;
   __shared__ float row_values[6];                       // the cluster's totals, for every thread
@@ -255,55 +380,66 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
   const int lo = rank * slice;
   const int n = max(0, min(slice, vt - lo));  // this CTA's columns: lo + [0, n)
   const int ns = max(0, min(n, vs - lo));     // of which student columns: lo + [0, ns)
+  const int groups = (n + 3) / 4;
   const float* srow = S + row * lds + lo;
   const float* trow = Tl + row * ldt + lo;
   const int y = target[row];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool tempered = inv_temp != 1.0f;
 
-  // 0. this CTA's slice of both rows into shared memory, 16 bytes per copy
-  for (int i = 4 * threadIdx.x; i < n; i += 4 * THREADS) {
+  // 0. this CTA's slice of both rows into shared memory, 16 bytes per copy; -inf past the ends
+  for (int i = 4 * threadIdx.x; i < 4 * groups; i += 4 * THREADS) {
     if (i + 4 <= n) {
       cp_async16(tb + i, trow + i);
     } else {
-      for (int k = 0; i + k < n; ++k) tb[i + k] = trow[i + k];
+      for (int k = 0; k < 4; ++k) tb[i + k] = i + k < n ? trow[i + k] : NEG_INF;
     }
     if (i + 4 <= ns) {
       cp_async16(sb + i, srow + i);
     } else {
-      for (int k = 0; k < 4 && i + k < n; ++k) sb[i + k] = i + k < ns ? srow[i + k] : 0.0f;
+      for (int k = 0; k < 4; ++k) sb[i + k] = i + k < ns ? srow[i + k] : NEG_INF;
     }
   }
   cp_async_wait_all();
   __syncthreads();
 
   // 1. biases, and the row statistics: each thread takes the max of its columns, then sums
-  //    exp(x - max) (no data-dependent branch, one exp per value and statistic)
+  //    exp(x - max) (no data-dependent branch). The biases are zero-padded, so a float4 of them
+  //    is read whole wherever the group holds a column of theirs.
   float max_s = NEG_INF, max_t = NEG_INF;
-  for (int i = threadIdx.x; i < n; i += THREADS) {
-    const int j = lo + i;
-    if (bias_t) tb[i] += bias_t[j];
-    max_t = fmaxf(max_t, tb[i]);
-    if (i < ns) {
-      if (bias_s) sb[i] += bias_s[j];
-      max_s = fmaxf(max_s, sb[i]);
+  for (int g = threadIdx.x; g < groups; g += THREADS) {
+    float4 t = tb4[g], s = sb4[g];
+    if (bias_t) {
+      t = add4(t, *reinterpret_cast<const float4*>(bias_t + lo + 4 * g));
+      tb4[g] = t;
     }
+    if (bias_s && 4 * g < ns) {
+      s = add4(s, *reinterpret_cast<const float4*>(bias_s + lo + 4 * g));
+      sb4[g] = s;
+    }
+    max_t = fmaxf(max_t, max4(t));
+    max_s = fmaxf(max_s, max4(s));
   }
-  // inv_temp > 0, so the max of x * inv_temp is max(x) * inv_temp
+  // inv_temp > 0, so the max of x * inv_temp is max(x) * inv_temp. A thread whose student
+  // columns are all past vs has max_s = -inf and sums nothing (exp(-inf - -inf) would be NaN).
   Stats st = {{max_s, 0.0f}, {max_s * inv_temp, 0.0f}, {max_t * inv_temp, 0.0f}, 0.0f};
-  for (int i = threadIdx.x; i < n; i += THREADS) {
-    st.t.s += __expf(tb[i] * inv_temp - st.t.m);
-    if (i < ns) {
-      const float s = sb[i];
-      st.s.s += __expf(s - st.s.m);
-      if (tempered) st.z.s += __expf(s * inv_temp - st.z.m);
-      if (lo + i == y) st.target_logit = s;
+  const bool has_s = max_s != NEG_INF;
+  for (int g = threadIdx.x; g < groups; g += THREADS) {
+    const float4 t = tb4[g], s = sb4[g];
+    st.t.s += sum_exp4(t, inv_temp, st.t.m);
+    if (has_s) {
+      st.s.s += sum_exp4(s, 1.0f, st.s.m);
+      if (tempered) st.z.s += sum_exp4(s, inv_temp, st.z.m);
     }
   }
+  // the target's logit, read by the thread that wrote its (biased) group
+  if (y >= lo && y < lo + ns && ((y - lo) / 4) % THREADS == threadIdx.x) st.target_logit = sb[y - lo];
   // warps, then warp 0 over the warps, then warp 0 over the cluster's CTAs (lane r reads rank r)
   st = stats_warp_merge(st);
   if (lane == 0) warp_stats[warp] = st;
   __syncthreads();
+  // the statistics are read: the pad columns become z = 0 for pass 2
+  for (int i = ns + threadIdx.x; i < n; i += THREADS) sb[i] = 0.0f;
   if (warp == 0) {
     const Stats r = stats_warp_merge(lane < WARPS ? warp_stats[lane] : stats_empty());
     if (lane == 0) stats_store(part_stats, r);
@@ -324,68 +460,28 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
     }
   }
   __syncthreads();
-  const float lse_s = row_values[0], lse_z = row_values[1], lse_t = row_values[2];
-  const bool label_apart = G != nullptr && __expf(row_values[3] - lse_s) < 0.5f;
 
-  // 2. a = sum p (log p - log m), b = sum q (log q - log m), with m the mixture (JSD), p (forward
-  //    KL) or q (reverse KL); tb[i] becomes h, what the gradient needs of the teacher.
-  //    Where softmax(s) == p (no temperature, no pad), sb[i] becomes p: pass 3 then needs no exp.
-  const RowMath rm = {inv_temp, lse_s, lse_z, lse_t, beta, w_hard, w_soft_t, mode};
-  const bool softmax_is_p = !tempered && vt == vs;
-  float a = 0.0f, b = 0.0f;
-  for (int i = threadIdx.x; i < n; i += THREADS) {
-    const KlTerms k = kl_terms(i < ns ? sb[i] * inv_temp : 0.0f, tb[i] * inv_temp, rm);
-    a += k.a;
-    b += k.b;
-    tb[i] = k.h;
-    if (softmax_is_p) sb[i] = k.p;
-  }
-  const float2 ab = sums_warp_merge(make_float2(a, b));
-  if (lane == 0) warp_sums[warp] = ab;
-  __syncthreads();
-  if (warp == 0) {
-    const float2 r = sums_warp_merge(lane < WARPS ? warp_sums[lane] : make_float2(0.0f, 0.0f));
-    if (lane == 0) part_sums = make_float4(r.x, r.y, 0.0f, 0.0f);
-  }
-  cluster_sync();
-  if (warp == 0) {
-    float2 r = make_float2(0.0f, 0.0f);
-    if (lane < CLUSTER) {
-      const float4 v = ld_dsmem(&part_sums, lane);
-      r = make_float2(v.x, v.y);
-    }
-    r = sums_warp_merge(r);
-    const float ta = r.x, tb_sum = r.y;
-    if (lane == 0) row_values[4] = ta;
-    if (lane == 0 && rank == 0)
-      write_row_results(row, row_values[3], ta, tb_sum, label_apart, rm, G != nullptr, ce_out, jsd_out, label_terms);
-  }
-  // No CTA may exit while another may still read its shared memory: arrive now, wait at the end.
-  cluster_arrive();
-  __syncthreads();
-
-  // 3. the gradient row: w_hard (softmax(s) - onehot) + (w_soft / temperature) dz
-  if (G != nullptr) {
-    const float kl = row_values[4];
-    const long long g0 = row * ldg + lo;
-    for (int i = 4 * threadIdx.x; i < ns; i += 4 * THREADS) {
-      const float4 s4 = *reinterpret_cast<const float4*>(sb + i);
-      const float4 h4 = *reinterpret_cast<const float4*>(tb + i);
-      const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, hv[4] = {h4.x, h4.y, h4.z, h4.w};
-      float g[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float p = softmax_is_p ? sv[k] : __expf(sv[k] * inv_temp - lse_z);
-        g[k] = grad_value(sv[k], p, hv[k], lo + i + k == y && !label_apart, kl, softmax_is_p, rm);
-      }
-      const int count = min(4, ns - i);
-      if (OUT == OUT_F32)
-        store4<OUT>(static_cast<float*>(G) + g0 + i, g, count);
-      else
-        store4<OUT>(static_cast<unsigned short*>(G) + g0 + i, g, count);
-    }
-  }
-  cluster_wait();
+  FusedRowTail<OUT, CLUSTER, THREADS> tail;
+  tail.sb4 = sb4;
+  tail.tb4 = tb4;
+  tail.groups = groups;
+  tail.ns = ns;
+  tail.lo = lo;
+  tail.y = y;
+  tail.row = row;
+  tail.rank = rank;
+  tail.rm = RowMath{inv_temp, row_values[0], row_values[1], row_values[2], beta, w_hard, w_soft_t};
+  tail.label_apart = G != nullptr && __expf(row_values[3] - row_values[0]) < 0.5f;
+  tail.softmax_is_p = !tempered && vt == vs;
+  tail.ce_out = ce_out;
+  tail.jsd_out = jsd_out;
+  tail.label_terms = label_terms;
+  tail.G = G;
+  tail.ldg = ldg;
+  tail.warp_sums = warp_sums;
+  tail.part_sums = &part_sums;
+  tail.row_values = row_values;
+  mode_dispatch(mode, tail);
 }
 
 #define JSD_ROWS_ARGS                                                                                   \
@@ -510,33 +606,44 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS) vp_stats(VP_ROW_ARGS, f
 
 // The row's RowMath from the statistics combined over all ranks
 __device__ __forceinline__ RowMath vp_row_math(const float* stats, long long row, int rows, float inv_temp,
-                                               int mode, float beta, float w_hard, float w_soft_t) {
+                                               float beta, float w_hard, float w_soft_t) {
   const float* st = stats + row;
   RowMath r = {inv_temp,
                st[0] + logf(st[3 * (long long)rows]),
                st[(long long)rows] + logf(st[4 * (long long)rows]),
                st[2 * (long long)rows] + logf(st[5 * (long long)rows]),
-               beta, w_hard, w_soft_t, mode};
+               beta, w_hard, w_soft_t};
   return r;
 }
 
-// Phase 2: this rank's part of the row's KL sums a and b.
+// Phase 2: this thread's part of the row's KL sums a and b.
+struct VpKlSums {
+  const float *srow, *trow, *bias_s, *bias_t;
+  int vs, vt;
+  RowMath rm;
+  float2 ab;
+
+  template <int MODE>
+  __device__ __forceinline__ void run() {
+    for (int i = 4 * threadIdx.x; i < vt; i += 4 * VP_THREADS) {
+      float s[4], t[4];
+      load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
+      for (int k = 0; k < 4 && i + k < vt; ++k) {
+        const KlTerms terms = kl_terms<MODE>(i + k < vs ? s[k] * rm.inv_temp : 0.0f, t[k] * rm.inv_temp, rm);
+        ab.x += terms.a;
+        ab.y += terms.b;
+      }
+    }
+  }
+};
+
 extern "C" __global__ void __launch_bounds__(VP_THREADS)
     vp_kl(VP_ROW_ARGS, int mode, float beta, const float* stats, float* kl) {
   const long long row = blockIdx.x;
-  const float *srow = S + row * lds, *trow = Tl + row * ldt;
-  const RowMath rm = vp_row_math(stats, row, rows, inv_temp, mode, beta, 0.0f, 0.0f);
-  float2 ab = make_float2(0.0f, 0.0f);
-  for (int i = 4 * threadIdx.x; i < vt; i += 4 * VP_THREADS) {
-    float s[4], t[4];
-    load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
-    for (int k = 0; k < 4 && i + k < vt; ++k) {
-      const KlTerms terms = kl_terms(i + k < vs ? s[k] * inv_temp : 0.0f, t[k] * inv_temp, rm);
-      ab.x += terms.a;
-      ab.y += terms.b;
-    }
-  }
-  ab = sums_block_merge(ab);
+  VpKlSums f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, vt,
+                vp_row_math(stats, row, rows, inv_temp, beta, 0.0f, 0.0f), make_float2(0.0f, 0.0f)};
+  mode_dispatch(mode, f);
+  const float2 ab = sums_block_merge(f.ab);
   if (threadIdx.x == 0) {
     kl[row] = ab.x;
     kl[rows + row] = ab.y;
@@ -545,36 +652,51 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS)
 
 // Phase 3: the row's CE and JSD values (every rank the same), and this rank's gradient columns.
 template <int OUT>
+struct VpFinish {
+  const float *srow, *trow, *bias_s, *bias_t;
+  int vs, y;
+  long long row;
+  RowMath rm;
+  float target_logit, a, b;
+  float *ce_out, *jsd_out, *label_terms;
+  void* G;
+  long long ldg;
+
+  template <int MODE>
+  __device__ __forceinline__ void run() {
+    const bool label_apart = G != nullptr && y >= 0 && __expf(target_logit - rm.lse_s) < 0.5f;
+    if (threadIdx.x == 0)
+      write_row_results<MODE>(row, target_logit, a, b, label_apart, rm, G != nullptr, ce_out, jsd_out,
+                              label_terms);
+    if (G == nullptr) return;
+    for (int i = 4 * threadIdx.x; i < vs; i += 4 * VP_THREADS) {
+      float s[4], t[4], g[4];
+      load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const KlTerms terms = kl_terms<MODE>(s[k] * rm.inv_temp, t[k] * rm.inv_temp, rm);
+        // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns
+        g[k] = grad_value<MODE>(__expf(s[k] - rm.lse_s), terms.p, terms.h, i + k == y && !label_apart, a, rm);
+      }
+      const int count = min(4, vs - i);
+      if (OUT == OUT_F32)
+        store4<OUT>(static_cast<float*>(G) + row * ldg + i, g, count);
+      else
+        store4<OUT>(static_cast<unsigned short*>(G) + row * ldg + i, g, count);
+    }
+  }
+};
+
+template <int OUT>
 __device__ __forceinline__ void vp_finish(VP_ROW_ARGS, int mode, float beta, float w_hard, float w_soft_t,
                                           const float* stats, const float* kl, float* ce_out, float* jsd_out,
                                           void* G, long long ldg, float* label_terms) {
   const long long row = blockIdx.x;
-  const float *srow = S + row * lds, *trow = Tl + row * ldt;
-  const int y = target[row];
-  const RowMath rm = vp_row_math(stats, row, rows, inv_temp, mode, beta, w_hard, w_soft_t);
-  const float target_logit = stats[6 * (long long)rows + row], a = kl[row];
-  const bool label_apart = G != nullptr && y >= 0 && __expf(target_logit - rm.lse_s) < 0.5f;
-  if (threadIdx.x == 0)
-    write_row_results(row, target_logit, a, kl[rows + row], label_apart, rm, G != nullptr, ce_out, jsd_out,
-                      label_terms);
-  if (G == nullptr) return;
-  // softmax(s) == p only when no temperature and no pad column anywhere in the row: the rank
-  // cannot see the other ranks' pads, so it compares the logsumexps instead
-  const bool softmax_is_p = inv_temp == 1.0f && rm.lse_z == rm.lse_s;
-  for (int i = 4 * threadIdx.x; i < vs; i += 4 * VP_THREADS) {
-    float s[4], t[4], g[4];
-    load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const KlTerms terms = kl_terms(s[k] * inv_temp, t[k] * inv_temp, rm);
-      g[k] = grad_value(s[k], terms.p, terms.h, i + k == y && !label_apart, a, softmax_is_p, rm);
-    }
-    const int count = min(4, vs - i);
-    if (OUT == OUT_F32)
-      store4<OUT>(static_cast<float*>(G) + row * ldg + i, g, count);
-    else
-      store4<OUT>(static_cast<unsigned short*>(G) + row * ldg + i, g, count);
-  }
+  VpFinish<OUT> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, target[row], row,
+                     vp_row_math(stats, row, rows, inv_temp, beta, w_hard, w_soft_t),
+                     stats[6 * (long long)rows + row], kl[row], kl[rows + row],
+                     ce_out, jsd_out, label_terms, G, ldg};
+  mode_dispatch(mode, f);
 }
 
 #define DEFINE_VP_FINISH(NAME, OUT)                                                                         \

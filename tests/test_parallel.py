@@ -6,7 +6,6 @@ through CuPy's bindings and through a torch.distributed process group.
 """
 
 import multiprocessing
-import os
 import threading
 
 import numpy as np
@@ -202,7 +201,16 @@ def _two_gpus():
 
 def _worker(rank, how, rendezvous, seeds, results):
     """One rank: the one-GPU loss of each case on this GPU, and the sharded one; puts the
-    relative differences (loss, grad_input, grad_weight shard, grad_bias shard) in results."""
+    relative differences (grad_input, grad_weight shard, grad_bias shard) in results, or the
+    traceback of what failed."""
+    import traceback
+    try:
+        _compare_cases(rank, how, rendezvous, seeds, results)
+    except BaseException:  # noqa: BLE001 - handed to the parent, which fails the test
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def _compare_cases(rank, how, rendezvous, seeds, results):
     import cupy
     cupy.cuda.Device(rank).use()
     if how == "nccl":
@@ -226,24 +234,23 @@ def _worker(rank, how, rendezvous, seeds, results):
                            chunk_size=int(rng.choice([64, 1000])), grad_weight_float32=True)
             bounds = [0, vt // 2, vt]
             single = _step(case, None, how, **options)
-            part = split(case, bounds)[rank]
-            got = _step(part, comm, how, **options)
+            got = _step(split(case, bounds)[rank], comm, how, **options)
             lo, hi = min(bounds[rank], vs), min(bounds[rank + 1], vs)
-            want_gw = single[2][lo:hi]
-            want_gb = None if single[3] is None else single[3][lo:hi]
+            pairs = [(got[1], single[1]), (got[2], single[2][lo:hi])]
+            if single[3] is not None:
+                pairs.append((got[3], single[3][lo:hi]))
             results.put((rank, seed, dtype.name, float(got[0]), float(single[0]),
-                         [rel_err(g, w.astype(np.float64)) for g, w in
-                          ((got[1], single[1]), (got[2], want_gw), (got[3], want_gb)) if w is not None]))
+                         [rel_err(g, w.astype(np.float64)) for g, w in pairs]))
     finally:
         if how == "torch":
-            import torch.distributed as dist
             dist.destroy_process_group()
 
 
 def _step(case, comm, how, **options):
     """loss, grad_input, grad_weight, grad_bias as NumPy, through CuPy or the torch module."""
     if how == "nccl":
-        loss, ctx = jsdgpu.forward(**to_xp(case, __import__("cupy")), vocab_parallel=comm, **options)
+        import cupy
+        loss, ctx = jsdgpu.forward(**to_xp(case, cupy), vocab_parallel=comm, **options)
         return (to_numpy(loss),) + tuple(to_numpy(a) for a in jsdgpu.backward(ctx))
     import torch
     from jsdgpu.torch import FusedLinearJSDLoss
@@ -267,10 +274,18 @@ def _run_two(how, rendezvous, seeds):
     procs = [ctx.Process(target=_worker, args=(r, how, rendezvous, seeds, results)) for r in range(2)]
     for p in procs:
         p.start()
-    out = [results.get(timeout=300) for _ in range(2 * len(seeds))]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    try:
+        out = []
+        for _ in range(2 * len(seeds)):
+            out.append(results.get(timeout=240))
+            if out[-1][0] == "error":
+                pytest.fail(f"rank {out[-1][1]} failed:\n{out[-1][2]}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():  # its partner failed and left it waiting in a collective
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)
     return out
 
 
