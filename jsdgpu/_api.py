@@ -111,7 +111,9 @@ def _forward(arrays, *, weight_hard_loss, weight_soft_loss, beta, temperature, i
         valid_rows = None if len(valid) == n_rows else xp.asarray(valid)
         xs, ws, xt, wt = (xp.ascontiguousarray(a) for a in (xs, ws, xt, wt))
         budget = backend.default_memory_budget if memory_budget is None else int(memory_budget)
-        hard, soft, grads = run(backend, xs, ws, xt, wt, target_host[valid], bs, bt, opts,
+        # the valid rows' targets, taken where they are (no copy to the device)
+        target = arrays["target"] if valid_rows is None else xp.take(arrays["target"], valid_rows)
+        hard, soft, grads = run(backend, xs, ws, xt, wt, target, bs, bt, opts,
                                 valid_rows=valid_rows,
                                 normalizer=_checks.check_normalizer(num_valid_tokens, len(valid)),
                                 chunk_size=chunk_size, memory_budget=budget,

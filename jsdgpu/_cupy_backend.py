@@ -29,16 +29,16 @@ def _leading_dim(n):
 
 
 @functools.lru_cache(maxsize=None)
-def _module(device_id):
+def _module(device_id, options=("-std=c++17",)):
     source = (pathlib.Path(__file__).with_name("rows.cu")).read_text()
-    return cupy.RawModule(code=source, options=("-std=c++17",))
+    return cupy.RawModule(code=source, options=options)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_id, fmt, cluster):
+def _kernel(device_id, fmt, cluster, options=("-std=c++17",)):
     """The row kernel, with its dynamic shared-memory limit raised to the device's opt-in maximum.
     Returns (function, dynamic shared-memory bytes it may use)."""
-    func = _module(device_id).get_function(f"jsd_rows_{fmt}_c{cluster}")
+    func = _module(device_id, options).get_function(f"jsd_rows_{fmt}_c{cluster}")
     optin = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
     limit = optin - func.shared_size_bytes
     func.max_dynamic_shared_size_bytes = limit
@@ -175,20 +175,20 @@ class CupyBackend:
         return G
 
     @staticmethod
-    def add_label_terms(work, label_terms, target, xs, norm, grads, label_groups):
+    def add_label_terms(work, label_terms, target, xs, norm, grads):
         """The label terms the row kernel left out of G, added exactly in float32 for the rows
-        whose label this rank owns: a gather of Ws rows for grad_input, and label_scatter
-        (rows.cu) for grad_weight and grad_bias."""
-        order, starts, labels = label_groups
-        if len(labels) == 0:
-            return
-        terms = label_terms[order] * np.float32(norm)
-        grads.grad_input[order] += terms[:, None] * work["ws"][target[order]].astype(np.float32)
+        whose label this rank owns (target >= 0; label_terms is 0 elsewhere): a gather of Ws
+        rows for grad_input, and label_scatter (rows.cu) over the rows sorted by label (a
+        stable sort: the same order, and bits, every run) for grad_weight and grad_bias."""
+        terms = label_terms * np.float32(norm)
+        grads.grad_input += terms[:, None] * work["ws"][cupy.maximum(target, 0)].astype(np.float32)
+        order = cupy.argsort(target).astype(np.int32)
+        sorted_target = target[order]
         fmt = _KERNEL_FORMAT[xs.dtype]
         func = _module(cupy.cuda.Device().id).get_function(f"label_scatter_{fmt}")
-        func((len(labels),), (256,),
-             (label_terms, order, starts, labels, np.int32(len(labels)), np.int32(len(order)), xs,
-              np.int32(xs.shape[1]), np.float32(norm), grads.grad_weight,
+        func((len(order),), (256,),
+             (label_terms, order, sorted_target, np.int32(len(order)), xs, np.int32(xs.shape[1]),
+              np.float32(norm), grads.grad_weight,
               np.uint64(0) if grads.grad_bias is None else grads.grad_bias))
 
     @staticmethod

@@ -54,17 +54,6 @@ def chunk_rows(n_rows, chunk_size, bytes_per_row, memory_budget):
     return max(1, -(-n_rows // n_chunks))
 
 
-def label_groups(target):
-    """The rows with a label on this rank (target >= 0) grouped by label, in a fixed order:
-    (order, starts, labels), int32 NumPy arrays; the rows of labels[u] are
-    order[starts[u]:starts[u + 1]] (the last group runs to the end)."""
-    owned = np.flatnonzero(target >= 0)
-    order = owned[np.argsort(target[owned], kind="stable")]
-    sorted_target = target[order]
-    starts = np.flatnonzero(np.r_[len(order) > 0, sorted_target[1:] != sorted_target[:-1]])
-    return tuple(a.astype(np.int32) for a in (order, starts, sorted_target[starts]))
-
-
 def combine_stats(xp, comm, stats):
     """The row statistics of every rank's shard merged in place: stats [7, rows] as the row
     kernels write them (maxima of s, z, t; sums of exp(x - max); the target logit)."""
@@ -93,24 +82,36 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
         memory_budget, compute_grad, shard=None):
     """Compute the per-row losses and, with compute_grad, the gradient sums.
 
-    target: a NumPy array of the valid rows' targets. valid_rows: a backend index array of the
+    target: a backend array of the valid rows' targets. valid_rows: a backend index array of the
     valid rows, or None when every row is valid. normalizer: N, the divisor of the summed row
     losses. shard: under vocab parallelism, this rank's parallel.Shard (its weights and biases
     are then its shards of the vocabulary), else None. Returns (hard_loss, soft_loss, Gradients
     or None); the losses are 0-d float32 backend arrays.
+
+    Nothing here waits for the GPU: the caller's read of the targets was the last wait, and the
+    GPU idles until the first product is queued, so that comes before the rest of the setup.
     """
     xp = backend.xp
     comm = None if shard is None else shard.comm
     vs, vt = ws.shape[0], wt.shape[0]
-    if shard is not None:  # the labels as columns of this rank's shard, -1 where not owned
-        target = np.where((target >= shard.v0) & (target < shard.v0 + vs), target - shard.v0, -1)
-    groups = tuple(xp.asarray(g) for g in label_groups(target)) if compute_grad else None
-    target = xp.asarray(target.astype(np.int32))
     if valid_rows is not None:
         xs, xt = xp.take(xs, valid_rows, axis=0), xp.take(xt, valid_rows, axis=0)
     n_rows, hs = xs.shape
     norm = 1.0 / normalizer
+    rows = 0
+    if n_rows:
+        # every rank must cut the same chunks: size them by the largest shard
+        widest = (vs, vt) if shard is None else (shard.max_vs, shard.max_vt)
+        rows = chunk_rows(n_rows, chunk_size,
+                          backend.bytes_per_row(*widest, ws.dtype, compute_grad), memory_budget)
+        work = backend.prepare(ws, wt, bs, bt, min(rows, n_rows), compute_grad,
+                               fused=comm is None)
+        backend.logits(work, xs[:rows], xt[:rows])
 
+    target = target.astype(np.int32)
+    if shard is not None:  # the labels as columns of this rank's shard, -1 where not owned
+        owned = (target >= shard.v0) & (target < shard.v0 + vs)
+        target = xp.where(owned, target - shard.v0, -1).astype(np.int32)
     ce = xp.zeros(n_rows, dtype=np.float32)
     jsd = xp.zeros(n_rows, dtype=np.float32)
     grads = label_terms = None
@@ -120,23 +121,16 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
         new = xp.empty if n_rows else xp.zeros
         grads = Gradients(new((n_rows, hs), np.float32), new((vs, hs), np.float32),
                           None if bs is None else new(vs, np.float32))
-    if n_rows:
-        # every rank must cut the same chunks: size them by the largest shard
-        widest = (vs, vt) if shard is None else (shard.max_vs, shard.max_vt)
-        rows = chunk_rows(n_rows, chunk_size,
-                          backend.bytes_per_row(*widest, ws.dtype, compute_grad), memory_budget)
-        work = backend.prepare(ws, wt, bs, bt, min(rows, n_rows), compute_grad,
-                               fused=comm is None)
-        for start in range(0, n_rows, rows):
-            stop = min(start + rows, n_rows)
+    for start in range(0, n_rows, rows or 1):
+        stop = min(start + rows, n_rows)
+        if start:  # the first chunk's logits were queued above
             backend.logits(work, xs[start:stop], xt[start:stop])
-            G = _row_work(backend, work, comm, target[start:stop], opts, ce[start:stop],
-                          jsd[start:stop],
-                          None if label_terms is None else label_terms[start:stop])
-            if compute_grad:
-                backend.grad_products(work, G, xs[start:stop], norm, grads, start, stop)
+        G = _row_work(backend, work, comm, target[start:stop], opts, ce[start:stop],
+                      jsd[start:stop], None if label_terms is None else label_terms[start:stop])
         if compute_grad:
-            backend.add_label_terms(work, label_terms, target, xs, norm, grads, groups)
+            backend.grad_products(work, G, xs[start:stop], norm, grads, start, stop)
+    if compute_grad and n_rows:
+        backend.add_label_terms(work, label_terms, target, xs, norm, grads)
     if compute_grad and comm is not None:
         comm.allreduce(grads.grad_input, "sum")
     # fixed-order sums: two runs on the same inputs give the same bits

@@ -197,13 +197,13 @@ class NumpyBackend:
                 total += part * norm
 
     @staticmethod
-    def add_label_terms(work, label_terms, target, xs, norm, grads, label_groups):
+    def add_label_terms(work, label_terms, target, xs, norm, grads):
         """The label terms the row kernel left out of G, added exactly, for the rows whose label
-        this rank owns (np.add.at adds in the groups' row order, so the result does not vary)."""
-        order = label_groups[0]
-        labels = target[order]
-        terms = label_terms[order] * np.float32(norm)
-        grads.grad_input[order] += terms[:, None] * work["ws"][labels]
-        np.add.at(grads.grad_weight, labels, terms[:, None] * xs[order].astype(np.float32))
+        this rank owns (target >= 0; np.add.at adds in row order, so the result does not vary)."""
+        owned = np.flatnonzero(target >= 0)
+        labels = target[owned]
+        terms = label_terms[owned] * np.float32(norm)
+        grads.grad_input[owned] += terms[:, None] * work["ws"][labels]
+        np.add.at(grads.grad_weight, labels, terms[:, None] * xs[owned].astype(np.float32))
         if grads.grad_bias is not None:
             np.add.at(grads.grad_bias, labels, terms)

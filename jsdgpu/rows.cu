@@ -741,8 +741,9 @@ extern "C" __global__ void scale_cast_f16(const float* in, unsigned short* out, 
 // ---- the label terms left out of G, added to the float32 gradient sums ----
 //
 // grad_weight[label] += norm * sum over the rows i with that label of label_terms[i] * x[i],
-// and grad_bias[label] likewise. One block per label, its rows in a fixed order (order[starts[u]
-// .. starts[u + 1]) lists them): no atomics, so the sums have the same bits on every run.
+// and grad_bias[label] likewise. order: the rows sorted by label, stably; sorted_target: their
+// labels (-1: a label on another rank). Block b works only where a label's rows start, and adds
+// them in order: no atomics, so the sums have the same bits on every run.
 
 template <int IN>
 __device__ __forceinline__ float load_value(const void* x, long long k) {
@@ -756,13 +757,14 @@ __device__ __forceinline__ float load_value(const void* x, long long k) {
 
 template <int IN>
 __device__ __forceinline__ void label_scatter(const float* __restrict__ label_terms, const int* __restrict__ order,
-                                              const int* __restrict__ starts, const int* __restrict__ labels,
-                                              int n_labels, int n_rows, const void* __restrict__ x, int hs,
-                                              float norm, float* __restrict__ grad_weight,
-                                              float* __restrict__ grad_bias) {
-  const int u = blockIdx.x;
-  const int begin = starts[u], end = u + 1 < n_labels ? starts[u + 1] : n_rows;
-  const long long label = labels[u];
+                                              const int* __restrict__ sorted_target, int n_rows,
+                                              const void* __restrict__ x, int hs, float norm,
+                                              float* __restrict__ grad_weight, float* __restrict__ grad_bias) {
+  const int begin = blockIdx.x;
+  const long long label = sorted_target[begin];
+  if (label < 0 || (begin > 0 && sorted_target[begin - 1] == label)) return;
+  int end = begin + 1;
+  while (end < n_rows && sorted_target[end] == label) ++end;
   for (int h = threadIdx.x; h < hs; h += blockDim.x) {
     float acc = 0.0f;
     for (int r = begin; r < end; ++r) {
@@ -779,9 +781,9 @@ __device__ __forceinline__ void label_scatter(const float* __restrict__ label_te
 }
 
 #define LABEL_SCATTER_ARGS                                                                                \
-  const float *label_terms, const int *order, const int *starts, const int *labels, int n_labels, int n_rows, \
-      const void *x, int hs, float norm, float *grad_weight, float *grad_bias
-#define LABEL_SCATTER_CALL label_terms, order, starts, labels, n_labels, n_rows, x, hs, norm, grad_weight, grad_bias
+  const float *label_terms, const int *order, const int *sorted_target, int n_rows, const void *x, int hs, \
+      float norm, float *grad_weight, float *grad_bias
+#define LABEL_SCATTER_CALL label_terms, order, sorted_target, n_rows, x, hs, norm, grad_weight, grad_bias
 extern "C" __global__ void label_scatter_f32(LABEL_SCATTER_ARGS) { label_scatter<OUT_F32>(LABEL_SCATTER_CALL); }
 extern "C" __global__ void label_scatter_f16(LABEL_SCATTER_ARGS) { label_scatter<OUT_F16>(LABEL_SCATTER_CALL); }
 extern "C" __global__ void label_scatter_bf16(LABEL_SCATTER_ARGS) { label_scatter<OUT_BF16>(LABEL_SCATTER_CALL); }

@@ -1,6 +1,5 @@
 """The CPU backend's chunking: every chunk size gives the reference's answer."""
 
-import numpy as np
 import pytest
 
 import jsdgpu
@@ -25,10 +24,3 @@ def test_chunk_rows_from_budget():
     assert chunk_rows(100, None, 10, 400) == 34  # 40 rows fit: 3 chunks of at most 34
     assert chunk_rows(100, None, 10, 5) == 1  # not even one row fits: one row per chunk
 
-
-def test_label_groups():
-    from jsdgpu._driver import label_groups
-    order, starts, labels = label_groups(np.array([3, 1, 3, 2, 1]))
-    assert order.tolist() == [1, 4, 3, 0, 2]
-    assert starts.tolist() == [0, 2, 3] and labels.tolist() == [1, 2, 3]
-    assert all(len(a) == 0 for a in label_groups(np.array([], dtype=np.int64)))
