@@ -207,30 +207,31 @@ class CupyBackend:
                   grads.grad_bias, vs)
 
 
-def _vp_launch(name, work, target, opts, more_args):
-    """A vp_* kernel of rows.cu over the chunk's rows (one CTA of VP_THREADS = 256 per row)."""
+def _row_args(work, target):
+    """The arguments every row kernel of rows.cu begins with: both logits and their row pitches,
+    both biases (or null), the targets and both vocabulary sizes."""
     ls, lt = work["logits_s"], work["logits_t"]
     null = np.uint64(0)
-    args = (ls, np.int64(ls.shape[1]), lt, np.int64(lt.shape[1]),
+    return (ls, np.int64(ls.shape[1]), lt, np.int64(lt.shape[1]),
             null if work["bs"] is None else work["bs"], null if work["bt"] is None else work["bt"],
-            target, np.int32(work["ws"].shape[0]), np.int32(work["wt"].shape[0]),
-            np.float32(1.0 / opts.temperature), np.int32(len(target)))
+            target, np.int32(work["ws"].shape[0]), np.int32(work["wt"].shape[0]))
+
+
+def _vp_launch(name, work, target, opts, more_args):
+    """A vp_* kernel of rows.cu over the chunk's rows (one CTA of VP_THREADS = 256 per row)."""
+    args = _row_args(work, target) + (np.float32(1.0 / opts.temperature), np.int32(len(target)))
     func = _module(cupy.cuda.Device().id).get_function(name)
     func((len(target),), (256,), args + more_args)
 
 
 def launch_rows(work, c, target, opts, ce, jsd, G, label_terms):
-    """The row kernel over the first c rows of the chunk's logits (G None: the loss alone)."""
-    ls, lt = work["logits_s"][:c], work["logits_t"][:c]
+    """The fused row kernel over the first c rows of the chunk's logits (G None: the loss alone)."""
     cluster, slice_ = work["cluster"], work["slice"]
     null = np.uint64(0)
-    args = (ls, np.int64(ls.shape[1]), lt, np.int64(lt.shape[1]),
-            null if work["bs"] is None else work["bs"],
-            null if work["bt"] is None else work["bt"],
-            target, np.int32(work["ws"].shape[0]), np.int32(work["wt"].shape[0]),
-            np.int32(slice_), np.float32(1.0 / opts.temperature), np.int32(opts.mode),
-            np.float32(opts.beta), np.float32(opts.weight_hard_loss),
-            np.float32(opts.weight_soft_loss / opts.temperature),
-            ce, jsd, null if G is None else G, np.int64(0 if G is None else G.shape[1]),
-            null if G is None else label_terms)
+    args = _row_args(work, target) + (
+        np.int32(slice_), np.float32(1.0 / opts.temperature), np.int32(opts.mode),
+        np.float32(opts.beta), np.float32(opts.weight_hard_loss),
+        np.float32(opts.weight_soft_loss / opts.temperature),
+        ce, jsd, null if G is None else G, np.int64(0 if G is None else G.shape[1]),
+        null if G is None else label_terms)
     work["func"]((cluster * c,), (_THREADS[cluster],), args, shared_mem=8 * slice_)

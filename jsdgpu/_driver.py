@@ -88,8 +88,9 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
     are then its shards of the vocabulary), else None. Returns (hard_loss, soft_loss, Gradients
     or None); the losses are 0-d float32 backend arrays.
 
-    Nothing here waits for the GPU: the caller's read of the targets was the last wait, and the
-    GPU idles until the first product is queued, so that comes before the rest of the setup.
+    Nothing here waits for the GPU (but a torch process group's all-reduces: parallel.py). The
+    caller's read of the targets was the last wait, and the GPU idles until the first product
+    is queued, so that comes before the rest of the setup.
     """
     xp = backend.xp
     comm = None if shard is None else shard.comm
