@@ -60,8 +60,9 @@ def combine_stats(xp, comm, stats):
     maxima, sums = stats[:3], stats[3:6]
     local = maxima.copy()
     comm.allreduce(maxima, "max")
-    # each rank's sums rescaled to the global max; an empty part (sum 0, max -inf) stays 0
-    sums *= xp.exp(xp.where(sums == 0, maxima, local) - maxima)
+    # each rank's sums rescaled to the global max (every rank holds columns of s, z and t, so
+    # no part is empty: its max is finite unless its logits are not)
+    sums *= xp.exp(local - maxima)
     comm.allreduce(stats[3:], "sum")
 
 

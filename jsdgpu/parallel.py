@@ -26,8 +26,7 @@ class Shard:
     """This rank's place in the vocabulary, from every rank's shard sizes."""
     comm: object
     v0: int        # the first vocabulary id of this rank's rows
-    vs_total: int  # Vs and Vt of the whole vocabulary
-    vt_total: int
+    vs_total: int  # Vs of the whole vocabulary
     max_vs: int    # the largest shards, which size every rank's chunks alike
     max_vt: int
 
@@ -106,5 +105,4 @@ def shard_layout(comm, xp, vs, vt):
             "vocab_parallel: student_weight's shards must be the student vocabulary's rows of "
             "each rank's teacher range, in rank order, at least one per rank; got student rows "
             f"{student.tolist()} for teacher rows {teacher.tolist()}")
-    return Shard(comm, int(starts[comm.rank]), vs_total, int(teacher.sum()),
-                 int(student.max()), int(teacher.max()))
+    return Shard(comm, int(starts[comm.rank]), vs_total, int(student.max()), int(teacher.max()))
