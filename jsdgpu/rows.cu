@@ -75,25 +75,26 @@ __device__ __forceinline__ unsigned short to_16bit(float x) {
   return r;
 }
 
-// Four consecutive gradient values to G[0..n), n <= 4; G is 16-byte (f32) / 8-byte aligned.
+// Four consecutive gradient values to G[k..k + n), n <= 4, in OUT's format; G + k is 16-byte
+// (f32) / 8-byte aligned.
 template <int OUT>
-__device__ __forceinline__ void store4(void* G, const float g[4], int n) {
+__device__ __forceinline__ void store4(void* G, long long k, const float g[4], int n) {
   if (OUT == OUT_F32) {
-    float* out = static_cast<float*>(G);
+    float* out = static_cast<float*>(G) + k;
     if (n == 4) {
       *reinterpret_cast<float4*>(out) = make_float4(g[0], g[1], g[2], g[3]);
     } else {
-      for (int k = 0; k < n; ++k) out[k] = g[k];
+      for (int j = 0; j < n; ++j) out[j] = g[j];
     }
   } else {
-    unsigned short* out = static_cast<unsigned short*>(G);
+    unsigned short* out = static_cast<unsigned short*>(G) + k;
     if (n == 4) {
       uint2 packed;
       packed.x = to_16bit<OUT>(g[0]) | ((unsigned)to_16bit<OUT>(g[1]) << 16);
       packed.y = to_16bit<OUT>(g[2]) | ((unsigned)to_16bit<OUT>(g[3]) << 16);
       *reinterpret_cast<uint2*>(out) = packed;
     } else {
-      for (int k = 0; k < n; ++k) out[k] = to_16bit<OUT>(g[k]);
+      for (int j = 0; j < n; ++j) out[j] = to_16bit<OUT>(g[j]);
     }
   }
 }
@@ -349,10 +350,7 @@ struct FusedRowTail {
         out[k] = grad_value<MODE>(softmax, p, hv[k], lo + 4 * g + k == y && !label_apart, kl, rm);
       }
       const int count = min(4, ns - 4 * g);
-      if (OUT == OUT_F32)
-        store4<OUT>(static_cast<float*>(G) + g0 + 4 * g, out, count);
-      else
-        store4<OUT>(static_cast<unsigned short*>(G) + g0 + 4 * g, out, count);
+      store4<OUT>(G, g0 + 4 * g, out, count);
     }
   }
 };
@@ -526,16 +524,14 @@ __device__ __forceinline__ void load_columns(const float* srow, const float* tro
                                              const float* bias_t, int i, int ns, float s[4], float t[4]) {
   float4 t4 = *reinterpret_cast<const float4*>(trow + i);
   if (bias_t) {
-    const float4 b = *reinterpret_cast<const float4*>(bias_t + i);
-    t4 = make_float4(t4.x + b.x, t4.y + b.y, t4.z + b.z, t4.w + b.w);
+    t4 = add4(t4, *reinterpret_cast<const float4*>(bias_t + i));
   }
   t[0] = t4.x; t[1] = t4.y; t[2] = t4.z; t[3] = t4.w;
   float4 s4 = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
   if (i < ns) {
     s4 = *reinterpret_cast<const float4*>(srow + i);
     if (bias_s) {
-      const float4 b = *reinterpret_cast<const float4*>(bias_s + i);
-      s4 = make_float4(s4.x + b.x, s4.y + b.y, s4.z + b.z, s4.w + b.w);
+      s4 = add4(s4, *reinterpret_cast<const float4*>(bias_s + i));
     }
   }
   s[0] = s4.x; s[1] = s4.y; s[2] = s4.z; s[3] = s4.w;
@@ -679,10 +675,7 @@ struct VpFinish {
         g[k] = grad_value<MODE>(__expf(s[k] - rm.lse_s), terms.p, terms.h, i + k == y && !label_apart, a, rm);
       }
       const int count = min(4, vs - i);
-      if (OUT == OUT_F32)
-        store4<OUT>(static_cast<float*>(G) + row * ldg + i, g, count);
-      else
-        store4<OUT>(static_cast<unsigned short*>(G) + row * ldg + i, g, count);
+      store4<OUT>(G, row * ldg + i, g, count);
     }
   }
 };
@@ -727,7 +720,7 @@ __device__ __forceinline__ void scale_cast(const float* __restrict__ in, unsigne
     } else {
       for (int c = 0; c < count; ++c) g[c] = in[i + c] * k;
     }
-    store4<OUT>(out + i, g, count);
+    store4<OUT>(out, i, g, count);
   }
 }
 
