@@ -188,10 +188,10 @@ def impl_torch(sets, mode):
 # ---- one chunk, stage by stage ----
 
 def stage_breakdown(T, rng, copy_bytes_per_s):
-    """Time each stage of one all-valid chunk of T rows, and the row kernel at both cluster
-    sizes with its bandwidth: it must read the float32 student and teacher logits once and
-    write the bf16 gradient rows once (10 bytes per logit)."""
-    from jsdgpu._cupy_backend import CupyBackend, _kernel, _logits, _slice, launch_rows
+    """Time each stage of one all-valid chunk of T rows, and the fused row kernel with its
+    bandwidth: it must read the float32 student and teacher logits once and write the bf16
+    gradient rows once (10 bytes per logit)."""
+    from jsdgpu._cupy_backend import CupyBackend, _logits, launch_rows
     from jsdgpu._driver import Gradients, LossOptions
     xs, ws, xt, wt, target = make_sets(T, make_weights(1), rng)[0]
     be = CupyBackend()
@@ -204,16 +204,13 @@ def stage_breakdown(T, rng, copy_bytes_per_s):
     _logits(xs, ws, work["logits_s"][:T])
     _logits(xt, wt, work["logits_t"][:T])
     stages = {"student logits": lambda i: _logits(xs, ws, work["logits_s"][:T]),
-              "teacher logits": lambda i: _logits(xt, wt, work["logits_t"][:T])}
+              "teacher logits": lambda i: _logits(xt, wt, work["logits_t"][:T]),
+              "row kernel": lambda i: launch_rows(work, T, tgt, opts, ce, jsd, G, terms)}
     row_kernel = []
-    for cluster in (8, 16):
-        w = dict(work, func=_kernel(cupy.cuda.Device().id, "bf16", cluster)[0], cluster=cluster,
-                 slice=_slice(V, cluster))
-        ms = time_ms(lambda i: launch_rows(w, T, tgt, opts, ce, jsd, G, terms), 1, 3, 20)
-        stages[f"row kernel, cluster {cluster}"] = lambda i, w=w: launch_rows(w, T, tgt, opts, ce, jsd, G, terms)
-        moved = T * V * (4 + 4 + 2)
-        row_kernel.append(dict(cluster=cluster, T=T, ms=round(ms, 4), bytes_per_s=moved / (ms * 1e-3),
-                               fraction_of_copy=moved / (ms * 1e-3) / copy_bytes_per_s))
+    ms = time_ms(stages["row kernel"], 1, 3, 20)
+    moved = T * V * (4 + 4 + 2)
+    row_kernel.append(dict(kernel="fused", T=T, ms=round(ms, 4), bytes_per_s=moved / (ms * 1e-3),
+                           fraction_of_copy=moved / (ms * 1e-3) / copy_bytes_per_s))
     # the vocab-parallel path's three phase kernels on one GPU (no communicator): they read the
     # logits three times and write G once, 26 bytes per logit
     def phases(i):
@@ -222,7 +219,7 @@ def stage_breakdown(T, rng, copy_bytes_per_s):
         be.row_finish(work, tgt, stats, kl, opts, ce, jsd, terms)
     ms = time_ms(phases, 1, 3, 20)
     moved = T * V * (3 * 8 + 2)
-    row_kernel.append(dict(cluster="phases", T=T, ms=round(ms, 4), bytes_per_s=moved / (ms * 1e-3),
+    row_kernel.append(dict(kernel="phases", T=T, ms=round(ms, 4), bytes_per_s=moved / (ms * 1e-3),
                            fraction_of_copy=moved / (ms * 1e-3) / copy_bytes_per_s))
     stages["grad products (G @ Ws, G.T @ Xs)"] = lambda i: be.grad_products(work, G, xs, 1.0 / T, grads, 0, T)
     stages["backward: grad_weight to bf16"] = lambda i: be.scale_cast(grads.grad_weight, None, BF16)
@@ -347,9 +344,9 @@ def markdown_table(result):
     lines += [f"| {name} | {ms:.3f} |" for name, ms in result["stages_T1024"].items()]
     lines += ["", f"Copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s. Row kernel alone "
               "(fused: reads 8 B, writes 2 B per logit; the vocab-parallel phases: 26 B):", "",
-              "| cluster | rows | ms | TB/s | of copy bandwidth |", "| --- | --- | --- | --- | --- |"]
+              "| kernel | rows | ms | TB/s | of copy bandwidth |", "| --- | --- | --- | --- | --- |"]
     for r in result["row_kernel"]:
-        lines.append(f"| {r['cluster']} | {r['T']} | {r['ms']:.3f} | {r['bytes_per_s'] / 1e12:.2f} | "
+        lines.append(f"| {r['kernel']} | {r['T']} | {r['ms']:.3f} | {r['bytes_per_s'] / 1e12:.2f} | "
                      f"{r['fraction_of_copy']:.0%} |")
     return "\n".join(lines) + "\n"
 

@@ -1,14 +1,16 @@
 """Where the fused row kernel's time goes: its time against the number of rows (the fixed cost
-and the cost per row), how many clusters fit the GPU at once, the kernel built with -ftz=true,
-the host time a whole step spends before its first GEMM (the GPU idles then: the step starts by
-reading the targets), and (run under Nsight Compute) one launch of each row kernel.
+and the cost per row) and how many clusters fit the GPU at once, for the kernel the library
+uses and for other shapes of it (rows.cu, ROW_KERNEL_VARIANTS); the host time a whole step
+spends before its first GEMM (the GPU idles then: the step starts by reading the targets); and
+(run under Nsight Compute) one launch of each row kernel.
 
     python bench/profile_rows.py                       # the timings and the occupancy
-    ncu --set full -k regex:'jsd_rows_bf16_c16|vp_' -c 4 python bench/profile_rows.py --once
+    ncu --set full -k regex:'jsd_rows_bf16|vp_' -c 4 python bench/profile_rows.py --once
 """
 
 import argparse
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -21,22 +23,12 @@ import cupy  # noqa: E402
 import bench  # noqa: E402
 import jsdgpu  # noqa: E402
 from jsdgpu import _cupy_backend  # noqa: E402
-from jsdgpu._cupy_backend import CupyBackend, _THREADS, _kernel, _logits, _slice, launch_rows  # noqa: E402
+from jsdgpu._cupy_backend import CupyBackend, _logits, _slice, fused_kernel, launch_rows  # noqa: E402
 from jsdgpu._driver import LossOptions  # noqa: E402
 
-
-def max_active_clusters(func, cluster, smem):
-    """cuOccupancyMaxActiveClusters for the kernel at its launch configuration, or None."""
-    try:
-        from cuda.bindings import driver as cu
-        config = cu.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = cluster * 1024, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = _THREADS[cluster], 1, 1
-        config.sharedMemBytes = smem
-        err, n = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(func.kernel.ptr), config)
-        return int(n) if err == cu.CUresult.CUDA_SUCCESS else str(err)
-    except Exception as e:  # noqa: BLE001 - reported, not needed
-        return f"{type(e).__name__}: {e}"
+# the shapes of rows.cu's ROW_KERNEL_VARIANTS: clusters of c CTAs of t threads, g float4 groups
+# a thread, register allocation for m CTAs per SM
+VARIANTS = ("jsd_rows_bf16_c16_t512_g4_m1", "jsd_rows_bf16_c8_t1024_g4_m1", "jsd_rows_bf16_c16_t256_g8_m2")
 
 
 def main():
@@ -46,6 +38,8 @@ def main():
     a = p.parse_args()
     T = 2048
     xs, ws, xt, wt, target = bench.make_sets(T, bench.make_weights(1), np.random.default_rng(0))[0]
+    if a.host:
+        return host_before_first_gemm(xs[:1024], ws, xt[:1024], wt, target[:1024])
     be = CupyBackend()
     work = be.prepare(ws, wt, None, None, T, True, fused=True)
     _logits(xs, ws, work["logits_s"])
@@ -54,14 +48,14 @@ def main():
     ce, jsd, terms = (cupy.empty(T, np.float32) for _ in range(3))
     tgt = target.astype(np.int32)
     G = work["G"]
-    fused = {}
-    for cluster, options in ((8, ()), (16, ()), (16, ("-ftz=true",))):
-        func = _kernel(cupy.cuda.Device().id, "bf16", cluster, ("-std=c++17",) + options)[0]
-        fused[(cluster,) + options] = dict(work, func=func, cluster=cluster, slice=_slice(bench.V, cluster))
-    if a.host:
-        return host_before_first_gemm(xs[:1024], ws, xt[:1024], wt, target[:1024])
+    kernels = {"jsd_rows_bf16": work}
+    device = cupy.cuda.Device().id
+    for name in VARIANTS:
+        cluster, threads, groups = map(int, re.search(r"_c(\d+)_t(\d+)_g(\d+)_", name).groups())
+        kernel = fused_kernel(device, name, cluster, threads, groups, ("-std=c++17", "-DROW_KERNEL_VARIANTS"))
+        kernels[name] = dict(work, kernel=kernel, cluster=cluster, threads=threads, slice=_slice(bench.V, cluster))
     if a.once:
-        launch_rows(fused[(16,)], 1024, tgt, opts, ce, jsd, G, terms)
+        launch_rows(work, 1024, tgt, opts, ce, jsd, G, terms)
         stats = be.row_stats(work, tgt[:1024], opts)
         kl = be.row_kl(work, tgt[:1024], stats, opts)
         be.row_finish(work, tgt[:1024], stats, kl, opts, ce, jsd, terms)
@@ -69,11 +63,11 @@ def main():
         return
     print("| kernel | max active clusters | rows | ms | µs per row |")
     print("| --- | --- | --- | --- | --- |")
-    for key, w in fused.items():
-        active = max_active_clusters(w["func"], w["cluster"], 8 * w["slice"])
+    for name, w in kernels.items():
+        active = w["kernel"][2]
         for rows in (132, 264, 512, 1024, 2048):
             ms = bench.time_ms(lambda i: launch_rows(w, rows, tgt, opts, ce, jsd, G[:rows], terms), 1, 3, 20)
-            print(f"| cluster {' '.join(map(str, key))} | {active} | {rows} | {ms:.3f} | {1e3 * ms / rows:.2f} |")
+            print(f"| {name} | {active} | {rows} | {ms:.3f} | {1e3 * ms / rows:.2f} |")
     host_before_first_gemm(xs[:1024], ws, xt[:1024], wt, target[:1024])
 
 

@@ -2,6 +2,7 @@
 rows.cu. Everything is queued on CuPy's current stream; nothing in the chunk loop waits for the
 GPU."""
 
+import ctypes
 import functools
 import pathlib
 
@@ -20,7 +21,10 @@ _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 _KERNEL_FORMAT = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
                   np.dtype(ml_dtypes.bfloat16): "bf16"}
-_THREADS = {8: 1024, 16: 512}  # threads per CTA of each cluster size, as rows.cu defines them
+# The fused row kernel's shape, as rows.cu defines jsd_rows_<format>: CTAs per cluster (one
+# cluster per row), threads per CTA, and float4 groups of columns per thread (held in registers).
+_CLUSTER, _THREADS, _GROUPS = 16, 512, 4
+FUSED_MAX_VOCAB = _CLUSTER * _THREADS * _GROUPS * 4  # 131072 columns; wider rows take the phases
 
 
 def _leading_dim(n):
@@ -34,24 +38,33 @@ def _module(device_id, options=("-std=c++17",)):
     return cupy.RawModule(code=source, options=options)
 
 
+class _LaunchConfig(ctypes.Structure):
+    """The driver API's CUlaunchConfig."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(device_id, fmt, cluster, options=("-std=c++17",)):
-    """The row kernel, with its dynamic shared-memory limit raised to the device's opt-in maximum.
-    Returns (function, dynamic shared-memory bytes it may use)."""
-    func = _module(device_id, options).get_function(f"jsd_rows_{fmt}_c{cluster}")
-    optin = cupy.cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
-    limit = optin - func.shared_size_bytes
-    func.max_dynamic_shared_size_bytes = limit
+def fused_kernel(device_id, name, cluster, threads, groups, options=("-std=c++17",)):
+    """A fused row kernel of rows.cu, as (function, dynamic shared-memory bytes, how many of its
+    clusters fit the GPU at once: the grid it is launched with, at most)."""
+    func = _module(device_id, options).get_function(name)
     if cluster > 8:  # beyond the portable cluster size: allowed on Hopper, asked for explicitly
-        try:
-            driver.funcSetAttribute(func.kernel.ptr, _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-        except driver.CUDADriverError:
-            return None, 0
-    return func, limit
+        driver.funcSetAttribute(func.kernel.ptr, _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    smem = 2 * groups * threads * 16  # the next row's columns: a float4 per group, s and t
+    func.max_dynamic_shared_size_bytes = smem
+    config = _LaunchConfig((cluster, 1, 1), (threads, 1, 1), smem, None, None, 0)
+    n = ctypes.c_int()
+    # not wrapped by CuPy: the driver's own entry point (cluster dims are the kernel's own)
+    err = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters(
+        ctypes.byref(n), ctypes.c_void_p(func.kernel.ptr), ctypes.byref(config))
+    if err or n.value < 1:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters for {name} failed (CUresult {err}, {n.value})")
+    return func, smem, n.value
 
 
 def _slice(vt, cluster):
-    """Columns per CTA: a multiple of 4 (16-byte copies), cluster * slice >= vt."""
+    """Columns per CTA: a multiple of 4 (16-byte loads), cluster * slice >= vt."""
     return -(-vt // (4 * cluster)) * 4
 
 
@@ -76,9 +89,6 @@ def _logits(x, w, out):
 class CupyBackend:
     xp = cupy
     default_memory_budget = 5 * 2**29  # 2.5 GiB: T = 8192 at V = 128256 in 4 chunks
-    # None: 16-CTA clusters (measured faster: 3 CTAs per SM overlap one another's loads and
-    # math, bench/NOTES.md), else 8 where 16 cannot launch
-    cluster = None
 
     @staticmethod
     def on_device(device):
@@ -103,21 +113,12 @@ class CupyBackend:
         grad = np.dtype(dtype).itemsize * _leading_dim(vs) if compute_grad else 0
         return 4 * (_leading_dim(vs) + _leading_dim(vt)) + grad
 
-    def prepare(self, ws, wt, bs, bt, rows, compute_grad, fused):
-        """The chunk buffers, and with fused the row kernel's cluster size that fits vt."""
+    @staticmethod
+    def prepare(ws, wt, bs, bt, rows, compute_grad, fused):
+        """The chunk buffers; with fused (and a teacher vocabulary of at most FUSED_MAX_VOCAB),
+        the fused row kernel."""
         vs, vt = ws.shape[0], wt.shape[0]
-        func = cluster = None
-        if fused:
-            device = cupy.cuda.Device().id
-            fmt = _KERNEL_FORMAT[ws.dtype]
-            for cluster in (self.cluster,) if self.cluster else (16, 8):
-                func, smem_limit = _kernel(device, fmt, cluster)
-                if 8 * _slice(vt, cluster) <= smem_limit:
-                    break
-            else:
-                raise ValueError(f"teacher_weight's vocabulary of {vt} does not fit the shared "
-                                 f"memory of a cluster of {cluster} CTAs "
-                                 f"({cluster} x {smem_limit} bytes)")
+        fused = fused and vt <= FUSED_MAX_VOCAB
 
         def padded_bias(b, v):
             if b is None:
@@ -132,7 +133,9 @@ class CupyBackend:
             logits_t=cupy.empty((rows, _leading_dim(vt)), np.float32),
             G=cupy.empty((rows, _leading_dim(vs)), ws.dtype) if compute_grad else None,
             ones=cupy.ones(rows, ws.dtype) if bs is not None else None,
-            func=func, cluster=cluster, slice=None if func is None else _slice(vt, cluster))
+            fused=fused, cluster=_CLUSTER, threads=_THREADS, slice=_slice(vt, _CLUSTER),
+            kernel=fused_kernel(cupy.cuda.Device().id, f"jsd_rows_{_KERNEL_FORMAT[ws.dtype]}", _CLUSTER,
+                                _THREADS, _GROUPS) if fused else None)
 
     @staticmethod
     def logits(work, xs, xt):
@@ -148,7 +151,8 @@ class CupyBackend:
         launch_rows(work, c, target, opts, ce, jsd, G, label_terms)
         return G
 
-    # the three phases of the row work (vocab parallel): rows.cu's vp_* kernels
+    # the three phases of the row work (vocab parallel, or a teacher vocabulary beyond
+    # FUSED_MAX_VOCAB): rows.cu's vp_* kernels
 
     @staticmethod
     def row_stats(work, target, opts):
@@ -225,13 +229,14 @@ def _vp_launch(name, work, target, opts, more_args):
 
 
 def launch_rows(work, c, target, opts, ce, jsd, G, label_terms):
-    """The fused row kernel over the first c rows of the chunk's logits (G None: the loss alone)."""
-    cluster, slice_ = work["cluster"], work["slice"]
+    """The fused row kernel over the first c rows of the chunk's logits (G None: the loss alone):
+    as many clusters as fit the GPU at once, each taking every so many rows."""
+    func, smem, max_clusters = work["kernel"]
     null = np.uint64(0)
     args = _row_args(work, target) + (
-        np.int32(slice_), np.float32(1.0 / opts.temperature), np.int32(opts.mode),
+        np.int32(work["slice"]), np.int32(c), np.float32(1.0 / opts.temperature), np.int32(opts.mode),
         np.float32(opts.beta), np.float32(opts.weight_hard_loss),
         np.float32(opts.weight_soft_loss / opts.temperature),
         ce, jsd, null if G is None else G, np.int64(0 if G is None else G.shape[1]),
         null if G is None else label_terms)
-    work["func"]((cluster * c,), (_THREADS[cluster],), args, shared_mem=8 * slice_)
+    func((work["cluster"] * min(c, max_clusters),), (work["threads"],), args, shared_mem=smem)

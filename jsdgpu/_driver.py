@@ -6,8 +6,8 @@ Ignored rows are dropped before the loop, so every matrix product shrinks with t
 loop, the label terms the row kernel kept out of G (where the one-hot dominates a 16-bit G
 entry) are added exactly.
 
-The row work is one fused kernel where the backend has one and the whole vocabulary is here;
-otherwise three phases (statistics, KL sums, results and G). Under vocab parallelism each rank
+The row work is one fused kernel where the backend has one for the vocabulary and the whole
+vocabulary is here; otherwise three phases (statistics, KL sums, results and G). Under vocab parallelism each rank
 holds a shard of the vocabulary, and the phases' per-row vectors are combined across ranks
 between the phases; grad_input is summed across ranks at the end.
 
@@ -68,7 +68,7 @@ def combine_stats(xp, comm, stats):
 
 def _row_work(backend, work, comm, target, opts, ce, jsd, label_terms):
     """The rows' results and G (None without label_terms) over the chunk's logits."""
-    if comm is None and backend.fused_rows is not None:
+    if comm is None and work["fused"]:
         return backend.fused_rows(work, target, opts, ce, jsd, label_terms)
     stats = backend.row_stats(work, target, opts)
     if comm is not None:

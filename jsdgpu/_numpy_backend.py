@@ -143,12 +143,11 @@ class NumpyBackend:
     def bytes_per_row(vs, vt, dtype, compute_grad):
         return 4 * (vs + vt) + (4 * vs if compute_grad else 0)
 
-    fused_rows = None  # the driver runs the three phases
-
     @staticmethod
     def prepare(ws, wt, bs, bt, rows, compute_grad, fused):
         f32 = lambda a: None if a is None else a.astype(np.float32, copy=False)
-        return dict(ws=f32(ws), wt=f32(wt), bs=f32(bs), bt=f32(bt))
+        # fused False: the driver runs the three phases
+        return dict(ws=f32(ws), wt=f32(wt), bs=f32(bs), bt=f32(bt), fused=False)
 
     @staticmethod
     def logits(work, xs, xt):

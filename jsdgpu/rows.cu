@@ -1,13 +1,11 @@
-// The fused row kernel of jsdgpu; _cupy_backend.py compiles it with NVRTC.
+// The row kernels of jsdgpu; _cupy_backend.py compiles them with NVRTC.
 //
-// One thread-block cluster of CLUSTER CTAs per token row. Each CTA copies its slice of the row's
-// float32 student and teacher logits into shared memory once (cp.async), then makes its passes
-// over shared memory: (1) biases and the row statistics, (2) the JSD sums, (3) the gradient row.
-// The CTAs of a cluster combine their partial statistics through distributed shared memory,
-// every CTA in the same rank order, so all of them hold the same bits. Each logit crosses HBM
-// once: 8 bytes in, 2 (or 4) bytes of gradient out.
+// The fused kernel (one thread-block cluster per token row, the row held in registers) does all
+// of a row's work with one read of its logits; the three vocab-parallel phases do it in three
+// streaming passes, with the ranks' partial results combined between them; scale_cast and
+// label_scatter serve the gradient sums.
 //
-// The kernel includes no header, so NVRTC compiles it anywhere (CI compiles it with no GPU).
+// The file includes no header, so NVRTC compiles it anywhere (CI compiles it with no GPU).
 
 #define NEG_INF __int_as_float(0xff800000)
 #define FLT_MIN_NORMAL 1.17549435e-38f
@@ -47,23 +45,58 @@ __device__ __forceinline__ void cluster_sync() {
   cluster_wait();
 }
 
-// The float4 in the shared memory of CTA `rank` of this cluster, at the address of `p` in ours.
-__device__ __forceinline__ float4 ld_dsmem(const float4* p, unsigned rank) {
-  unsigned remote;
+// mbarriers in shared memory (by shared-memory address), for the partial results that the CTAs
+// of a cluster push to one another with st.async: a push completes its bytes on the receiver's
+// mbarrier, so neither side waits on a cluster barrier (whose release fence also waits for every
+// global store in flight).
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
+}
+
+// The one arrival of the barrier's current phase, which completes once `bytes` more have come
+__device__ __forceinline__ void mbar_expect_bytes(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// v to the shared memory of CTA `rank` of this cluster at the address dst has in ours, its 16
+// bytes completed on that CTA's mbarrier at the address bar has in ours
+__device__ __forceinline__ void push4(unsigned dst, float4 v, unsigned bar, unsigned rank) {
+  unsigned remote_dst, remote_bar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_dst) : "r"(dst), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_bar) : "r"(bar), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                   remote_dst),
+               "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(remote_bar)
+               : "memory");
+}
+
+// 16 bytes from global memory to the shared-memory address dst, asynchronously
+__device__ __forceinline__ void cp_async16(unsigned dst, const float* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+__device__ __forceinline__ float4 ld_shared4(unsigned addr) {
   float4 v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(remote)
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr)
                : "memory");
   return v;
 }
-
-__device__ __forceinline__ void cp_async16(float* dst, const float* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 template <int OUT>
 __device__ __forceinline__ unsigned short to_16bit(float x) {
@@ -72,6 +105,17 @@ __device__ __forceinline__ unsigned short to_16bit(float x) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
   else
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+
+// lo and hi in OUT's 16-bit format, lo in the low half (the lower address)
+template <int OUT>
+__device__ __forceinline__ unsigned pack_16bit(float lo, float hi) {
+  unsigned r;
+  if (OUT == OUT_BF16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
 
@@ -89,10 +133,7 @@ __device__ __forceinline__ void store4(void* G, long long k, const float g[4], i
   } else {
     unsigned short* out = static_cast<unsigned short*>(G) + k;
     if (n == 4) {
-      uint2 packed;
-      packed.x = to_16bit<OUT>(g[0]) | ((unsigned)to_16bit<OUT>(g[1]) << 16);
-      packed.y = to_16bit<OUT>(g[2]) | ((unsigned)to_16bit<OUT>(g[3]) << 16);
-      *reinterpret_cast<uint2*>(out) = packed;
+      *reinterpret_cast<uint2*>(out) = make_uint2(pack_16bit<OUT>(g[0], g[1]), pack_16bit<OUT>(g[2], g[3]));
     } else {
       for (int j = 0; j < n; ++j) out[j] = to_16bit<OUT>(g[j]);
     }
@@ -156,39 +197,52 @@ __device__ __forceinline__ float2 sums_warp_merge(float2 v) {
   return v;
 }
 
-// Stats as two float4s, for 16-byte distributed shared-memory loads
-__device__ __forceinline__ void stats_store(float4* dst, Stats a) {
-  dst[0] = make_float4(a.s.m, a.s.s, a.z.m, a.z.s);
-  dst[1] = make_float4(a.t.m, a.t.s, a.target_logit, 0.0f);
-}
-
-__device__ __forceinline__ Stats stats_load_remote(const float4* src, unsigned rank) {
-  const float4 u = ld_dsmem(src, rank), v = ld_dsmem(src + 1, rank);
-  Stats a = {{u.x, u.y}, {u.z, u.w}, {v.x, v.y}, v.z};
-  return a;
-}
-
 // ---- the per-column math, shared by the fused kernel and the vocab-parallel phases ----
+//
+// In log2 units ("bits"): a logit x at temperature T is x * scale2 bits, scale2 = log2(e) / T,
+// so that each exp is one ex2 of one FFMA and each log one lg2. The log-ratio h and the KL sums
+// a and b are in bits; they turn into natural units (times ln 2) once per row.
 //
 // MODE (FORWARD_KL, JSD, REVERSE_KL) is a template parameter: the kernels' inner loops hold no
 // branch on it. Each kernel switches on its mode argument once (mode_dispatch).
 
+#define LOG2E 1.44269504088896341f
+#define LN2 0.693147180559945309f
+
+// .ftz: a result below the smallest normal float (1.2e-38) is 0, and lg2 is only given normal
+// numbers; without it each one costs three more instructions (the profile counted them)
+__device__ __forceinline__ float ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float lg2(float x) {
+  float r;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // What a row's KL sums and gradient need once its statistics are known.
 struct RowMath {
-  float inv_temp, lse_s, lse_z, lse_t, beta, w_hard, w_soft_t;
+  float scale2;          // log2(e) / temperature
+  float lse_s;           // logsumexp of s, natural units (the CE)
+  float lse_z2, lse_t2;  // logsumexp of s / T and of t / T, in bits
+  float beta, w_hard, w_soft_t;
 };
 
-// One column's share of a = sum p (log p - log m) and b = sum q (log q - log m), with m the
-// mixture (JSD), p (forward KL) or q (reverse KL); p, and h, what the gradient needs of the
-// teacher. z: the tempered student logit (0 in a pad column), tt: the tempered teacher logit.
+// One column's share of a = sum p (log p - log m) and b = sum q (log q - log m), in bits, with m
+// the mixture (JSD), p (forward KL) or q (reverse KL); p, and h, what the gradient needs of the
+// teacher (bits but in forward KL, where h = q). s: the student logit (0 in a pad column), t: the
+// teacher logit.
 struct KlTerms {
   float a, b, p, h;
 };
 
 template <int MODE>
-__device__ __forceinline__ KlTerms kl_terms(float z, float tt, const RowMath& r) {
-  const float lp = z - r.lse_z, lq = tt - r.lse_t;
-  const float p = __expf(lp), q = __expf(lq);
+__device__ __forceinline__ KlTerms kl_terms(float s, float t, const RowMath& r) {
+  const float lp = fmaf(s, r.scale2, -r.lse_z2), lq = fmaf(t, r.scale2, -r.lse_t2);
+  const float p = ex2(lp), q = ex2(lq);
   float lm, h;
   if (MODE == FORWARD_KL) {
     lm = lp;
@@ -197,7 +251,7 @@ __device__ __forceinline__ KlTerms kl_terms(float z, float tt, const RowMath& r)
     // clamped to the smallest normal float so the log stays finite (the terms it touches are
     // below 1e-36); written so that a NaN passes (fmaxf would drop it)
     const float m = (1.0f - r.beta) * p + r.beta * q;
-    lm = __logf(m < FLT_MIN_NORMAL ? FLT_MIN_NORMAL : m);
+    lm = lg2(m < FLT_MIN_NORMAL ? FLT_MIN_NORMAL : m);
     h = lp - lm;
   } else {
     lm = lq;
@@ -208,35 +262,42 @@ __device__ __forceinline__ KlTerms kl_terms(float z, float tt, const RowMath& r)
   return k;
 }
 
-// One gradient value: w_hard (softmax(s) - onehot) + (w_soft / temperature) dz, where kl is the
-// row's a (the KL(p || m) of SPEC.md) and softmax is softmax(s) at the column.
+// One gradient value: w_hard (softmax(s) - onehot) + (w_soft / temperature) dz, with
+// dz = p - q (forward KL), else c p (h - kl) ln 2 with c = 1 - beta (JSD) or 1 (reverse KL) and kl
+// the row's a in bits (the KL(p || m) of SPEC.md); softmax: the column's softmax(s).
 template <int MODE>
 __device__ __forceinline__ float grad_value(float softmax, float p, float h, bool onehot, float kl,
                                             const RowMath& r) {
-  const float c_jsd = MODE == JSD ? 1.0f - r.beta : 1.0f;
-  const float dz = MODE == FORWARD_KL ? p - h : c_jsd * p * (h - kl);
-  return r.w_hard * (softmax - (onehot ? 1.0f : 0.0f)) + r.w_soft_t * dz;
+  const float k = MODE == FORWARD_KL ? r.w_soft_t : r.w_soft_t * ((MODE == JSD ? 1.0f - r.beta : 1.0f) * LN2);
+  const float soft = MODE == FORWARD_KL ? k * (p - h) : k * p * (h - kl);
+  return fmaf(r.w_hard, softmax - (onehot ? 1.0f : 0.0f), soft);
 }
 
-// The row's CE and JSD values from its sums, and the label term kept out of G (with G only).
+// The row's CE and JSD values from its sums (in bits), and the label term kept out of G (with G
+// only).
 template <int MODE>
 __device__ __forceinline__ void write_row_results(long long row, float target_logit, float a, float b,
                                                   bool label_apart, const RowMath& r, bool with_grad,
                                                   float* ce_out, float* jsd_out, float* label_terms) {
   if (with_grad) label_terms[row] = label_apart ? -r.w_hard : 0.0f;
   ce_out[row] = r.lse_s - target_logit;
-  jsd_out[row] = MODE == FORWARD_KL ? b : MODE == JSD ? r.beta * b + (1.0f - r.beta) * a : a;
+  jsd_out[row] = LN2 * (MODE == FORWARD_KL ? b : MODE == JSD ? r.beta * b + (1.0f - r.beta) * a : a);
 }
 
-// f.template run<MODE>() for the runtime mode
+template <int M>
+struct Mode {
+  static constexpr int value = M;
+};
+
+// f(Mode<MODE>()) for the runtime mode
 template <typename F>
-__device__ __forceinline__ void mode_dispatch(int mode, F& f) {
+__device__ __forceinline__ void mode_dispatch(int mode, F&& f) {
   if (mode == FORWARD_KL)
-    f.template run<FORWARD_KL>();
+    f(Mode<FORWARD_KL>());
   else if (mode == JSD)
-    f.template run<JSD>();
+    f(Mode<JSD>());
   else
-    f.template run<REVERSE_KL>();
+    f(Mode<REVERSE_KL>());
 }
 
 __device__ __forceinline__ float max4(float4 v) { return fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)); }
@@ -245,33 +306,75 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
   return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
 }
 
-// sum over the four values of exp(v * scale - shift)
-__device__ __forceinline__ float sum_exp4(float4 v, float scale, float shift) {
-  return __expf(v.x * scale - shift) + __expf(v.y * scale - shift) + __expf(v.z * scale - shift) +
-         __expf(v.w * scale - shift);
-}
-
 // ---- the fused kernel ----
 //
-// S [rows, lds], Tl [rows, ldt]: float32 logits without bias (lds, ldt multiples of 4).
-// bias_s, bias_t: float32 biases padded with zeros to a multiple of 4, or null.
-// G [rows, ldg] in OUT's format, or null for the loss alone: the gradient with respect to the
-// student logits, without the 1/N of the mean. Where softmax(s)[y] < 1/2 the label's one-hot
-// term -w_hard dominates G[y] and would be rounded with it to 16 bits: it is left out of G and
-// written to label_terms[row] instead (else 0), for the caller to add exactly (label_scatter).
-// slice: columns per CTA, a multiple of 4, with CLUSTER * slice >= vt. Dynamic shared memory:
-// 2 * slice floats.
+// A thread-block cluster of CLUSTER CTAs works on one token row at a time. CTA r holds the row's
+// columns r * slice + [0, slice) (slice: a multiple of 4), and its thread i holds GROUPS float4
+// groups of them in registers: group k is the CTA's columns 4 (i + k THREADS) + [0, 4). The
+// passes, (1) the row statistics, (2) the JSD sums, (3) the gradient row, work on registers
+// only; each logit crosses HBM once (8 bytes in, 2 or 4 bytes of gradient out).
 //
-// The passes work on float4 groups of columns (the profile of a scalar version showed it bound
-// by instruction issue, ~136 instructions per logit). The slice's last group is completed with
-// -inf in both rows (exp gives 0, so no bounds checks are needed), and the student columns past
-// vs (teacher pad) hold -inf for the statistics, then 0 (z = 0) for the JSD sums.
+// The grid holds only as many clusters as fit the GPU at once, and each takes every so many
+// rows: while it works on one row, the next one's columns are on their way into shared memory
+// (cp.async, each thread its own columns). The CTAs exchange partial results by pushing them
+// into one another's shared memory (st.async, counted by an mbarrier), not through cluster
+// barriers: in the profile of that version a fifth of the stall samples were at those barriers.
+// Partial results are merged in a fixed order: lanes by xor trees (every lane gets the same
+// bits), warps by warp 0, then the cluster's CTAs by rank. So every CTA holds the same bits, on
+// every run.
+//
+// S [rows, lds], Tl [rows, ldt]: float32 logits without bias (lds, ldt multiples of 4: a row's
+// float4 at a column below round4(v) is inside its padded row). bias_s, bias_t: float32 biases
+// padded with zeros to a multiple of 4, or null. G [rows, ldg] in OUT's format, or null for the
+// loss alone: the gradient with respect to the student logits, without the 1/N of the mean. Where
+// softmax(s)[y] < 1/2 the label's one-hot term -w_hard dominates G[y] and would be rounded with
+// it to 16 bits: it is left out of G and written to label_terms[row] instead (else 0), for the
+// caller to add exactly (label_scatter). CLUSTER * slice >= vt, slice <= 4 * THREADS * GROUPS.
+//
+// Columns past the CTA's part of the row hold -inf in s and t (2^-inf = 0: no bounds checks in
+// the passes); student columns past vs (the teacher's pad) hold -inf for the statistics, then 0
+// (z = 0) for the JSD sums.
 
-// Passes 2 and 3 of one row, and its results: what depends on the mode.
-template <int OUT, int CLUSTER, int THREADS>
-struct FusedRowTail {
-  float4 *sb4, *tb4;  // the slice in shared memory: student logits (later p), teacher (later h)
-  int groups, ns, lo, y;
+// v with its values j in [from, to) replaced by x
+__device__ __forceinline__ float4 fill(float4 v, int from, int to, float x) {
+  const bool r[4] = {from <= 0 && 0 < to, from <= 1 && 1 < to, from <= 2 && 2 < to, from <= 3 && 3 < to};
+  return make_float4(r[0] ? x : v.x, r[1] ? x : v.y, r[2] ? x : v.z, r[3] ? x : v.w);
+}
+
+__device__ __forceinline__ float component(float4 v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// sum over the four values of 2^(v * scale2 - m2)
+__device__ __forceinline__ float sum_ex2_4(float4 v, float scale2, float m2) {
+  return (ex2(fmaf(v.x, scale2, -m2)) + ex2(fmaf(v.y, scale2, -m2))) +
+         (ex2(fmaf(v.z, scale2, -m2)) + ex2(fmaf(v.w, scale2, -m2)));
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int mask = 16; mask > 0; mask >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int mask = 16; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
+  return v;
+}
+
+// Logsumexp parts in bits, one per lane (m: a max, s: the sum of 2^(x - m); s == 0: no value),
+// merged so that every lane holds the total. A part of NaNs has s = NaN and is kept.
+__device__ __forceinline__ Lse lse_lanes(Lse a) {
+  const float m = warp_max(a.m);
+  Lse r = {m, warp_sum(a.s == 0.0f ? 0.0f : a.s * ex2(a.m - m))};
+  return r;
+}
+
+// Passes 2 and 3 of one row over the thread's registers, and the row's results.
+template <int OUT, int CLUSTER, int THREADS, int GROUPS>
+struct FusedRow {
+  float4 s[GROUPS], t[GROUPS];  // student logits (later p where softmax(s) == p), teacher (later h)
+  int n, ns, lo, label_column;  // label_column: the label's column in the slice if its one-hot
+                                // term goes into G, else -1
   long long row;
   unsigned rank;
   RowMath rm;
@@ -280,40 +383,45 @@ struct FusedRowTail {
   void* G;
   long long ldg;
   float2* warp_sums;
-  float4* part_sums;
+  float4* inbox_sums;  // the cluster's CTAs' (a, b), by rank (pushed there)
+  unsigned sums_bar, parity;  // their mbarrier, and the parity of this row's phase
   float* row_values;
 
-  template <int MODE>
-  __device__ __forceinline__ void run() {
+  __device__ __forceinline__ int column(int k) const { return 4 * (threadIdx.x + k * THREADS); }
+
+  template <int MODE, bool SOFTMAX_IS_P>
+  __device__ __forceinline__ void passes() {
     constexpr int WARPS = THREADS / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const float inv_temp = rm.inv_temp;
-    // 2. a and b (kl_terms); tb becomes h, and sb becomes p where softmax(s) == p (no
-    //    temperature, no pad), so that pass 3 needs no exp
+    // 2. a and b; t becomes h, and s becomes p where softmax(s) == p (no temperature, no pad),
+    //    so that pass 3 needs no exp
     float a = 0.0f, b = 0.0f;
-    for (int g = threadIdx.x; g < groups; g += THREADS) {
-      const float4 s = sb4[g], t = tb4[g];
-      const KlTerms k0 = kl_terms<MODE>(s.x * inv_temp, t.x * inv_temp, rm);
-      const KlTerms k1 = kl_terms<MODE>(s.y * inv_temp, t.y * inv_temp, rm);
-      const KlTerms k2 = kl_terms<MODE>(s.z * inv_temp, t.z * inv_temp, rm);
-      const KlTerms k3 = kl_terms<MODE>(s.w * inv_temp, t.w * inv_temp, rm);
-      a += (k0.a + k1.a) + (k2.a + k3.a);
-      b += (k0.b + k1.b) + (k2.b + k3.b);
-      tb4[g] = make_float4(k0.h, k1.h, k2.h, k3.h);
-      if (softmax_is_p) sb4[g] = make_float4(k0.p, k1.p, k2.p, k3.p);
+#pragma unroll
+    for (int k = 0; k < GROUPS; ++k) {
+      if (column(k) >= n) continue;
+      const float sv[4] = {s[k].x, s[k].y, s[k].z, s[k].w}, tv[4] = {t[k].x, t[k].y, t[k].z, t[k].w};
+      float pv[4], hv[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const KlTerms kt = kl_terms<MODE>(sv[j], tv[j], rm);
+        a += kt.a;
+        b += kt.b;
+        pv[j] = kt.p;
+        hv[j] = kt.h;
+      }
+      t[k] = make_float4(hv[0], hv[1], hv[2], hv[3]);
+      if (SOFTMAX_IS_P) s[k] = make_float4(pv[0], pv[1], pv[2], pv[3]);
     }
     const float2 ab = sums_warp_merge(make_float2(a, b));
     if (lane == 0) warp_sums[warp] = ab;
     __syncthreads();
-    if (warp == 0) {
-      const float2 r = sums_warp_merge(lane < WARPS ? warp_sums[lane] : make_float2(0.0f, 0.0f));
-      if (lane == 0) *part_sums = make_float4(r.x, r.y, 0.0f, 0.0f);
-    }
-    cluster_sync();
-    if (warp == 0) {
+    if (warp == 0) {  // the warps' sums, pushed to every CTA (lane r to rank r); then theirs
+      const float2 mine = sums_warp_merge(lane < WARPS ? warp_sums[lane] : make_float2(0.0f, 0.0f));
+      if (lane < CLUSTER) push4(smem_addr(inbox_sums + rank), make_float4(mine.x, mine.y, 0.0f, 0.0f), sums_bar, lane);
+      mbar_wait(sums_bar, parity);
       float2 r = make_float2(0.0f, 0.0f);
       if (lane < CLUSTER) {
-        const float4 v = ld_dsmem(part_sums, lane);
+        const float4 v = inbox_sums[lane];
         r = make_float2(v.x, v.y);
       }
       r = sums_warp_merge(r);
@@ -322,187 +430,246 @@ struct FusedRowTail {
         write_row_results<MODE>(row, row_values[3], r.x, r.y, label_apart, rm, G != nullptr, ce_out, jsd_out,
                                 label_terms);
     }
-    // No CTA may exit while another may still read its shared memory: arrive now, wait at the end.
-    cluster_arrive();
     __syncthreads();
     // 3. the gradient row
     if (G != nullptr) {
-      if (softmax_is_p)
-        gradient<MODE, true>();
-      else
-        gradient<MODE, false>();
+      const float kl = row_values[4];
+      const long long g0 = row * ldg + lo;
+#pragma unroll
+      for (int k = 0; k < GROUPS; ++k) {
+        const int c = column(k);
+        if (c >= ns) continue;
+        float out[4];
+        gradient<MODE, SOFTMAX_IS_P>(k, kl, -1, out);
+        if ((label_column & ~3) == c) gradient<MODE, SOFTMAX_IS_P>(k, kl, label_column - c, out);
+        store4<OUT>(G, g0 + c, out, min(4, ns - c));
+      }
     }
-    cluster_wait();
   }
 
+  // The gradient values of group k; its value j_label (if 0..3) with the label's one-hot term.
   template <int MODE, bool SOFTMAX_IS_P>
-  __device__ __forceinline__ void gradient() {
-    const float kl = row_values[4];
-    const long long g0 = row * ldg + lo;
-    for (int g = threadIdx.x; 4 * g < ns; g += THREADS) {
-      const float4 s4 = sb4[g], h4 = tb4[g];
-      const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, hv[4] = {h4.x, h4.y, h4.z, h4.w};
-      float out[4];
+  __device__ __forceinline__ void gradient(int k, float kl, int j_label, float out[4]) const {
+    const float sv[4] = {s[k].x, s[k].y, s[k].z, s[k].w}, hv[4] = {t[k].x, t[k].y, t[k].z, t[k].w};
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float p = SOFTMAX_IS_P ? sv[k] : __expf(sv[k] * rm.inv_temp - rm.lse_z);
-        const float softmax = SOFTMAX_IS_P ? p : __expf(sv[k] - rm.lse_s);
-        out[k] = grad_value<MODE>(softmax, p, hv[k], lo + 4 * g + k == y && !label_apart, kl, rm);
-      }
-      const int count = min(4, ns - 4 * g);
-      store4<OUT>(G, g0 + 4 * g, out, count);
+    for (int j = 0; j < 4; ++j) {
+      const float p = SOFTMAX_IS_P ? sv[j] : ex2(fmaf(sv[j], rm.scale2, -rm.lse_z2));
+      const float softmax = SOFTMAX_IS_P ? p : __expf(sv[j] - rm.lse_s);
+      out[j] = grad_value<MODE>(softmax, p, hv[j], j == j_label, kl, rm);
     }
   }
 };
 
-template <int OUT, int CLUSTER, int THREADS>
+template <int MODE, int OUT, int CLUSTER, int THREADS, int GROUPS>
 __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long lds, const float* __restrict__ Tl,
                                          long long ldt, const float* __restrict__ bias_s,
                                          const float* __restrict__ bias_t, const int* __restrict__ target, int vs,
-                                         int vt, int slice, float inv_temp, int mode, float beta, float w_hard,
-                                         float w_soft_t, float* __restrict__ ce_out, float* __restrict__ jsd_out,
-                                         void* __restrict__ G, long long ldg, float* __restrict__ label_terms) {
+                                         int vt, int slice, int rows, float inv_temp, float beta,
+                                         float w_hard, float w_soft_t, float* __restrict__ ce_out,
+                                         float* __restrict__ jsd_out, void* __restrict__ G, long long ldg,
+                                         float* __restrict__ label_terms) {
+  static_assert(CLUSTER < 32, "lane CLUSTER of warp 0 holds the pad columns' part");
   constexpr int WARPS = THREADS / 32;
-  extern __shared__ float4 dynamic_smem[];
-  float* sb = reinterpret_cast<float*>(dynamic_smem);  // student logits of this CTA's slice
-  float* tb = sb + slice;                               // teacher logits
-  float4 *sb4 = reinterpret_cast<float4*>(sb), *tb4 = reinterpret_cast<float4*>(tb);
-  __shared__ float4 part_stats[2];                      // this CTA's partials, read by the cluster
-  __shared__ float4 part_sums;
-  __shared__ float row_values[6];                       // the cluster's totals, for every thread
-  __shared__ Stats warp_stats[WARPS];
+  // the next row's columns of this thread, copied ahead (cp.async) while this row is worked on:
+  // the student's GROUPS float4s, then the teacher's
+  extern __shared__ float4 next_row[];
+  __shared__ Lse warp_lse[3][WARPS];
+  __shared__ float target_logit;  // in the CTA that holds the label's column
+  // The cluster's CTAs push their partial results here, by rank: the statistics (two float4s
+  // each), then the KL sums. Row i + 1's pushes cannot come before this CTA has read row i's:
+  // a CTA pushes its statistics of row i + 1 only after it has all sums of row i, this CTA's
+  // among them, pushed after it read the statistics of row i; likewise for the sums.
+  __shared__ float4 inbox_stats[2 * CLUSTER], inbox_sums[CLUSTER];
+  __shared__ unsigned long long bars[2];  // their mbarriers: one phase per row
   __shared__ float2 warp_sums[WARPS];
+  __shared__ float row_values[5];  // the cluster's totals, for every thread
 
+  FusedRow<OUT, CLUSTER, THREADS, GROUPS> f;
   const unsigned rank = cluster_ctarank();
-  const long long row = blockIdx.x / CLUSTER;
   const int lo = rank * slice;
   const int n = max(0, min(slice, vt - lo));  // this CTA's columns: lo + [0, n)
   const int ns = max(0, min(n, vs - lo));     // of which student columns: lo + [0, ns)
-  const int groups = (n + 3) / 4;
-  const float* srow = S + row * lds + lo;
-  const float* trow = Tl + row * ldt + lo;
-  const int y = target[row];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool tempered = inv_temp != 1.0f;
+  const float scale2 = inv_temp * LOG2E;
+  // shared-memory addresses of this thread's group 0 there; group k is k * THREADS float4s on
+  const unsigned next_s = smem_addr(next_row + threadIdx.x), next_t = next_s + 16 * GROUPS * THREADS;
+  f.n = n;
+  f.ns = ns;
+  f.lo = lo;
+  f.rank = rank;
+  f.softmax_is_p = !tempered && vt == vs;
+  f.ce_out = ce_out;
+  f.jsd_out = jsd_out;
+  f.label_terms = label_terms;
+  f.G = G;
+  f.ldg = ldg;
+  f.warp_sums = warp_sums;
+  f.inbox_sums = inbox_sums;
+  f.sums_bar = smem_addr(bars + 1);
+  f.row_values = row_values;
+  const unsigned stats_bar = smem_addr(bars);
+  if (threadIdx.x == 0) {
+    mbar_init(stats_bar, 1);
+    mbar_init(f.sums_bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cluster_sync();  // every CTA's mbarriers are ready before any push
+  // Each thread copies and reads back only its own columns, so no barrier guards next_row.
+  auto copy_ahead = [&](int row) {
+#pragma unroll
+    for (int k = 0; k < GROUPS; ++k) {
+      const int c = f.column(k);
+      if (c < n) cp_async16(next_t + 16 * k * THREADS, Tl + row * ldt + lo + c);
+      if (c < ns) cp_async16(next_s + 16 * k * THREADS, S + row * lds + lo + c);
+    }
+    cp_async_commit();
+  };
 
-  // 0. this CTA's slice of both rows into shared memory, 16 bytes per copy; -inf past the ends
-  for (int i = 4 * threadIdx.x; i < 4 * groups; i += 4 * THREADS) {
-    if (i + 4 <= n) {
-      cp_async16(tb + i, trow + i);
-    } else {
-      for (int k = 0; k < 4; ++k) tb[i + k] = i + k < n ? trow[i + k] : NEG_INF;
+  // The cluster takes rows blockIdx.x / CLUSTER + i * (its count); the grid holds no more
+  // clusters than fit the GPU at once.
+  const int stride = gridDim.x / CLUSTER;
+  int row = blockIdx.x / CLUSTER;
+  if (row < rows) copy_ahead(row);
+  for (unsigned parity = 0; row < rows; row += stride, parity ^= 1) {
+    if (threadIdx.x == 0) {  // the one arrival of this row's phases; the pushes bring the bytes
+      mbar_expect_bytes(stats_bar, sizeof(inbox_stats));
+      mbar_expect_bytes(f.sums_bar, sizeof(inbox_sums));
     }
-    if (i + 4 <= ns) {
-      cp_async16(sb + i, srow + i);
-    } else {
-      for (int k = 0; k < 4; ++k) sb[i + k] = i + k < ns ? srow[i + k] : NEG_INF;
+    const int y = target[row];
+    cp_async_wait_all();
+    // 0. the thread's columns into registers, with their biases; -inf past the ends
+    float max_s = NEG_INF, max_t = NEG_INF;
+#pragma unroll
+    for (int k = 0; k < GROUPS; ++k) {
+      const int c = f.column(k);
+      float4 t = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF), s = t;
+      if (c < n) {
+        t = ld_shared4(next_t + 16 * k * THREADS);
+        if (bias_t) t = add4(t, *reinterpret_cast<const float4*>(bias_t + lo + c));
+        if (c + 4 > n) t = fill(t, n - c, 4, NEG_INF);
+      }
+      if (c < ns) {
+        s = ld_shared4(next_s + 16 * k * THREADS);
+        if (bias_s) s = add4(s, *reinterpret_cast<const float4*>(bias_s + lo + c));
+        if (c + 4 > ns) s = fill(s, ns - c, 4, NEG_INF);
+      }
+      f.s[k] = s;
+      f.t[k] = t;
+      // 1. the row statistics: the warp's max, then the sum of 2^(x - max) (no data-dependent
+      //    branch). inv_temp > 0, so the max of x * scale2 is max(x) * scale2.
+      max_s = fmaxf(max_s, max4(s));
+      max_t = fmaxf(max_t, max4(t));
     }
-  }
-  cp_async_wait_all();
-  __syncthreads();
+    // every value read from next_row is in use above: the next row's copies may start
+    if (row + stride < rows) copy_ahead(row + stride);
+    max_s = warp_max(max_s);
+    max_t = warp_max(max_t);
+    Lse ls = {max_s * LOG2E, 0.0f}, lz = {max_s * scale2, 0.0f}, lt = {max_t * scale2, 0.0f};
+    // a warp with no column of s or t sums nothing (2^(-inf - -inf) would be NaN)
+    if (max_t != NEG_INF) {
+#pragma unroll
+      for (int k = 0; k < GROUPS; ++k) lt.s += sum_ex2_4(f.t[k], scale2, lt.m);
+      lt.s = warp_sum(lt.s);
+    }
+    if (max_s != NEG_INF) {
+#pragma unroll
+      for (int k = 0; k < GROUPS; ++k) ls.s += sum_ex2_4(f.s[k], LOG2E, ls.m);
+      ls.s = warp_sum(ls.s);
+      if (tempered) {
+#pragma unroll
+        for (int k = 0; k < GROUPS; ++k) lz.s += sum_ex2_4(f.s[k], scale2, lz.m);
+        lz.s = warp_sum(lz.s);
+      }
+    }
+    const bool holds_label = y >= lo && y < lo + ns;
+    if (holds_label) {  // the label's (biased) logit, from the thread that holds it
+#pragma unroll
+      for (int k = 0; k < GROUPS; ++k)
+        if (f.column(k) == ((y - lo) & ~3)) target_logit = component(f.s[k], (y - lo) & 3);
+    }
+    if (lane == 0) {
+      warp_lse[0][warp] = ls;
+      warp_lse[1][warp] = tempered ? lz : ls;
+      warp_lse[2][warp] = lt;
+    }
+    __syncthreads();
+    if (warp == 0) {  // the warps' statistics, pushed to every CTA (lane r to rank r); then theirs
+      const Lse none = {NEG_INF, 0.0f};
+      const Lse ms = lse_lanes(lane < WARPS ? warp_lse[0][lane] : none);
+      const Lse mz = lse_lanes(lane < WARPS ? warp_lse[1][lane] : none);
+      const Lse mt = lse_lanes(lane < WARPS ? warp_lse[2][lane] : none);
+      if (lane < CLUSTER) {
+        push4(smem_addr(inbox_stats + 2 * rank), make_float4(ms.m, ms.s, mz.m, mz.s), stats_bar, lane);
+        push4(smem_addr(inbox_stats + 2 * rank + 1),
+              make_float4(mt.m, mt.s, holds_label ? target_logit : 0.0f, 0.0f), stats_bar, lane);
+      }
+      mbar_wait(stats_bar, parity);
+      float4 u = make_float4(NEG_INF, 0.0f, NEG_INF, 0.0f), v = make_float4(NEG_INF, 0.0f, 0.0f, 0.0f);
+      if (lane < CLUSTER) {
+        u = inbox_stats[2 * lane];
+        v = inbox_stats[2 * lane + 1];
+      }
+      Lse zp = {u.z, u.w};
+      if (lane == CLUSTER && vt > vs) zp = Lse{0.0f, (float)(vt - vs)};  // the pad columns: z = 0
+      const Lse s = lse_lanes(Lse{u.x, u.y}), z = lse_lanes(zp), t = lse_lanes(Lse{v.x, v.y});
+      const float label_logit = warp_sum(v.z);  // one CTA's is not 0
+      if (lane == 0) {
+        row_values[0] = (s.m + log2f(s.s)) * LN2;
+        row_values[1] = z.m + log2f(z.s);
+        row_values[2] = t.m + log2f(t.s);
+        row_values[3] = label_logit;
+      }
+    }
+    __syncthreads();
+    if (n > ns) {  // the statistics are read: the pad columns become z = 0 for pass 2
+#pragma unroll
+      for (int k = 0; k < GROUPS; ++k) {
+        const int c = f.column(k);
+        if (c + 4 > ns && c < n) f.s[k] = fill(f.s[k], ns - c, n - c, 0.0f);
+      }
+    }
 
-  // 1. biases, and the row statistics: each thread takes the max of its columns, then sums
-  //    exp(x - max) (no data-dependent branch). The biases are zero-padded, so a float4 of them
-  //    is read whole wherever the group holds a column of theirs.
-  float max_s = NEG_INF, max_t = NEG_INF;
-  for (int g = threadIdx.x; g < groups; g += THREADS) {
-    float4 t = tb4[g], s = sb4[g];
-    if (bias_t) {
-      t = add4(t, *reinterpret_cast<const float4*>(bias_t + lo + 4 * g));
-      tb4[g] = t;
-    }
-    if (bias_s && 4 * g < ns) {
-      s = add4(s, *reinterpret_cast<const float4*>(bias_s + lo + 4 * g));
-      sb4[g] = s;
-    }
-    max_t = fmaxf(max_t, max4(t));
-    max_s = fmaxf(max_s, max4(s));
+    f.row = row;
+    f.rm = RowMath{scale2, row_values[0], row_values[1], row_values[2], beta, w_hard, w_soft_t};
+    f.label_apart = G != nullptr && __expf(row_values[3] - row_values[0]) < 0.5f;
+    f.label_column = holds_label && !f.label_apart ? y - lo : -1;
+    f.parity = parity;
+    if (f.softmax_is_p)
+      f.template passes<MODE, true>();
+    else
+      f.template passes<MODE, false>();
   }
-  // inv_temp > 0, so the max of x * inv_temp is max(x) * inv_temp. A thread whose student
-  // columns are all past vs has max_s = -inf and sums nothing (exp(-inf - -inf) would be NaN).
-  Stats st = {{max_s, 0.0f}, {max_s * inv_temp, 0.0f}, {max_t * inv_temp, 0.0f}, 0.0f};
-  const bool has_s = max_s != NEG_INF;
-  for (int g = threadIdx.x; g < groups; g += THREADS) {
-    const float4 t = tb4[g], s = sb4[g];
-    st.t.s += sum_exp4(t, inv_temp, st.t.m);
-    if (has_s) {
-      st.s.s += sum_exp4(s, 1.0f, st.s.m);
-      if (tempered) st.z.s += sum_exp4(s, inv_temp, st.z.m);
-    }
-  }
-  // the target's logit, read by the thread that wrote its (biased) group
-  if (y >= lo && y < lo + ns && ((y - lo) / 4) % THREADS == threadIdx.x) st.target_logit = sb[y - lo];
-  // warps, then warp 0 over the warps, then warp 0 over the cluster's CTAs (lane r reads rank r)
-  st = stats_warp_merge(st);
-  if (lane == 0) warp_stats[warp] = st;
-  __syncthreads();
-  // the statistics are read: the pad columns become z = 0 for pass 2
-  for (int i = ns + threadIdx.x; i < n; i += THREADS) sb[i] = 0.0f;
-  if (warp == 0) {
-    const Stats r = stats_warp_merge(lane < WARPS ? warp_stats[lane] : stats_empty());
-    if (lane == 0) stats_store(part_stats, r);
-  }
-  cluster_sync();
-  if (warp == 0) {
-    Stats r = stats_warp_merge(lane < CLUSTER ? stats_load_remote(part_stats, lane) : stats_empty());
-    if (!tempered) r.z = r.s;
-    if (vt > vs) {  // the pad columns: z = 0, vt - vs of them
-      Lse pad = {0.0f, (float)(vt - vs)};
-      r.z = lse_merge(r.z, pad);
-    }
-    if (lane == 0) {  // the other lanes merged in another order: only lane 0's bits are kept
-      row_values[0] = r.s.m + logf(r.s.s);
-      row_values[1] = r.z.m + logf(r.z.s);
-      row_values[2] = r.t.m + logf(r.t.s);
-      row_values[3] = r.target_logit;
-    }
-  }
-  __syncthreads();
-
-  FusedRowTail<OUT, CLUSTER, THREADS> tail;
-  tail.sb4 = sb4;
-  tail.tb4 = tb4;
-  tail.groups = groups;
-  tail.ns = ns;
-  tail.lo = lo;
-  tail.y = y;
-  tail.row = row;
-  tail.rank = rank;
-  tail.rm = RowMath{inv_temp, row_values[0], row_values[1], row_values[2], beta, w_hard, w_soft_t};
-  tail.label_apart = G != nullptr && __expf(row_values[3] - row_values[0]) < 0.5f;
-  tail.softmax_is_p = !tempered && vt == vs;
-  tail.ce_out = ce_out;
-  tail.jsd_out = jsd_out;
-  tail.label_terms = label_terms;
-  tail.G = G;
-  tail.ldg = ldg;
-  tail.warp_sums = warp_sums;
-  tail.part_sums = &part_sums;
-  tail.row_values = row_values;
-  mode_dispatch(mode, tail);
+  cluster_sync();  // no CTA leaves while its pushes may still be on the way
 }
 
 #define JSD_ROWS_ARGS                                                                                   \
   const float *S, long long lds, const float *Tl, long long ldt, const float *bias_s, const float *bias_t, \
-      const int *target, int vs, int vt, int slice, float inv_temp, int mode, float beta, float w_hard,   \
-      float w_soft_t, float *ce_out, float *jsd_out, void *G, long long ldg, float *label_terms
-#define JSD_ROWS_CALL                                                                                           \
-  S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, slice, inv_temp, mode, beta, w_hard, w_soft_t, ce_out, jsd_out, G, \
-      ldg, label_terms
+      const int *target, int vs, int vt, int slice, int rows, float inv_temp, int mode, float beta,       \
+      float w_hard, float w_soft_t, float *ce_out, float *jsd_out, void *G, long long ldg, float *label_terms
+#define JSD_ROWS_CALL                                                                                      \
+  S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, slice, rows, inv_temp, beta, w_hard, w_soft_t, ce_out, \
+      jsd_out, G, ldg, label_terms
 
-#define DEFINE_JSD_ROWS(NAME, OUT, CLUSTER, THREADS)                                   \
-  extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS) \
-      NAME(JSD_ROWS_ARGS) {                                                              \
-    jsd_rows<OUT, CLUSTER, THREADS>(JSD_ROWS_CALL);                                      \
+// MIN_CTAS: CTAs per SM that the register allocation must allow
+#define DEFINE_JSD_ROWS(NAME, OUT, CLUSTER, THREADS, GROUPS, MIN_CTAS)                            \
+  extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MIN_CTAS) \
+      NAME(JSD_ROWS_ARGS) {                                                                        \
+    mode_dispatch(mode, [=](auto m) { jsd_rows<decltype(m)::value, OUT, CLUSTER, THREADS, GROUPS>(JSD_ROWS_CALL); }); \
   }
 
-// name: jsd_rows_<gradient format>_c<cluster size>
-DEFINE_JSD_ROWS(jsd_rows_f32_c8, OUT_F32, 8, 1024)
-DEFINE_JSD_ROWS(jsd_rows_f16_c8, OUT_F16, 8, 1024)
-DEFINE_JSD_ROWS(jsd_rows_bf16_c8, OUT_BF16, 8, 1024)
-DEFINE_JSD_ROWS(jsd_rows_f32_c16, OUT_F32, 16, 512)
-DEFINE_JSD_ROWS(jsd_rows_f16_c16, OUT_F16, 16, 512)
-DEFINE_JSD_ROWS(jsd_rows_bf16_c16, OUT_BF16, 16, 512)
+// The kernels of _cupy_backend.py: 16 CTAs of 512 threads, 4 groups each: up to 131072 columns;
+// two CTAs per SM (64 registers a thread).
+DEFINE_JSD_ROWS(jsd_rows_f32, OUT_F32, 16, 512, 4, 2)
+DEFINE_JSD_ROWS(jsd_rows_f16, OUT_F16, 16, 512, 4, 2)
+DEFINE_JSD_ROWS(jsd_rows_bf16, OUT_BF16, 16, 512, 4, 2)
+
+#ifdef ROW_KERNEL_VARIANTS  // other shapes, for bench/profile_rows.py
+DEFINE_JSD_ROWS(jsd_rows_bf16_c16_t512_g4_m1, OUT_BF16, 16, 512, 4, 1)
+DEFINE_JSD_ROWS(jsd_rows_bf16_c8_t1024_g4_m1, OUT_BF16, 8, 1024, 4, 1)
+DEFINE_JSD_ROWS(jsd_rows_bf16_c16_t256_g8_m2, OUT_BF16, 16, 256, 8, 2)
+#endif
+
 
 // ---- vocab parallel: the row kernel in three phases ----
 //
@@ -604,10 +771,10 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS) vp_stats(VP_ROW_ARGS, f
 __device__ __forceinline__ RowMath vp_row_math(const float* stats, long long row, int rows, float inv_temp,
                                                float beta, float w_hard, float w_soft_t) {
   const float* st = stats + row;
-  RowMath r = {inv_temp,
+  RowMath r = {inv_temp * LOG2E,
                st[0] + logf(st[3 * (long long)rows]),
-               st[(long long)rows] + logf(st[4 * (long long)rows]),
-               st[2 * (long long)rows] + logf(st[5 * (long long)rows]),
+               (st[(long long)rows] + logf(st[4 * (long long)rows])) * LOG2E,
+               (st[2 * (long long)rows] + logf(st[5 * (long long)rows])) * LOG2E,
                beta, w_hard, w_soft_t};
   return r;
 }
@@ -620,12 +787,12 @@ struct VpKlSums {
   float2 ab;
 
   template <int MODE>
-  __device__ __forceinline__ void run() {
+  __device__ __forceinline__ void operator()(Mode<MODE>) {
     for (int i = 4 * threadIdx.x; i < vt; i += 4 * VP_THREADS) {
       float s[4], t[4];
       load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
       for (int k = 0; k < 4 && i + k < vt; ++k) {
-        const KlTerms terms = kl_terms<MODE>(i + k < vs ? s[k] * rm.inv_temp : 0.0f, t[k] * rm.inv_temp, rm);
+        const KlTerms terms = kl_terms<MODE>(i + k < vs ? s[k] : 0.0f, t[k], rm);
         ab.x += terms.a;
         ab.y += terms.b;
       }
@@ -659,7 +826,7 @@ struct VpFinish {
   long long ldg;
 
   template <int MODE>
-  __device__ __forceinline__ void run() {
+  __device__ __forceinline__ void operator()(Mode<MODE>) {
     const bool label_apart = G != nullptr && y >= 0 && __expf(target_logit - rm.lse_s) < 0.5f;
     if (threadIdx.x == 0)
       write_row_results<MODE>(row, target_logit, a, b, label_apart, rm, G != nullptr, ce_out, jsd_out,
@@ -670,7 +837,7 @@ struct VpFinish {
       load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const KlTerms terms = kl_terms<MODE>(s[k] * rm.inv_temp, t[k] * rm.inv_temp, rm);
+        const KlTerms terms = kl_terms<MODE>(s[k], t[k], rm);
         // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns
         g[k] = grad_value<MODE>(__expf(s[k] - rm.lse_s), terms.p, terms.h, i + k == y && !label_apart, a, rm);
       }

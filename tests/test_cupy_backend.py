@@ -1,5 +1,5 @@
 """The GPU backend at real sizes: the benchmark shape's accuracy, a chunk of more than 2^31
-logits, both cluster sizes of the row kernel, and a non-default stream."""
+logits, the widest vocabulary of the fused row kernel and past it, and a non-default stream."""
 
 import numpy as np
 import pytest
@@ -60,19 +60,30 @@ def test_chunk_of_more_than_2_31_logits(rng):
     assert rel_err(gi[rows].astype(cupy.float32) * (T / len(rows)), ref[3].get()) <= 2**-8
 
 
-def test_cluster_sizes_agree(rng, monkeypatch):
-    """The 8-CTA and 16-CTA clusters give the reference's answer at the benchmark vocabulary."""
-    from jsdgpu._cupy_backend import CupyBackend
-    case = gpu_case(rng, T=33, hs=64, ht=96, vs=V, vt=V + 77, dtype=np.float32, bias=True,
+FUSED_MAX = 131072  # _cupy_backend.FUSED_MAX_VOCAB: the fused kernel's widest teacher vocabulary
+
+
+@pytest.mark.parametrize("vs, vt, beta, temperature", [
+    (V, V + 77, 1.0, 2.0), (V, V + 77, 0.3, 1.0), (FUSED_MAX, FUSED_MAX, 0.3, 1.0),
+    (FUSED_MAX - 5, FUSED_MAX + 1, 0.3, 1.0)])
+def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, beta, temperature):
+    """The reference's answer from the fused kernel at the benchmark vocabulary with teacher pad
+    columns (reverse KL: a column past the teacher's taken for a pad one makes the loss inf)
+    and at its widest (every group of every thread full), and from the three phases just past
+    it."""
+    from jsdgpu._cupy_backend import FUSED_MAX_VOCAB, CupyBackend
+    assert FUSED_MAX_VOCAB == FUSED_MAX
+    case = gpu_case(rng, T=33, hs=64, ht=96, vs=vs, vt=vt, dtype=np.float32, bias=True,
                     logit_std=8.0, ignored=0.3)
-    ref = jsdgpu.reference(**case, beta=0.3, temperature=2.0)
-    for cluster in (8, 16):
-        monkeypatch.setattr(CupyBackend, "cluster", cluster)
-        loss, ctx = jsdgpu.forward(**case, beta=0.3, temperature=2.0)
-        gi, gw, gb = jsdgpu.backward(ctx)
-        assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0], cluster
-        for got, want in zip((gi, gw, gb), ref[3:]):
-            assert rel_err(got.get(), want.get()) <= 1e-4, cluster
+    work = CupyBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1, False,
+                               fused=True)
+    assert work["fused"] == (vt <= FUSED_MAX)
+    ref = jsdgpu.reference(**case, beta=beta, temperature=temperature)
+    loss, ctx = jsdgpu.forward(**case, beta=beta, temperature=temperature)
+    gi, gw, gb = jsdgpu.backward(ctx)
+    assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0]
+    for got, want in zip((gi, gw, gb), ref[3:]):
+        assert rel_err(got.get(), want.get()) <= 1e-4
 
 
 def test_runs_on_the_current_stream(rng):
