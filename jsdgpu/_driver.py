@@ -68,7 +68,7 @@ def combine_stats(xp, comm, stats):
 
 def _row_work(backend, work, comm, target, opts, ce, jsd, label_terms):
     """The rows' results and G (None without label_terms) over the chunk's logits."""
-    if comm is None and work["fused"]:
+    if work["fused"]:  # prepare gave the fused kernel only where there is no communicator
         return backend.fused_rows(work, target, opts, ce, jsd, label_terms)
     stats = backend.row_stats(work, target, opts)
     if comm is not None:

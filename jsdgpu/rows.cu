@@ -32,17 +32,9 @@ __device__ __forceinline__ unsigned cluster_ctarank() {
   return r;
 }
 
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
 __device__ __forceinline__ void cluster_sync() {
-  cluster_arrive();
-  cluster_wait();
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // mbarriers in shared memory (by shared-memory address), for the partial results that the CTAs
@@ -195,6 +187,18 @@ __device__ __forceinline__ float2 sums_warp_merge(float2 v) {
     v.y += __shfl_xor_sync(0xffffffffu, v.y, mask);
   }
   return v;
+}
+
+// v merged over the block in a fixed order: each warp by warp_merge (an xor tree), then the
+// warps' results by the same tree. Every thread gets the total, with the same bits.
+template <int THREADS, typename T, typename WarpMerge>
+__device__ __forceinline__ T block_merge(T v, T none, WarpMerge warp_merge) {
+  __shared__ T per_warp[THREADS / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_merge(v);
+  if (lane == 0) per_warp[warp] = v;
+  __syncthreads();
+  return warp_merge(lane < THREADS / 32 ? per_warp[lane] : none);
 }
 
 // ---- the per-column math, shared by the fused kernel and the vocab-parallel phases ----
@@ -382,7 +386,6 @@ struct FusedRow {
   float *ce_out, *jsd_out, *label_terms;
   void* G;
   long long ldg;
-  float2* warp_sums;
   float4* inbox_sums;  // the cluster's CTAs' (a, b), by rank (pushed there)
   unsigned sums_bar, parity;  // their mbarrier, and the parity of this row's phase
   float* row_values;
@@ -391,7 +394,6 @@ struct FusedRow {
 
   template <int MODE, bool SOFTMAX_IS_P>
   __device__ __forceinline__ void passes() {
-    constexpr int WARPS = THREADS / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // 2. a and b; t becomes h, and s becomes p where softmax(s) == p (no temperature, no pad),
     //    so that pass 3 needs no exp
@@ -412,11 +414,8 @@ struct FusedRow {
       t[k] = make_float4(hv[0], hv[1], hv[2], hv[3]);
       if (SOFTMAX_IS_P) s[k] = make_float4(pv[0], pv[1], pv[2], pv[3]);
     }
-    const float2 ab = sums_warp_merge(make_float2(a, b));
-    if (lane == 0) warp_sums[warp] = ab;
-    __syncthreads();
-    if (warp == 0) {  // the warps' sums, pushed to every CTA (lane r to rank r); then theirs
-      const float2 mine = sums_warp_merge(lane < WARPS ? warp_sums[lane] : make_float2(0.0f, 0.0f));
+    const float2 mine = block_merge<THREADS>(make_float2(a, b), make_float2(0.0f, 0.0f), sums_warp_merge);
+    if (warp == 0) {  // this CTA's sums, pushed to every CTA (lane r to rank r); then theirs
       if (lane < CLUSTER) push4(smem_addr(inbox_sums + rank), make_float4(mine.x, mine.y, 0.0f, 0.0f), sums_bar, lane);
       mbar_wait(sums_bar, parity);
       float2 r = make_float2(0.0f, 0.0f);
@@ -481,7 +480,6 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
   // among them, pushed after it read the statistics of row i; likewise for the sums.
   __shared__ float4 inbox_stats[2 * CLUSTER], inbox_sums[CLUSTER];
   __shared__ unsigned long long bars[2];  // their mbarriers: one phase per row
-  __shared__ float2 warp_sums[WARPS];
   __shared__ float row_values[5];  // the cluster's totals, for every thread
 
   FusedRow<OUT, CLUSTER, THREADS, GROUPS> f;
@@ -504,7 +502,6 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
   f.label_terms = label_terms;
   f.G = G;
   f.ldg = ldg;
-  f.warp_sums = warp_sums;
   f.inbox_sums = inbox_sums;
   f.sums_bar = smem_addr(bars + 1);
   f.row_values = row_values;
@@ -670,7 +667,6 @@ DEFINE_JSD_ROWS(jsd_rows_bf16_c8_t1024_g4_m1, OUT_BF16, 8, 1024, 4, 1)
 DEFINE_JSD_ROWS(jsd_rows_bf16_c16_t256_g8_m2, OUT_BF16, 16, 256, 8, 2)
 #endif
 
-
 // ---- vocab parallel: the row kernel in three phases ----
 //
 // Under vocab parallelism each rank holds columns [v0, v0 + vt) of every row (student columns
@@ -716,25 +712,6 @@ __device__ __forceinline__ Lse lse_of4(const float x[4], float scale, int count)
   return r;
 }
 
-// A block's Stats merged in a fixed order (warps, then warp 0 over the warps); for thread 0.
-__device__ __forceinline__ Stats stats_block_merge(Stats st) {
-  __shared__ Stats warp_stats[VP_THREADS / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  st = stats_warp_merge(st);
-  if (lane == 0) warp_stats[warp] = st;
-  __syncthreads();
-  return stats_warp_merge(lane < VP_THREADS / 32 ? warp_stats[lane] : stats_empty());
-}
-
-__device__ __forceinline__ float2 sums_block_merge(float2 v) {
-  __shared__ float2 warp_sums[VP_THREADS / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = sums_warp_merge(v);
-  if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
-  return sums_warp_merge(lane < VP_THREADS / 32 ? warp_sums[lane] : make_float2(0.0f, 0.0f));
-}
-
 #define VP_ROW_ARGS                                                                                    \
   const float *S, long long lds, const float *Tl, long long ldt, const float *bias_s, const float *bias_t, \
       const int *target, int vs, int vt, float inv_temp, int rows
@@ -755,7 +732,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS) vp_stats(VP_ROW_ARGS, f
     st.t = lse_merge(st.t, lse_of4(t, inv_temp, ct));
     if (y >= i && y < i + cs) st.target_logit = s[y - i];
   }
-  Stats r = stats_block_merge(st);
+  Stats r = block_merge<VP_THREADS>(st, stats_empty(), stats_warp_merge);
   if (threadIdx.x == 0) {
     if (!tempered) r.z = r.s;
     if (vt > vs) {  // this rank's pad columns: z = 0, vt - vs of them
@@ -806,7 +783,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS)
   VpKlSums f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, vt,
                 vp_row_math(stats, row, rows, inv_temp, beta, 0.0f, 0.0f), make_float2(0.0f, 0.0f)};
   mode_dispatch(mode, f);
-  const float2 ab = sums_block_merge(f.ab);
+  const float2 ab = block_merge<VP_THREADS>(f.ab, make_float2(0.0f, 0.0f), sums_warp_merge);
   if (threadIdx.x == 0) {
     kl[row] = ab.x;
     kl[rows + row] = ab.y;
