@@ -195,12 +195,12 @@ def stage_breakdown(T, rng, copy_bytes_per_s):
     from jsdgpu._driver import Gradients, LossOptions
     xs, ws, xt, wt, target = make_sets(T, make_weights(1), rng)[0]
     be = CupyBackend()
-    work = be.prepare(ws, wt, None, None, T, True, fused=True)
+    work = be.prepare(ws, wt, None, None, T, T, fused=True)
     opts = LossOptions(0.5, 0.5, 0.5, 1.0, -100)
     ce, jsd, terms = (cupy.empty(T, np.float32) for _ in range(3))
     tgt = target.astype(np.int32)
     G = work["G"][:T]
-    grads = Gradients(cupy.empty((T, HS), np.float32), cupy.empty((V, HS), np.float32), None)
+    grads = Gradients(cupy.empty((T, HS), np.float32), None, None)  # G held: grad_weight apart
     _logits(xs, ws, work["logits_s"][:T])
     _logits(xt, wt, work["logits_t"][:T])
     stages = {"student logits": lambda i: _logits(xs, ws, work["logits_s"][:T]),
@@ -216,13 +216,14 @@ def stage_breakdown(T, rng, copy_bytes_per_s):
     def phases(i):
         stats = be.row_stats(work, tgt, opts)
         kl = be.row_kl(work, tgt, stats, opts)
-        be.row_finish(work, tgt, stats, kl, opts, ce, jsd, terms)
+        be.row_finish(work, tgt, stats, kl, opts, ce, jsd, G, terms)
     ms = time_ms(phases, 1, 3, 20)
     moved = T * V * (3 * 8 + 2)
     row_kernel.append(dict(kernel="phases", T=T, ms=round(ms, 4), bytes_per_s=moved / (ms * 1e-3),
                            fraction_of_copy=moved / (ms * 1e-3) / copy_bytes_per_s))
-    stages["grad products (G @ Ws, G.T @ Xs)"] = lambda i: be.grad_products(work, G, xs, 1.0 / T, grads, 0, T)
-    stages["backward: grad_weight to bf16"] = lambda i: be.scale_cast(grads.grad_weight, None, BF16)
+    stages["grad_input (G @ Ws)"] = lambda i: be.grad_products(work, G, xs, 1.0 / T, grads, 0, T)
+    stages["backward: grad_weight (G.T @ Xs, bf16)"] = lambda i: be.weight_product(
+        G, V, xs, 1.0 / T, terms, tgt, None, BF16)
     times = {name: round(time_ms(fn, 1, 3, 20), 4) for name, fn in stages.items()}
     return times, row_kernel
 

@@ -41,7 +41,7 @@ def main():
     if a.host:
         return host_before_first_gemm(xs[:1024], ws, xt[:1024], wt, target[:1024])
     be = CupyBackend()
-    work = be.prepare(ws, wt, None, None, T, True, fused=True)
+    work = be.prepare(ws, wt, None, None, T, T, fused=True)
     _logits(xs, ws, work["logits_s"])
     _logits(xt, wt, work["logits_t"])
     opts = LossOptions(0.5, 0.5, 0.5, 1.0, -100)
@@ -58,7 +58,7 @@ def main():
         launch_rows(work, 1024, tgt, opts, ce, jsd, G, terms)
         stats = be.row_stats(work, tgt[:1024], opts)
         kl = be.row_kl(work, tgt[:1024], stats, opts)
-        be.row_finish(work, tgt[:1024], stats, kl, opts, ce, jsd, terms)
+        be.row_finish(work, tgt[:1024], stats, kl, opts, ce, jsd, G[:1024], terms)
         cupy.cuda.Device().synchronize()
         return
     print("| kernel | max active clusters | rows | ms | µs per row |")

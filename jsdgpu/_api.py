@@ -30,7 +30,8 @@ def _backend(kind):
 
 
 class Context:
-    """What forward hands to backward: the loss parts and the float32 gradient sums."""
+    """What forward hands to backward: the loss parts, and the float32 gradient sums (or G, for
+    grad_weight's product)."""
 
     def __init__(self, hard_loss, soft_loss, grads, valid_rows, n_rows, dtype, backend,
                  grad_weight_float32, device):
@@ -149,7 +150,7 @@ def backward(ctx, grad_output=1.0):
 
 
 def _backward(ctx, grad_output):
-    g, ctx._grads = ctx._grads, None  # the float32 sums are freed with the ctx's last use
+    g, ctx._grads = ctx._grads, None  # the sums (or G) are freed with the ctx's last use
     xp = ctx._backend.xp
     with ctx._backend.on_device(ctx._device):
         if isinstance(grad_output, (int, float)) and grad_output == 1:
@@ -160,7 +161,10 @@ def _backward(ctx, grad_output):
                 raise ValueError(f"grad_output must be a scalar, got shape {tuple(scale.shape)}")
         cast = ctx._backend.scale_cast
         weight_dtype = np.float32 if ctx._grad_weight_float32 else ctx._dtype
-        grad_weight = cast(g.grad_weight, scale, weight_dtype)
+        if g.grad_weight is None:  # G was held for all rows: one product, straight into the dtype
+            grad_weight = g.weight_product(scale, weight_dtype)
+        else:
+            grad_weight = cast(g.grad_weight, scale, weight_dtype)
         grad_bias = None if g.grad_bias is None else cast(g.grad_bias, scale, weight_dtype)
         grad_input = cast(g.grad_input, scale, ctx._dtype)
         if ctx._valid_rows is not None:

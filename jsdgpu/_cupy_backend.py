@@ -70,13 +70,25 @@ def _slice(vt, cluster):
 
 def _gemm(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     """C = alpha op(A) op(B) + beta C, column-major, float32 accumulation; a, b, c CuPy arrays
-    (views allowed) whose dtypes give the cuBLAS data types."""
-    alpha = np.array(alpha, np.float32)
-    beta = np.array(beta, np.float32)
-    cublas.gemmEx(cupy.cuda.device.get_cublas_handle(), transa, transb, m, n, k,
-                  alpha.ctypes.data, a.data.ptr, _CUDA_TYPE[a.dtype], lda,
-                  b.data.ptr, _CUDA_TYPE[b.dtype], ldb, beta.ctypes.data,
-                  c.data.ptr, _CUDA_TYPE[c.dtype], ldc, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    (views allowed) whose dtypes give the cuBLAS data types. alpha: a number, or a 0-d float32
+    device array (read by cuBLAS when the product runs: no wait for the GPU)."""
+    handle = cupy.cuda.device.get_cublas_handle()
+    on_device = isinstance(alpha, cupy.ndarray)
+    if on_device:
+        beta = cupy.full((), beta, np.float32)  # filled by a kernel: no copy from the host
+        pointer = lambda x: x.data.ptr  # noqa: E731
+        # CuPy's handle is shared: its pointer mode is put back below
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_DEVICE)
+    else:
+        alpha, beta = np.array(alpha, np.float32), np.array(beta, np.float32)
+        pointer = lambda x: x.ctypes.data  # noqa: E731
+    try:
+        cublas.gemmEx(handle, transa, transb, m, n, k, pointer(alpha), a.data.ptr, _CUDA_TYPE[a.dtype],
+                      lda, b.data.ptr, _CUDA_TYPE[b.dtype], ldb, pointer(beta),
+                      c.data.ptr, _CUDA_TYPE[c.dtype], ldc, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+    finally:
+        if on_device:
+            cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
 
 
 def _logits(x, w, out):
@@ -110,13 +122,14 @@ class CupyBackend:
 
     @staticmethod
     def bytes_per_row(vs, vt, dtype, compute_grad):
+        """Bytes per row of the logits chunk, and of G (0 without gradients)."""
         grad = np.dtype(dtype).itemsize * _leading_dim(vs) if compute_grad else 0
-        return 4 * (_leading_dim(vs) + _leading_dim(vt)) + grad
+        return 4 * (_leading_dim(vs) + _leading_dim(vt)), grad
 
     @staticmethod
-    def prepare(ws, wt, bs, bt, rows, compute_grad, fused):
-        """The chunk buffers; with fused (and a teacher vocabulary of at most FUSED_MAX_VOCAB),
-        the fused row kernel."""
+    def prepare(ws, wt, bs, bt, rows, g_rows, fused):
+        """The buffers: logits for chunks of rows, G for g_rows (0: no G); with fused (and a
+        teacher vocabulary of at most FUSED_MAX_VOCAB), the fused row kernel."""
         vs, vt = ws.shape[0], wt.shape[0]
         fused = fused and vt <= FUSED_MAX_VOCAB
 
@@ -131,7 +144,7 @@ class CupyBackend:
             ws=ws, wt=wt, bs=padded_bias(bs, vs), bt=padded_bias(bt, vt),
             logits_s=cupy.empty((rows, _leading_dim(vs)), np.float32),
             logits_t=cupy.empty((rows, _leading_dim(vt)), np.float32),
-            G=cupy.empty((rows, _leading_dim(vs)), ws.dtype) if compute_grad else None,
+            G=cupy.empty((g_rows, _leading_dim(vs)), ws.dtype) if g_rows else None,
             ones=cupy.ones(rows, ws.dtype) if bs is not None else None,
             fused=fused, cluster=_CLUSTER, threads=_THREADS, slice=_slice(vt, _CLUSTER),
             kernel=fused_kernel(cupy.cuda.Device().id, f"jsd_rows_{_KERNEL_FORMAT[ws.dtype]}", _CLUSTER,
@@ -144,12 +157,9 @@ class CupyBackend:
         _logits(xt, work["wt"], work["logits_t"][:c])
 
     @staticmethod
-    def fused_rows(work, target, opts, ce, jsd, label_terms):
-        """The fused row kernel over the chunk's logits; returns G (None without label_terms)."""
-        c = len(target)
-        G = work["G"][:c] if label_terms is not None else None
-        launch_rows(work, c, target, opts, ce, jsd, G, label_terms)
-        return G
+    def fused_rows(work, target, opts, ce, jsd, G, label_terms):
+        """The fused row kernel over the chunk's logits (G None: the loss alone)."""
+        launch_rows(work, len(target), target, opts, ce, jsd, G, label_terms)
 
     # the three phases of the row work (vocab parallel, or a teacher vocabulary beyond
     # FUSED_MAX_VOCAB): rows.cu's vp_* kernels
@@ -168,47 +178,74 @@ class CupyBackend:
         return kl
 
     @staticmethod
-    def row_finish(work, target, stats, kl, opts, ce, jsd, label_terms):
-        G = work["G"][:len(target)] if label_terms is not None else None
+    def row_finish(work, target, stats, kl, opts, ce, jsd, G, label_terms):
         null = np.uint64(0)
         _vp_launch(f"vp_finish_{_KERNEL_FORMAT[work['ws'].dtype]}", work, target, opts, (
             np.int32(opts.mode), np.float32(opts.beta), np.float32(opts.weight_hard_loss),
             np.float32(opts.weight_soft_loss / opts.temperature), stats, kl, ce, jsd,
             null if G is None else G, np.int64(0 if G is None else G.shape[1]),
             null if G is None else label_terms))
-        return G
 
     @staticmethod
     def add_label_terms(work, label_terms, target, xs, norm, grads):
         """The label terms the row kernel left out of G, added exactly in float32 for the rows
         whose label this rank owns (target >= 0; label_terms is 0 elsewhere): a gather of Ws
-        rows for grad_input, and label_scatter (rows.cu) over the rows sorted by label (a
-        stable sort: the same order, and bits, every run) for grad_weight and grad_bias."""
+        rows for grad_input, and label_scatter for the grad_weight sums (where there are) and
+        grad_bias."""
         terms = label_terms * np.float32(norm)
         grads.grad_input += terms[:, None] * work["ws"][cupy.maximum(target, 0)].astype(np.float32)
-        order = cupy.argsort(target).astype(np.int32)
-        sorted_target = target[order]
-        fmt = _KERNEL_FORMAT[xs.dtype]
-        func = _module(cupy.cuda.Device().id).get_function(f"label_scatter_{fmt}")
-        func((len(order),), (256,),
-             (label_terms, order, sorted_target, np.int32(len(order)), xs, np.int32(xs.shape[1]),
-              np.float32(norm), grads.grad_weight,
-              np.uint64(0) if grads.grad_bias is None else grads.grad_bias))
+        if grads.grad_weight is not None or grads.grad_bias is not None:
+            _label_scatter(label_terms, target, xs, norm, None, grads.grad_weight, grads.grad_bias)
 
     @staticmethod
     def grad_products(work, G, xs, norm, grads, start, stop):
+        """grad_input rows, and the chunk's part of the grad_weight and grad_bias sums (where
+        grad_weight is None, weight_product makes it later)."""
         (c, hs), ldg = xs.shape, G.shape[1]
         vs = work["ws"].shape[0]
         accumulate = 0.0 if start == 0 else 1.0
         # grad_input rows [c, Hs] = norm G @ Ws; column-major: Ws [Hs, V] @ G^T [V, c]
         _gemm(_N, _N, hs, c, vs, norm, work["ws"], hs, G, ldg, 0.0,
               grads.grad_input[start:stop], hs)
-        # grad_weight [V, Hs] += norm G^T @ Xs; column-major: Xs^T [Hs, c] @ G [c, V]
-        _gemm(_N, _T, hs, vs, c, norm, xs, hs, G, ldg, accumulate, grads.grad_weight, hs)
+        if grads.grad_weight is not None:
+            _weight_gemm(G, vs, xs, norm, accumulate, grads.grad_weight)
         if grads.grad_bias is not None:
             # grad_bias [V] += norm G^T @ ones; column-major: G^T [V, c] @ ones [c, 1]
             _gemm(_N, _N, vs, 1, c, norm, G, ldg, work["ones"][:c], c, accumulate,
                   grads.grad_bias, vs)
+
+    @staticmethod
+    def weight_product(G, vs, xs, norm, label_terms, target, scale, dtype):
+        """grad_weight = norm scale (G.T @ Xs + the label terms), G [rows, ld] over all rows;
+        scale: a 0-d float32 device array, or None for 1. The product is written in dtype by
+        cuBLAS; in 16 bits, the rows of labels kept out of G are rounded twice (the product,
+        then with the label terms added), the others once."""
+        out = cupy.empty((vs, xs.shape[1]), dtype)
+        _weight_gemm(G, vs, xs, norm if scale is None else scale * np.float32(norm), 0.0, out)
+        _label_scatter(label_terms, target, xs, norm, scale, out, None)
+        return out
+
+
+def _weight_gemm(G, vs, xs, alpha, beta, out):
+    """out [Vs, Hs] = alpha G^T @ Xs + beta out; column-major: Xs^T [Hs, c] @ G [c, V]."""
+    c, hs = xs.shape
+    _gemm(_N, _T, hs, vs, c, alpha, xs, hs, G, G.shape[1], beta, out, hs)
+
+
+def _label_scatter(label_terms, target, xs, norm, scale, grad_weight, grad_bias):
+    """rows.cu's label_scatter over the rows sorted by label (a stable sort: the same order,
+    and bits, every run); grad_weight (float32 sums, or the output in xs's dtype) or grad_bias
+    may be None."""
+    order = cupy.argsort(target).astype(np.int32)
+    sorted_target = target[order]
+    out = np.float32 if grad_weight is None else grad_weight.dtype
+    name = f"label_scatter_{_KERNEL_FORMAT[xs.dtype]}_{_KERNEL_FORMAT[np.dtype(out)]}"
+    null = np.uint64(0)
+    func = _module(cupy.cuda.Device().id).get_function(name)
+    func((len(order),), (256,),
+         (label_terms, order, sorted_target, np.int32(len(order)), xs, np.int32(xs.shape[1]),
+          np.float32(norm), null if scale is None else scale, null if grad_weight is None else grad_weight,
+          null if grad_bias is None else grad_bias))
 
 
 def _row_args(work, target):

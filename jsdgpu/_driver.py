@@ -1,10 +1,15 @@
 """The chunk loop shared by every backend.
 
 Per chunk of valid token rows: student and teacher logits (float32), the row work (per-row CE
-and JSD values, and the gradient rows G), then grad_input = G @ Ws and grad_weight += G.T @ Xs.
-Ignored rows are dropped before the loop, so every matrix product shrinks with them. After the
-loop, the label terms the row kernel kept out of G (where the one-hot dominates a 16-bit G
-entry) are added exactly.
+and JSD values, and the gradient rows G), then grad_input = G @ Ws. Ignored rows are dropped
+before the loop, so every matrix product shrinks with them.
+
+grad_weight = G.T @ Xs: where the memory budget holds G for all rows, it is one product over all
+of them, run by backward (which knows grad_output) straight into the output dtype; else G lives
+per chunk and each chunk adds its product to a float32 sum, which backward converts. The float32
+sum costs a write and read of [Vs, Hs] float32 per chunk and a conversion (~0.45 ms at the
+benchmark shape, whatever T). After the loop, the label terms the row kernel kept out of G (where
+the one-hot dominates a 16-bit G entry) are added exactly.
 
 The row work is one fused kernel where the backend has one for the vocabulary and the whole
 vocabulary is here; otherwise three phases (statistics, KL sums, results and G). Under vocab parallelism each rank
@@ -15,6 +20,7 @@ G is written without the 1/N of the mean: it stays O(1), which keeps float16 G c
 underflow, and 1/N goes into the matrix products' alpha.
 """
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,18 +46,34 @@ class LossOptions:
 class Gradients:
     """float32 sums of the gradient over the valid rows, before grad_output is applied."""
     grad_input: object    # [Tv, Hs], the valid rows only
-    grad_weight: object   # [Vs, Hs]
+    grad_weight: object   # [Vs, Hs], or None where weight_product makes it
     grad_bias: object     # [Vs] or None
+    # weight_product(scale, dtype): grad_weight times norm and scale (None for 1) in dtype,
+    # from G held for all rows; None where grad_weight holds the sums
+    weight_product: object = None
 
 
-def chunk_rows(n_rows, chunk_size, bytes_per_row, memory_budget):
-    """Rows per chunk: chunk_size if given, else the most that fit the budget, balanced so that
-    the chunks have near-equal sizes (the last one is not a sliver)."""
+# logits chunks at least this many rows (or all rows) when G is held for all rows
+MIN_CHUNK_ROWS = 1024
+
+
+def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, memory_budget):
+    """(rows per chunk, hold_g). hold_g: G for all n_rows rows (g_bytes each; 0 without
+    gradients) fits the budget beside logits chunks (logits_bytes per row) of chunk_size rows, or
+    of min(n_rows, MIN_CHUNK_ROWS) rows when chunk_size is None. The chunk is then chunk_size, or
+    the most rows that fit the rest of the budget, balanced so that the chunks have near-equal
+    sizes (the last one is not a sliver)."""
+    held = n_rows * g_bytes
+    smallest = min(n_rows, MIN_CHUNK_ROWS) if chunk_size is None else chunk_size
+    hold_g = 0 < held and held + smallest * logits_bytes <= memory_budget
     if chunk_size is not None:
-        return int(chunk_size)
-    most = max(1, memory_budget // bytes_per_row)
-    n_chunks = max(1, -(-n_rows // most))
-    return max(1, -(-n_rows // n_chunks))
+        return int(chunk_size), hold_g
+    if hold_g:
+        most = (memory_budget - held) // logits_bytes
+    else:
+        most = memory_budget // (logits_bytes + g_bytes)
+    n_chunks = max(1, -(-n_rows // max(1, most)))
+    return max(1, -(-n_rows // n_chunks)), hold_g
 
 
 def combine_stats(xp, comm, stats):
@@ -66,17 +88,18 @@ def combine_stats(xp, comm, stats):
     comm.allreduce(stats[3:], "sum")
 
 
-def _row_work(backend, work, comm, target, opts, ce, jsd, label_terms):
-    """The rows' results and G (None without label_terms) over the chunk's logits."""
+def _row_work(backend, work, comm, target, opts, ce, jsd, G, label_terms):
+    """The rows' results and, where G is not None, the gradient rows written into G."""
     if work["fused"]:  # prepare gave the fused kernel only where there is no communicator
-        return backend.fused_rows(work, target, opts, ce, jsd, label_terms)
+        backend.fused_rows(work, target, opts, ce, jsd, G, label_terms)
+        return
     stats = backend.row_stats(work, target, opts)
     if comm is not None:
         combine_stats(backend.xp, comm, stats)
     kl = backend.row_kl(work, target, stats, opts)
     if comm is not None:
         comm.allreduce(kl, "sum")
-    return backend.row_finish(work, target, stats, kl, opts, ce, jsd, label_terms)
+    backend.row_finish(work, target, stats, kl, opts, ce, jsd, G, label_terms)
 
 
 def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer, chunk_size,
@@ -100,14 +123,16 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
         xs, xt = xp.take(xs, valid_rows, axis=0), xp.take(xt, valid_rows, axis=0)
     n_rows, hs = xs.shape
     norm = 1.0 / normalizer
-    rows = 0
+    rows, hold_g = 0, False
     if n_rows:
         # every rank must cut the same chunks: size them by the largest shard
         widest = (vs, vt) if shard is None else (shard.max_vs, shard.max_vt)
-        rows = chunk_rows(n_rows, chunk_size,
-                          backend.bytes_per_row(*widest, ws.dtype, compute_grad), memory_budget)
-        work = backend.prepare(ws, wt, bs, bt, min(rows, n_rows), compute_grad,
-                               fused=comm is None)
+        rows, hold_g = plan_chunks(n_rows, chunk_size,
+                                   *backend.bytes_per_row(*widest, ws.dtype, compute_grad),
+                                   memory_budget)
+        rows = min(rows, n_rows)
+        g_rows = (n_rows if hold_g else rows) if compute_grad else 0
+        work = backend.prepare(ws, wt, bs, bt, rows, g_rows, fused=comm is None)
         backend.logits(work, xs[:rows], xt[:rows])
 
     target = target.astype(np.int32)
@@ -121,18 +146,25 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
         label_terms = xp.zeros(n_rows, dtype=np.float32)  # written by the row kernel
         # the first chunk writes the sums, the others add to them; with no chunk, they are zero
         new = xp.empty if n_rows else xp.zeros
-        grads = Gradients(new((n_rows, hs), np.float32), new((vs, hs), np.float32),
+        grads = Gradients(new((n_rows, hs), np.float32),
+                          None if hold_g else new((vs, hs), np.float32),
                           None if bs is None else new(vs, np.float32))
     for start in range(0, n_rows, rows or 1):
         stop = min(start + rows, n_rows)
         if start:  # the first chunk's logits were queued above
             backend.logits(work, xs[start:stop], xt[start:stop])
-        G = _row_work(backend, work, comm, target[start:stop], opts, ce[start:stop],
-                      jsd[start:stop], None if label_terms is None else label_terms[start:stop])
+        G = None
+        if compute_grad:
+            G = work["G"][start:stop] if hold_g else work["G"][:stop - start]
+        _row_work(backend, work, comm, target[start:stop], opts, ce[start:stop], jsd[start:stop],
+                  G, None if label_terms is None else label_terms[start:stop])
         if compute_grad:
             backend.grad_products(work, G, xs[start:stop], norm, grads, start, stop)
     if compute_grad and n_rows:
         backend.add_label_terms(work, label_terms, target, xs, norm, grads)
+    if hold_g:  # work (the logits buffers) is not kept: only what the product needs
+        grads.weight_product = functools.partial(backend.weight_product, work["G"], vs, xs, norm,
+                                                 label_terms, target)
     if compute_grad and comm is not None:
         comm.allreduce(grads.grad_input, "sum")
     # fixed-order sums: two runs on the same inputs give the same bits

@@ -141,13 +141,15 @@ class NumpyBackend:
 
     @staticmethod
     def bytes_per_row(vs, vt, dtype, compute_grad):
-        return 4 * (vs + vt) + (4 * vs if compute_grad else 0)
+        """Bytes per row of the logits chunk, and of G (0 without gradients)."""
+        return 4 * (vs + vt), 4 * vs if compute_grad else 0
 
     @staticmethod
-    def prepare(ws, wt, bs, bt, rows, compute_grad, fused):
+    def prepare(ws, wt, bs, bt, rows, g_rows, fused):
         f32 = lambda a: None if a is None else a.astype(np.float32, copy=False)
         # fused False: the driver runs the three phases
-        return dict(ws=f32(ws), wt=f32(wt), bs=f32(bs), bt=f32(bt), fused=False)
+        return dict(ws=f32(ws), wt=f32(wt), bs=f32(bs), bt=f32(bt), fused=False,
+                    G=np.empty((g_rows, ws.shape[0]), np.float32))
 
     @staticmethod
     def logits(work, xs, xt):
@@ -172,21 +174,22 @@ class NumpyBackend:
         return kl
 
     @staticmethod
-    def row_finish(work, target, stats, kl, opts, ce, jsd, label_terms):
-        compute_grad = label_terms is not None
+    def row_finish(work, target, stats, kl, opts, ce, jsd, G, label_terms):
+        compute_grad = G is not None
         # without gradients, G and label_terms are placeholders of the types Numba compiled
         # for (one compiled kernel); the kernel does not touch them
-        G = np.empty(work["s"].shape if compute_grad else (0, 0), np.float32)
         _finish_kernel(work["s"], work["t"], target, 1.0 / opts.temperature, opts.mode, opts.beta,
                        opts.weight_hard_loss, opts.weight_soft_loss / opts.temperature, stats, kl,
-                       ce, jsd, G, label_terms if compute_grad else ce, compute_grad)
-        return G if compute_grad else None
+                       ce, jsd, G if compute_grad else work["G"], label_terms if compute_grad else ce,
+                       compute_grad)
 
     @staticmethod
     def grad_products(work, G, xs, norm, grads, start, stop):
         norm = np.float32(norm)
         grads.grad_input[start:stop] = (G @ work["ws"]) * norm
-        parts = [(grads.grad_weight, G.T @ xs.astype(np.float32))]
+        parts = []
+        if grads.grad_weight is not None:  # else weight_product makes it
+            parts.append((grads.grad_weight, G.T @ xs.astype(np.float32)))
         if grads.grad_bias is not None:
             parts.append((grads.grad_bias, G.sum(axis=0)))
         for total, part in parts:  # the first chunk writes, the others add
@@ -203,6 +206,17 @@ class NumpyBackend:
         labels = target[owned]
         terms = label_terms[owned] * np.float32(norm)
         grads.grad_input[owned] += terms[:, None] * work["ws"][labels]
-        np.add.at(grads.grad_weight, labels, terms[:, None] * xs[owned].astype(np.float32))
+        if grads.grad_weight is not None:
+            np.add.at(grads.grad_weight, labels, terms[:, None] * xs[owned].astype(np.float32))
         if grads.grad_bias is not None:
             np.add.at(grads.grad_bias, labels, terms)
+
+    @staticmethod
+    def weight_product(G, vs, xs, norm, label_terms, target, scale, dtype):
+        """grad_weight = norm scale (G.T @ Xs + the label terms) in dtype, from G over all rows
+        (scale None for 1): summed in float32, rounded once."""
+        out = G.T @ xs.astype(np.float32)
+        owned = np.flatnonzero(target >= 0)
+        np.add.at(out, target[owned], label_terms[owned, None] * xs[owned].astype(np.float32))
+        out *= np.float32(norm) if scale is None else np.float32(norm) * scale
+        return out.astype(dtype, copy=False)

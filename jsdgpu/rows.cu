@@ -875,12 +875,15 @@ extern "C" __global__ void scale_cast_f16(const float* in, unsigned short* out, 
   scale_cast<OUT_F16>(in, out, n, scale);
 }
 
-// ---- the label terms left out of G, added to the float32 gradient sums ----
+// ---- the label terms left out of G, added to the gradient ----
 //
-// grad_weight[label] += norm * sum over the rows i with that label of label_terms[i] * x[i],
-// and grad_bias[label] likewise. order: the rows sorted by label, stably; sorted_target: their
-// labels (-1: a label on another rank). Block b works only where a label's rows start, and adds
-// them in order: no atomics, so the sums have the same bits on every run.
+// grad_weight[label] += k * sum over the rows i with that label of label_terms[i] * x[i], and
+// grad_bias[label] likewise, with k = norm (times *scale where scale is not null). order: the
+// rows sorted by label, stably; sorted_target: their labels (-1: a label on another rank).
+// grad_weight (or grad_bias) null: left alone. grad_weight is the float32 sums (OUT = OUT_F32) or
+// the finished gradient in the inputs' dtype (OUT = IN); grad_bias is always float32 sums.
+// Block b works only where a label's rows start, and adds them in order: no atomics, so the
+// results have the same bits on every run.
 
 template <int IN>
 __device__ __forceinline__ float load_value(const void* x, long long k) {
@@ -892,35 +895,41 @@ __device__ __forceinline__ float load_value(const void* x, long long k) {
   return f;
 }
 
-template <int IN>
+template <int IN, int OUT>
 __device__ __forceinline__ void label_scatter(const float* __restrict__ label_terms, const int* __restrict__ order,
                                               const int* __restrict__ sorted_target, int n_rows,
                                               const void* __restrict__ x, int hs, float norm,
-                                              float* __restrict__ grad_weight, float* __restrict__ grad_bias) {
+                                              const float* __restrict__ scale, void* __restrict__ grad_weight,
+                                              float* __restrict__ grad_bias) {
   const int begin = blockIdx.x;
   const long long label = sorted_target[begin];
   if (label < 0 || (begin > 0 && sorted_target[begin - 1] == label)) return;
   int end = begin + 1;
   while (end < n_rows && sorted_target[end] == label) ++end;
-  for (int h = threadIdx.x; h < hs; h += blockDim.x) {
+  const float k = scale ? norm * *scale : norm;
+  for (int h = threadIdx.x; grad_weight != nullptr && h < hs; h += blockDim.x) {
     float acc = 0.0f;
     for (int r = begin; r < end; ++r) {
       const int i = order[r];
       acc += label_terms[i] * load_value<IN>(x, (long long)i * hs + h);
     }
-    grad_weight[label * hs + h] += norm * acc;
+    const float sum = load_value<OUT>(grad_weight, label * hs + h) + k * acc;
+    store4<OUT>(grad_weight, label * hs + h, &sum, 1);
   }
   if (grad_bias != nullptr && threadIdx.x == 0) {
     float acc = 0.0f;
     for (int r = begin; r < end; ++r) acc += label_terms[order[r]];
-    grad_bias[label] += norm * acc;
+    grad_bias[label] += k * acc;
   }
 }
 
 #define LABEL_SCATTER_ARGS                                                                                \
   const float *label_terms, const int *order, const int *sorted_target, int n_rows, const void *x, int hs, \
-      float norm, float *grad_weight, float *grad_bias
-#define LABEL_SCATTER_CALL label_terms, order, sorted_target, n_rows, x, hs, norm, grad_weight, grad_bias
-extern "C" __global__ void label_scatter_f32(LABEL_SCATTER_ARGS) { label_scatter<OUT_F32>(LABEL_SCATTER_CALL); }
-extern "C" __global__ void label_scatter_f16(LABEL_SCATTER_ARGS) { label_scatter<OUT_F16>(LABEL_SCATTER_CALL); }
-extern "C" __global__ void label_scatter_bf16(LABEL_SCATTER_ARGS) { label_scatter<OUT_BF16>(LABEL_SCATTER_CALL); }
+      float norm, const float *scale, void *grad_weight, float *grad_bias
+#define LABEL_SCATTER_CALL label_terms, order, sorted_target, n_rows, x, hs, norm, scale, grad_weight, grad_bias
+// label_scatter_<inputs' dtype>_<grad_weight's dtype>
+extern "C" __global__ void label_scatter_f32_f32(LABEL_SCATTER_ARGS) { label_scatter<OUT_F32, OUT_F32>(LABEL_SCATTER_CALL); }
+extern "C" __global__ void label_scatter_f16_f32(LABEL_SCATTER_ARGS) { label_scatter<OUT_F16, OUT_F32>(LABEL_SCATTER_CALL); }
+extern "C" __global__ void label_scatter_bf16_f32(LABEL_SCATTER_ARGS) { label_scatter<OUT_BF16, OUT_F32>(LABEL_SCATTER_CALL); }
+extern "C" __global__ void label_scatter_f16_f16(LABEL_SCATTER_ARGS) { label_scatter<OUT_F16, OUT_F16>(LABEL_SCATTER_CALL); }
+extern "C" __global__ void label_scatter_bf16_bf16(LABEL_SCATTER_ARGS) { label_scatter<OUT_BF16, OUT_BF16>(LABEL_SCATTER_CALL); }

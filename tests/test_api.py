@@ -18,19 +18,22 @@ OPTION_CASES = list(itertools.product(BETAS, TEMPERATURES, WEIGHTS))
 
 
 def case_for(index, rng, dtype):
-    """The index-th option case's shape, biases, ignored rows and chunk size: all values of
-    each come round as the index runs over the option product."""
+    """The index-th option case's shape, biases, ignored rows, chunk size and memory budget (None:
+    G held for all rows; 1 byte: G per chunk, grad_weight summed over chunks): all values of each,
+    and every chunk size with each budget, come round as the index runs over the option product."""
     T, vs, pad = SHAPES[index % len(SHAPES)]
     bias = index % 2 == 1
     ignored = (0.0, 0.3, 0.6)[(index // 2) % 3]
     ignore_index = -100 if index % 5 else 7  # a non-default ignore_index inside [0, Vs) too
     case = make_case(rng, T=T, vs=vs, vt=vs + pad, dtype=dtype, bias=bias, ignored=ignored,
                      ignore_index=ignore_index)
-    return case, ignore_index, CHUNKS[index % len(CHUNKS)]
+    return case, ignore_index, CHUNKS[index % len(CHUNKS)], (None, 1)[(index // len(CHUNKS)) % 2]
 
 
-def check_against_reference(case, xp, dtype, *, chunk_size=None, grad_output=1.0, **options):
-    loss, ctx = jsdgpu.forward(**to_xp(case, xp), chunk_size=chunk_size, **options)
+def check_against_reference(case, xp, dtype, *, chunk_size=None, memory_budget=None,
+                            grad_output=1.0, **options):
+    loss, ctx = jsdgpu.forward(**to_xp(case, xp), chunk_size=chunk_size,
+                               memory_budget=memory_budget, **options)
     gi, gw, gb = jsdgpu.backward(ctx, grad_output)
     ref = jsdgpu.reference(**case, **options)
     assert type(loss) is xp.ndarray and loss.shape == () and loss.dtype == np.float32
@@ -58,9 +61,9 @@ def check_against_reference(case, xp, dtype, *, chunk_size=None, grad_output=1.0
 @pytest.mark.parametrize("index", range(len(OPTION_CASES)))
 def test_options_float32(xp, rng, index):
     beta, temperature, (w_hard, w_soft) = OPTION_CASES[index]
-    case, ignore_index, chunk = case_for(index, rng, np.float32)
-    check_against_reference(case, xp, np.dtype(np.float32), chunk_size=chunk, beta=beta,
-                            temperature=temperature, weight_hard_loss=w_hard,
+    case, ignore_index, chunk, budget = case_for(index, rng, np.float32)
+    check_against_reference(case, xp, np.dtype(np.float32), chunk_size=chunk, memory_budget=budget,
+                            beta=beta, temperature=temperature, weight_hard_loss=w_hard,
                             weight_soft_loss=w_soft, ignore_index=ignore_index)
 
 
@@ -70,9 +73,9 @@ def test_options_float32(xp, rng, index):
 def test_options_16bit_gpu(rng, index, dtype):
     import cupy
     beta, temperature, (w_hard, w_soft) = OPTION_CASES[index]
-    case, ignore_index, chunk = case_for(index, rng, DTYPES[dtype])
-    check_against_reference(case, cupy, DTYPES[dtype], chunk_size=chunk, beta=beta,
-                            temperature=temperature, weight_hard_loss=w_hard,
+    case, ignore_index, chunk, budget = case_for(index, rng, DTYPES[dtype])
+    check_against_reference(case, cupy, DTYPES[dtype], chunk_size=chunk, memory_budget=budget,
+                            beta=beta, temperature=temperature, weight_hard_loss=w_hard,
                             weight_soft_loss=w_soft, ignore_index=ignore_index)
 
 
@@ -81,17 +84,24 @@ def test_bfloat16_cpu(rng):
     check_against_reference(case, np, BF16, chunk_size=4, beta=0.3, temperature=2.0)
 
 
-def test_grad_output_scales(xp, rng):
+# memory_budget None: grad_weight's product runs in backward, scaled there; 1: summed in forward
+@pytest.mark.parametrize("memory_budget", [None, 1])
+def test_grad_output_scales(xp, rng, memory_budget):
     case = make_case(rng, T=6, bias=True)
-    check_against_reference(case, xp, np.dtype(np.float32), grad_output=-2.5)
+    check_against_reference(case, xp, np.dtype(np.float32), memory_budget=memory_budget,
+                            grad_output=-2.5)
 
 
-def test_grad_output_device_scalar(xp, rng):
+@pytest.mark.parametrize("memory_budget", [None, 1])
+def test_grad_output_device_scalar(xp, rng, memory_budget):
     case = make_case(rng, T=4)
-    loss, ctx = jsdgpu.forward(**to_xp(case, xp))
+    loss, ctx = jsdgpu.forward(**to_xp(case, xp), memory_budget=memory_budget)
     gi, gw, _ = jsdgpu.backward(ctx, xp.asarray(3.0, dtype=np.float32))
     ref = jsdgpu.reference(**case)
     assert rel_err(gi, 3.0 * ref[3]) <= 1e-4 and rel_err(gw, 3.0 * ref[4]) <= 1e-4
+    # the product read its scale on the device: the shared cuBLAS handle is back to host scalars
+    a = xp.asarray(case["student_weight"][:8])
+    assert rel_err(a @ a.T, case["student_weight"][:8] @ case["student_weight"][:8].T) <= 1e-5
 
 
 @pytest.mark.parametrize("all_ignored", [False, True])

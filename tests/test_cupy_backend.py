@@ -75,7 +75,7 @@ def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, beta, tempera
     assert FUSED_MAX_VOCAB == FUSED_MAX
     case = gpu_case(rng, T=33, hs=64, ht=96, vs=vs, vt=vt, dtype=np.float32, bias=True,
                     logit_std=8.0, ignored=0.3)
-    work = CupyBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1, False,
+    work = CupyBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1, 0,
                                fused=True)
     assert work["fused"] == (vt <= FUSED_MAX)
     ref = jsdgpu.reference(**case, beta=beta, temperature=temperature)

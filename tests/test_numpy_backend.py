@@ -1,16 +1,20 @@
-"""The CPU backend's chunking: every chunk size gives the reference's answer."""
+"""The CPU backend's chunking: every chunk size, with G held for all rows or per chunk, gives the
+reference's answer; and the chunk plan itself."""
 
 import pytest
 
 import jsdgpu
-from jsdgpu._driver import chunk_rows
+from jsdgpu._driver import MIN_CHUNK_ROWS, plan_chunks
 from conftest import make_case, rel_err
 
 
+@pytest.mark.parametrize("memory_budget", [None, 1])  # G held for all rows; G per chunk
 @pytest.mark.parametrize("chunk_size", [1, 2, 5, 7, 100])
-def test_chunk_sizes_agree(rng, chunk_size):
+def test_chunk_sizes_agree(rng, chunk_size, memory_budget):
     case = make_case(rng, T=17, bias=True, ignored=0.3, vt=1100)
-    loss, ctx = jsdgpu.forward(**case, chunk_size=chunk_size, beta=0.7, temperature=1.5)
+    loss, ctx = jsdgpu.forward(**case, chunk_size=chunk_size, beta=0.7, temperature=1.5,
+                               memory_budget=memory_budget)
+    assert (ctx._grads.grad_weight is None) == (memory_budget is None)
     gi, gw, gb = jsdgpu.backward(ctx)
     ref = jsdgpu.reference(**case, beta=0.7, temperature=1.5)
     assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0]
@@ -18,9 +22,15 @@ def test_chunk_sizes_agree(rng, chunk_size):
         assert rel_err(got, want) <= 1e-4
 
 
-def test_chunk_rows_from_budget():
-    assert chunk_rows(100, 7, 10, 10**9) == 7  # an explicit chunk size wins
-    assert chunk_rows(100, None, 10, 10**9) == 100  # everything fits: one chunk
-    assert chunk_rows(100, None, 10, 400) == 34  # 40 rows fit: 3 chunks of at most 34
-    assert chunk_rows(100, None, 10, 5) == 1  # not even one row fits: one row per chunk
-
+def test_plan_chunks():
+    # (n_rows, chunk_size, logits bytes per row, G bytes per row, budget) -> (rows, hold_g)
+    assert plan_chunks(100, 7, 10, 2, 10**9) == (7, True)  # an explicit chunk size wins
+    assert plan_chunks(100, 7, 10, 2, 269) == (7, False)  # 200 + 70 > 269: G per chunk
+    assert plan_chunks(100, None, 10, 2, 10**9) == (100, True)  # everything fits: one chunk
+    assert plan_chunks(100, None, 10, 0, 10**9) == (100, False)  # no gradients: no G
+    assert plan_chunks(100, None, 10, 2, 1199) == (50, False)  # G + all logits do not fit: 99
+    assert plan_chunks(100, None, 10, 2, 400) == (25, False)  # rows fit, then 33: 4 chunks of 25
+    assert plan_chunks(100, None, 10, 2, 5) == (1, False)  # not even one row fits: one per chunk
+    n = 4 * MIN_CHUNK_ROWS  # beyond MIN_CHUNK_ROWS rows, G held with logits chunks of fewer rows
+    assert plan_chunks(n, None, 10, 2, 2 * n + 10 * MIN_CHUNK_ROWS) == (MIN_CHUNK_ROWS, True)
+    assert plan_chunks(n, None, 10, 2, 2 * n + 10 * MIN_CHUNK_ROWS - 1) == (-(-n // 3), False)
