@@ -4,7 +4,7 @@ reference's answer; and the chunk plan itself."""
 import pytest
 
 import jsdgpu
-from jsdgpu._driver import MIN_CHUNK_ROWS, plan_chunks
+from jsdgpu._driver import MIN_CHUNK_ROWS, ROW_ALIGN, plan_chunks
 from conftest import make_case, rel_err
 
 
@@ -33,4 +33,8 @@ def test_plan_chunks():
     assert plan_chunks(100, None, 10, 2, 5) == (1, False)  # not even one row fits: one per chunk
     n = 4 * MIN_CHUNK_ROWS  # beyond MIN_CHUNK_ROWS rows, G held with logits chunks of fewer rows
     assert plan_chunks(n, None, 10, 2, 2 * n + 10 * MIN_CHUNK_ROWS) == (MIN_CHUNK_ROWS, True)
-    assert plan_chunks(n, None, 10, 2, 2 * n + 10 * MIN_CHUNK_ROWS - 1) == (-(-n // 3), False)
+    # not held: 1535 rows fit, 3 chunks of 1366, rounded up to ROW_ALIGN rows: 1408
+    assert plan_chunks(n, None, 10, 2, 2 * n + 10 * MIN_CHUNK_ROWS - 1) == (11 * ROW_ALIGN, False)
+    # rounded up only where it fits: 2 chunks of 1100 fit, 1152 do not
+    assert plan_chunks(2200, None, 10, 0, 11000) == (1100, False)
+    assert plan_chunks(2200, None, 10, 0, 11520) == (1152, False)
