@@ -53,32 +53,35 @@ class Gradients:
     weight_product: object = None
 
 
-# logits chunks at least this many rows (or all rows) when G is held for all rows
-MIN_CHUNK_ROWS = 1024
 # chunks of several are cut to a multiple of this many rows where the budget allows: cuBLAS's
 # tiles span 128 rows, and a chunk of 1366 rows left 3% of the last tiles' work idle
 ROW_ALIGN = 128
 
 
-def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, memory_budget):
-    """(rows per chunk, hold_g). hold_g: G for all n_rows rows (g_bytes each; 0 without
-    gradients) fits the budget beside logits chunks (logits_bytes per row) of chunk_size rows, or
-    of min(n_rows, MIN_CHUNK_ROWS) rows when chunk_size is None. The chunk is then chunk_size, or
-    the most rows that fit the rest of the budget, balanced so that the chunks have near-equal
-    sizes (the last one is not a sliver), then rounded up to ROW_ALIGN rows where that fits."""
-    held = n_rows * g_bytes
-    smallest = min(n_rows, MIN_CHUNK_ROWS) if chunk_size is None else chunk_size
-    hold_g = 0 < held and held + smallest * logits_bytes <= memory_budget
-    if chunk_size is not None:
-        return int(chunk_size), hold_g
-    if hold_g:
-        most = (memory_budget - held) // logits_bytes
-    else:
-        most = memory_budget // (logits_bytes + g_bytes)
-    n_chunks = max(1, -(-n_rows // max(1, most)))
-    rows = max(1, -(-n_rows // n_chunks))
+def _split(n_rows, most):
+    """(rows per chunk, number of chunks) for chunks of at most `most` rows (at least 1): of
+    near-equal sizes (the last one is not a sliver), rounded up to ROW_ALIGN rows where that fits."""
+    n_chunks = -(-n_rows // max(1, most))
+    rows = -(-n_rows // n_chunks)
     aligned = -(-rows // ROW_ALIGN) * ROW_ALIGN
-    return aligned if n_chunks > 1 and aligned <= most else rows, hold_g
+    return (aligned if n_chunks > 1 and aligned <= most else rows), n_chunks
+
+
+def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, memory_budget):
+    """(rows per chunk, hold_g) for n_rows > 0 rows, with logits_bytes per row of a chunk and
+    g_bytes per row of G (0 without gradients). hold_g: G is held for all rows, which spares
+    grad_weight's float32 sum over chunks; it is where G and the logits chunks fit the budget
+    together and G takes no room that would cut the logits into more chunks (more chunks cost as
+    much as the sum spares, or more: bench/NOTES.md). chunk_size, where given, is the chunk."""
+    held = n_rows * g_bytes
+    if chunk_size is not None:
+        return int(chunk_size), 0 < held and held + chunk_size * logits_bytes <= memory_budget
+    rows, n_chunks = _split(n_rows, memory_budget // (logits_bytes + g_bytes))
+    if 0 < held < memory_budget:
+        rows_held, n_chunks_held = _split(n_rows, (memory_budget - held) // logits_bytes)
+        if n_chunks_held <= n_chunks:
+            return rows_held, True
+    return rows, False
 
 
 def combine_stats(xp, comm, stats):

@@ -4,7 +4,7 @@ reference's answer; and the chunk plan itself."""
 import pytest
 
 import jsdgpu
-from jsdgpu._driver import MIN_CHUNK_ROWS, ROW_ALIGN, plan_chunks
+from jsdgpu._driver import ROW_ALIGN, plan_chunks
 from conftest import make_case, rel_err
 
 
@@ -28,13 +28,16 @@ def test_plan_chunks():
     assert plan_chunks(100, 7, 10, 2, 269) == (7, False)  # 200 + 70 > 269: G per chunk
     assert plan_chunks(100, None, 10, 2, 10**9) == (100, True)  # everything fits: one chunk
     assert plan_chunks(100, None, 10, 0, 10**9) == (100, False)  # no gradients: no G
-    assert plan_chunks(100, None, 10, 2, 1199) == (50, False)  # G + all logits do not fit: 99
+    assert plan_chunks(100, None, 10, 2, 1199) == (50, True)  # 2 chunks with G held or not
     assert plan_chunks(100, None, 10, 2, 400) == (25, False)  # rows fit, then 33: 4 chunks of 25
     assert plan_chunks(100, None, 10, 2, 5) == (1, False)  # not even one row fits: one per chunk
-    n = 4 * MIN_CHUNK_ROWS  # beyond MIN_CHUNK_ROWS rows, G held with logits chunks of fewer rows
-    assert plan_chunks(n, None, 10, 2, 2 * n + 10 * MIN_CHUNK_ROWS) == (MIN_CHUNK_ROWS, True)
-    # not held: 1535 rows fit, 3 chunks of 1366, rounded up to ROW_ALIGN rows: 1408
-    assert plan_chunks(n, None, 10, 2, 2 * n + 10 * MIN_CHUNK_ROWS - 1) == (11 * ROW_ALIGN, False)
-    # rounded up only where it fits: 2 chunks of 1100 fit, 1152 do not
-    assert plan_chunks(2200, None, 10, 0, 11000) == (1100, False)
+    # G held where it leaves the number of chunks as it is: 2 either way...
+    assert plan_chunks(100, None, 10, 2, 700) == (50, True)
+    # ...but not where it would make more: 2 chunks with G per chunk, 3 with G held
+    assert plan_chunks(100, None, 10, 2, 650) == (50, False)
+    # several chunks are rounded up to ROW_ALIGN rows where that fits: 1535 rows fit, so 3
+    # chunks of 1366, rounded up to 1408...
+    assert plan_chunks(4096, None, 10, 2, 12 * 1535) == (11 * ROW_ALIGN, False)
+    # ...but 2 chunks of 1100 rows are not rounded up to 1152 where 1151 rows do not fit
+    assert plan_chunks(2200, None, 10, 0, 11510) == (1100, False)
     assert plan_chunks(2200, None, 10, 0, 11520) == (1152, False)
