@@ -207,7 +207,7 @@ class NumpyBackend:
         terms = label_terms[owned] * np.float32(norm)
         grads.grad_input[owned] += terms[:, None] * work["ws"][labels]
         if grads.grad_weight is not None:
-            np.add.at(grads.grad_weight, labels, terms[:, None] * xs[owned].astype(np.float32))
+            _add_label_rows(grads.grad_weight, label_terms, target, xs, np.float32(norm))
         if grads.grad_bias is not None:
             np.add.at(grads.grad_bias, labels, terms)
 
@@ -216,7 +216,14 @@ class NumpyBackend:
         """grad_weight = norm scale (G.T @ Xs + the label terms) in dtype, from G over all rows
         (scale None for 1): summed in float32, rounded once."""
         out = G.T @ xs.astype(np.float32)
-        owned = np.flatnonzero(target >= 0)
-        np.add.at(out, target[owned], label_terms[owned, None] * xs[owned].astype(np.float32))
+        _add_label_rows(out, label_terms, target, xs, np.float32(1.0))
         out *= np.float32(norm) if scale is None else np.float32(norm) * scale
         return out.astype(dtype, copy=False)
+
+
+def _add_label_rows(grad_weight, label_terms, target, xs, k):
+    """grad_weight[label] += k label_terms[i] xs[i] over the rows i whose label this rank owns
+    (target >= 0); np.add.at adds in row order, so the result does not vary."""
+    owned = np.flatnonzero(target >= 0)
+    terms = label_terms[owned] * k
+    np.add.at(grad_weight, target[owned], terms[:, None] * xs[owned].astype(np.float32))
