@@ -277,6 +277,12 @@ __device__ __forceinline__ float grad_value(float softmax, float p, float h, boo
   return fmaf(r.w_hard, softmax - (onehot ? 1.0f : 0.0f), soft);
 }
 
+// Whether the label's one-hot term is kept out of the 16-bit G row (and added exactly later):
+// where softmax(s)[label] < 1/2 it would dominate G[label] and be rounded with it.
+__device__ __forceinline__ bool label_dominates(float target_logit, float lse_s) {
+  return __expf(target_logit - lse_s) < 0.5f;
+}
+
 // The row's CE and JSD values from its sums (in bits), and the label term kept out of G (with G
 // only).
 template <int MODE>
@@ -629,7 +635,7 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
 
     f.row = row;
     f.rm = RowMath{scale2, row_values[0], row_values[1], row_values[2], beta, w_hard, w_soft_t};
-    f.label_apart = G != nullptr && __expf(row_values[3] - row_values[0]) < 0.5f;
+    f.label_apart = G != nullptr && label_dominates(row_values[3], row_values[0]);
     f.label_column = holds_label && !f.label_apart ? y - lo : -1;
     f.parity = parity;
     if (f.softmax_is_p)
@@ -804,7 +810,7 @@ struct VpFinish {
 
   template <int MODE>
   __device__ __forceinline__ void operator()(Mode<MODE>) {
-    const bool label_apart = G != nullptr && y >= 0 && __expf(target_logit - rm.lse_s) < 0.5f;
+    const bool label_apart = G != nullptr && y >= 0 && label_dominates(target_logit, rm.lse_s);
     if (threadIdx.x == 0)
       write_row_results<MODE>(row, target_logit, a, b, label_apart, rm, G != nullptr, ce_out, jsd_out,
                               label_terms);
