@@ -9,6 +9,7 @@
 
 #define NEG_INF __int_as_float(0xff800000)
 #define FLT_MIN_NORMAL 1.17549435e-38f
+#define FLT_MAX_FINITE 3.40282347e+38f
 
 #define FORWARD_KL 0  // beta == 0: KL(q || p)
 #define JSD 1         // 0 < beta < 1
@@ -181,8 +182,11 @@ __device__ __forceinline__ Stats stats_warp_merge(Stats st) {
   return st;
 }
 
+// The xor trees below merge over groups of LANES lanes (a power of 2): where only the first
+// LANES lanes hold values, those lanes get the total in log2(LANES) steps, not 5.
+template <int LANES = 32>
 __device__ __forceinline__ float2 sums_warp_merge(float2 v) {
-  for (int mask = 16; mask > 0; mask >>= 1) {
+  for (int mask = LANES / 2; mask > 0; mask >>= 1) {
     v.x += __shfl_xor_sync(0xffffffffu, v.x, mask);
     v.y += __shfl_xor_sync(0xffffffffu, v.y, mask);
   }
@@ -190,15 +194,16 @@ __device__ __forceinline__ float2 sums_warp_merge(float2 v) {
 }
 
 // v merged over the block in a fixed order: each warp by warp_merge (an xor tree), then the
-// warps' results by the same tree. Every thread gets the total, with the same bits.
-template <int THREADS, typename T, typename WarpMerge>
-__device__ __forceinline__ T block_merge(T v, T none, WarpMerge warp_merge) {
+// warps' results by warps_merge (a tree over the lanes that hold them) in warp 0, whose first
+// THREADS / 32 lanes get the total, with the same bits. The other warps' return values are partial.
+template <int THREADS, typename T, typename WarpMerge, typename WarpsMerge>
+__device__ __forceinline__ T block_merge(T v, T none, WarpMerge warp_merge, WarpsMerge warps_merge) {
   __shared__ T per_warp[THREADS / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   v = warp_merge(v);
   if (lane == 0) per_warp[warp] = v;
   __syncthreads();
-  return warp_merge(lane < THREADS / 32 ? per_warp[lane] : none);
+  return warp == 0 ? warps_merge(lane < THREADS / 32 ? per_warp[lane] : none) : v;
 }
 
 // ---- the per-column math, shared by the fused kernel and the vocab-parallel phases ----
@@ -236,43 +241,55 @@ struct RowMath {
 };
 
 // One column's share of a = sum p (log p - log m) and b = sum q (log q - log m), in bits, with m
-// the mixture (JSD), p (forward KL) or q (reverse KL); p, and h, what the gradient needs of the
-// teacher (bits but in forward KL, where h = q). s: the student logit (0 in a pad column), t: the
-// teacher logit.
+// the mixture (JSD), p (forward KL) or q (reverse KL); the sum a KL does not use is 0 (a in
+// forward KL, b in reverse KL). p, and h, what the gradient needs of the teacher (bits but in
+// forward KL, where h = q). s: the student logit (0 in a pad column), t: the teacher logit.
 struct KlTerms {
   float a, b, p, h;
 };
+
+// max(x, y), but NaN where either is NaN
+__device__ __forceinline__ float max_nan(float x, float y) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+}
 
 template <int MODE>
 __device__ __forceinline__ KlTerms kl_terms(float s, float t, const RowMath& r) {
   const float lp = fmaf(s, r.scale2, -r.lse_z2), lq = fmaf(t, r.scale2, -r.lse_t2);
   const float p = ex2(lp), q = ex2(lq);
-  float lm, h;
-  if (MODE == FORWARD_KL) {
-    lm = lp;
-    h = q;
-  } else if (MODE == JSD) {
-    // clamped to the smallest normal float so the log stays finite (the terms it touches are
-    // below 1e-36); written so that a NaN passes (fmaxf would drop it)
+  if (MODE == JSD) {
+    // m clamped to the smallest normal float so that its log stays finite (the terms it touches
+    // are below 1e-36); max_nan, not fmaxf, so that a NaN passes
     const float m = (1.0f - r.beta) * p + r.beta * q;
-    lm = lg2(m < FLT_MIN_NORMAL ? FLT_MIN_NORMAL : m);
-    h = lp - lm;
-  } else {
-    lm = lq;
-    h = lp - lq;
+    const float lm = lg2(max_nan(m, FLT_MIN_NORMAL)), h = lp - lm;
+    // 0 log 0 = 0: lm is finite, so where p = 0 (lp = -inf at worst) p max(lp - lm, -FLT_MAX) is
+    // 0, and elsewhere it is p (lp - lm); likewise for q. A NaN reaches the loss. (One max and an
+    // FMA where "p != 0 ? p (lp - lm) : 0" took four instructions.)
+    KlTerms k = {p * max_nan(h, -FLT_MAX_FINITE), q * max_nan(lq - lm, -FLT_MAX_FINITE), p, h};
+    return k;
   }
-  // 0 log 0 = 0; "!= 0" rather than "> 0" so that a NaN reaches the loss
-  KlTerms k = {p != 0.0f ? p * (lp - lm) : 0.0f, q != 0.0f ? q * (lq - lm) : 0.0f, p, h};
+  // the KLs: only one sum is used (a for reverse KL, b for forward KL), and its log-ratio can be
+  // -inf - -inf where both logits are -inf: its 0 log 0 is the explicit 0 of "p != 0", which
+  // (rather than "p > 0") lets a NaN reach the loss
+  const float h = MODE == FORWARD_KL ? q : lp - lq;
+  KlTerms k = {MODE == REVERSE_KL && p != 0.0f ? p * h : 0.0f,
+               MODE == FORWARD_KL && q != 0.0f ? q * (lq - lp) : 0.0f, p, h};
   return k;
 }
 
 // One gradient value: w_hard (softmax(s) - onehot) + (w_soft / temperature) dz, with
 // dz = p - q (forward KL), else c p (h - kl) ln 2 with c = 1 - beta (JSD) or 1 (reverse KL) and kl
-// the row's a in bits (the KL(p || m) of SPEC.md); softmax: the column's softmax(s).
-template <int MODE>
+// the row's a in bits (the KL(p || m) of SPEC.md); softmax: the column's softmax(s), which is p
+// where SOFTMAX_IS_P. There, except at the label and in forward KL, it takes two instructions as
+// p (w_hard + k (h - kl)); that rounds w_hard - k kl where the general form rounds k (h - kl),
+// which differs only where h - kl is near 0, and G with it.
+template <int MODE, bool SOFTMAX_IS_P>
 __device__ __forceinline__ float grad_value(float softmax, float p, float h, bool onehot, float kl,
                                             const RowMath& r) {
   const float k = MODE == FORWARD_KL ? r.w_soft_t : r.w_soft_t * ((MODE == JSD ? 1.0f - r.beta : 1.0f) * LN2);
+  if (SOFTMAX_IS_P && MODE != FORWARD_KL && !onehot) return p * fmaf(k, h, fmaf(-k, kl, r.w_hard));
   const float soft = MODE == FORWARD_KL ? k * (p - h) : k * p * (h - kl);
   return fmaf(r.w_hard, softmax - (onehot ? 1.0f : 0.0f), soft);
 }
@@ -361,27 +378,34 @@ __device__ __forceinline__ float sum_ex2_4(float4 v, float scale2, float m2) {
          (ex2(fmaf(v.z, scale2, -m2)) + ex2(fmaf(v.w, scale2, -m2)));
 }
 
+template <int LANES = 32>
 __device__ __forceinline__ float warp_max(float v) {
-  for (int mask = 16; mask > 0; mask >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
+  for (int mask = LANES / 2; mask > 0; mask >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
   return v;
 }
 
+template <int LANES = 32>
 __device__ __forceinline__ float warp_sum(float v) {
-  for (int mask = 16; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
+  for (int mask = LANES / 2; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
   return v;
 }
 
 // Logsumexp parts in bits, one per lane (m: a max, s: the sum of 2^(x - m); s == 0: no value),
-// merged so that every lane holds the total. A part of NaNs has s = NaN and is kept.
+// merged over groups of LANES lanes. A part of NaNs has s = NaN and is kept.
+template <int LANES = 32>
 __device__ __forceinline__ Lse lse_lanes(Lse a) {
-  const float m = warp_max(a.m);
-  Lse r = {m, warp_sum(a.s == 0.0f ? 0.0f : a.s * ex2(a.m - m))};
+  const float m = warp_max<LANES>(a.m);
+  Lse r = {m, warp_sum<LANES>(a.s == 0.0f ? 0.0f : a.s * ex2(a.m - m))};
   return r;
 }
+
+// The smallest power of 2 >= n (n <= 32): the lanes of an xor tree over n values
+__host__ __device__ constexpr int tree_lanes(int n) { return n <= 1 ? 1 : 2 * tree_lanes((n + 1) / 2); }
 
 // Passes 2 and 3 of one row over the thread's registers, and the row's results.
 template <int OUT, int CLUSTER, int THREADS, int GROUPS>
 struct FusedRow {
+  static constexpr int WARPS = THREADS / 32;
   float4 s[GROUPS], t[GROUPS];  // student logits (later p where softmax(s) == p), teacher (later h)
   int n, ns, lo, label_column;  // label_column: the label's column in the slice if its one-hot
                                 // term goes into G, else -1
@@ -420,7 +444,8 @@ struct FusedRow {
       t[k] = make_float4(hv[0], hv[1], hv[2], hv[3]);
       if (SOFTMAX_IS_P) s[k] = make_float4(pv[0], pv[1], pv[2], pv[3]);
     }
-    const float2 mine = block_merge<THREADS>(make_float2(a, b), make_float2(0.0f, 0.0f), sums_warp_merge);
+    const float2 mine = block_merge<THREADS>(make_float2(a, b), make_float2(0.0f, 0.0f), sums_warp_merge<32>,
+                                             sums_warp_merge<tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER)>);
     if (warp == 0) {  // this CTA's sums, pushed to every CTA (lane r to rank r); then theirs
       if (lane < CLUSTER) push4(smem_addr(inbox_sums + rank), make_float4(mine.x, mine.y, 0.0f, 0.0f), sums_bar, lane);
       mbar_wait(sums_bar, parity);
@@ -429,7 +454,7 @@ struct FusedRow {
         const float4 v = inbox_sums[lane];
         r = make_float2(v.x, v.y);
       }
-      r = sums_warp_merge(r);
+      r = sums_warp_merge<tree_lanes(CLUSTER)>(r);
       if (lane == 0) row_values[4] = r.x;
       if (lane == 0 && rank == 0)
         write_row_results<MODE>(row, row_values[3], r.x, r.y, label_apart, rm, G != nullptr, ce_out, jsd_out,
@@ -460,7 +485,7 @@ struct FusedRow {
     for (int j = 0; j < 4; ++j) {
       const float p = SOFTMAX_IS_P ? sv[j] : ex2(fmaf(sv[j], rm.scale2, -rm.lse_z2));
       const float softmax = SOFTMAX_IS_P ? p : __expf(sv[j] - rm.lse_s);
-      out[j] = grad_value<MODE>(softmax, p, hv[j], j == j_label, kl, rm);
+      out[j] = grad_value<MODE, SOFTMAX_IS_P>(softmax, p, hv[j], j == j_label, kl, rm);
     }
   }
 };
@@ -593,15 +618,17 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
     }
     if (lane == 0) {
       warp_lse[0][warp] = ls;
-      warp_lse[1][warp] = tempered ? lz : ls;
+      warp_lse[1][warp] = lz;  // read only where tempered
       warp_lse[2][warp] = lt;
     }
     __syncthreads();
     if (warp == 0) {  // the warps' statistics, pushed to every CTA (lane r to rank r); then theirs
       const Lse none = {NEG_INF, 0.0f};
-      const Lse ms = lse_lanes(lane < WARPS ? warp_lse[0][lane] : none);
-      const Lse mz = lse_lanes(lane < WARPS ? warp_lse[1][lane] : none);
-      const Lse mt = lse_lanes(lane < WARPS ? warp_lse[2][lane] : none);
+      // over the warps' lanes, and lanes enough for the pushes below
+      constexpr int LANES = tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER);
+      const Lse ms = lse_lanes<LANES>(lane < WARPS ? warp_lse[0][lane] : none);
+      const Lse mt = lse_lanes<LANES>(lane < WARPS ? warp_lse[2][lane] : none);
+      const Lse mz = tempered ? lse_lanes<LANES>(lane < WARPS ? warp_lse[1][lane] : none) : ms;
       if (lane < CLUSTER) {
         push4(smem_addr(inbox_stats + 2 * rank), make_float4(ms.m, ms.s, mz.m, mz.s), stats_bar, lane);
         push4(smem_addr(inbox_stats + 2 * rank + 1),
@@ -615,12 +642,15 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
       }
       Lse zp = {u.z, u.w};
       if (lane == CLUSTER && vt > vs) zp = Lse{0.0f, (float)(vt - vs)};  // the pad columns: z = 0
-      const Lse s = lse_lanes(Lse{u.x, u.y}), z = lse_lanes(zp), t = lse_lanes(Lse{v.x, v.y});
-      const float label_logit = warp_sum(v.z);  // one CTA's is not 0
+      const Lse s = lse_lanes<tree_lanes(CLUSTER)>(Lse{u.x, u.y}), t = lse_lanes<tree_lanes(CLUSTER)>(Lse{v.x, v.y});
+      const Lse z = tempered || vt > vs ? lse_lanes(zp) : s;  // the pad's part is in lane CLUSTER
+      const float label_logit = warp_sum<tree_lanes(CLUSTER)>(v.z);  // one CTA's is not 0
       if (lane == 0) {
-        row_values[0] = (s.m + log2f(s.s)) * LN2;
-        row_values[1] = z.m + log2f(z.s);
-        row_values[2] = t.m + log2f(t.s);
+        // each sum is >= 1 (its max's own term) or NaN: lg2.approx's error is absolute (about
+        // 2^-22 by the PTX ISA), small beside the log
+        row_values[0] = (s.m + lg2(s.s)) * LN2;
+        row_values[1] = z.m + lg2(z.s);
+        row_values[2] = t.m + lg2(t.s);
         row_values[3] = label_logit;
       }
     }
@@ -738,7 +768,7 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS) vp_stats(VP_ROW_ARGS, f
     st.t = lse_merge(st.t, lse_of4(t, inv_temp, ct));
     if (y >= i && y < i + cs) st.target_logit = s[y - i];
   }
-  Stats r = block_merge<VP_THREADS>(st, stats_empty(), stats_warp_merge);
+  Stats r = block_merge<VP_THREADS>(st, stats_empty(), stats_warp_merge, stats_warp_merge);
   if (threadIdx.x == 0) {
     if (!tempered) r.z = r.s;
     if (vt > vs) {  // this rank's pad columns: z = 0, vt - vs of them
@@ -789,7 +819,8 @@ extern "C" __global__ void __launch_bounds__(VP_THREADS)
   VpKlSums f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, vt,
                 vp_row_math(stats, row, rows, inv_temp, beta, 0.0f, 0.0f), make_float2(0.0f, 0.0f)};
   mode_dispatch(mode, f);
-  const float2 ab = block_merge<VP_THREADS>(f.ab, make_float2(0.0f, 0.0f), sums_warp_merge);
+  const float2 ab = block_merge<VP_THREADS>(f.ab, make_float2(0.0f, 0.0f), sums_warp_merge<32>,
+                                              sums_warp_merge<tree_lanes(VP_THREADS / 32)>);
   if (threadIdx.x == 0) {
     kl[row] = ab.x;
     kl[rows + row] = ab.y;
@@ -822,7 +853,7 @@ struct VpFinish {
       for (int k = 0; k < 4; ++k) {
         const KlTerms terms = kl_terms<MODE>(s[k], t[k], rm);
         // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns
-        g[k] = grad_value<MODE>(__expf(s[k] - rm.lse_s), terms.p, terms.h, i + k == y && !label_apart, a, rm);
+        g[k] = grad_value<MODE, false>(__expf(s[k] - rm.lse_s), terms.p, terms.h, i + k == y && !label_apart, a, rm);
       }
       const int count = min(4, vs - i);
       store4<OUT>(G, row * ldg + i, g, count);
