@@ -101,6 +101,10 @@ def _forward(arrays, *, weight_hard_loss, weight_soft_loss, beta, temperature, i
     bs, bt = arrays["student_bias"], arrays["teacher_bias"]
     device = xs.device.id if kind == "cupy" else None
     with backend.on_device(device):
+        # all that needs no target values comes first: reading them waits for the GPU, which
+        # then idles until the first product is queued
+        xs, ws, xt, wt = (xp.ascontiguousarray(a) for a in (xs, ws, xt, wt))
+        budget = backend.default_memory_budget if memory_budget is None else int(memory_budget)
         target_host = arrays["target"]
         target_host = (xp.asnumpy(target_host) if kind == "cupy" else target_host).astype(np.int64)
         # the shard sizes cross the ranks first: the targets index the whole vocabulary
@@ -110,8 +114,6 @@ def _forward(arrays, *, weight_hard_loss, weight_soft_loss, beta, temperature, i
         valid = np.flatnonzero(target_host != opts.ignore_index)
         n_rows = xs.shape[0]
         valid_rows = None if len(valid) == n_rows else xp.asarray(valid)
-        xs, ws, xt, wt = (xp.ascontiguousarray(a) for a in (xs, ws, xt, wt))
-        budget = backend.default_memory_budget if memory_budget is None else int(memory_budget)
         # the valid rows' targets, taken where they are (no copy to the device)
         target = arrays["target"] if valid_rows is None else xp.take(arrays["target"], valid_rows)
         hard, soft, grads = run(backend, xs, ws, xt, wt, target, bs, bt, opts,

@@ -141,7 +141,7 @@ def check_arrays(arrays):
 
 def check_target(target_host, vocab, ignore_index):
     """target_host: a NumPy integer array. Raise if a non-ignored entry is outside [0, vocab)."""
-    t = target_host.astype(np.int64)
+    t = np.asarray(target_host, dtype=np.int64)  # no copy where it is int64 already
     bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
