@@ -542,6 +542,14 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
     mbar_init(f.sums_bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  // The copies fill only the slots of next_row that hold the CTA's columns; the others hold -inf
+  // from here on, so that the loads below need no bounds checks.
+  const float4 none4 = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+#pragma unroll
+  for (int k = 0; k < GROUPS; ++k) {
+    if (f.column(k) >= ns) next_row[k * THREADS + threadIdx.x] = none4;
+    if (f.column(k) >= n) next_row[(GROUPS + k) * THREADS + threadIdx.x] = none4;
+  }
   cluster_sync();  // every CTA's mbarriers are ready before any push
   // Each thread copies and reads back only its own columns, so no barrier guards next_row.
   auto copy_ahead = [&](int row) {
@@ -553,6 +561,9 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
     }
     cp_async_commit();
   };
+  // Rare, and the same in every row: biases, or a slice that ends inside a float4 of columns
+  // (whose values past the end must be -inf).
+  const bool adjust = bias_s != nullptr || bias_t != nullptr || n % 4 != 0 || ns % 4 != 0;
 
   // The cluster takes rows blockIdx.x / CLUSTER + i * (its count); the grid holds no more
   // clusters than fit the GPU at once.
@@ -566,28 +577,33 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
     }
     const int y = target[row];
     cp_async_wait_all();
-    // 0. the thread's columns into registers, with their biases; -inf past the ends
+    // 0. the thread's columns into registers (-inf past the ends), with their biases
+#pragma unroll
+    for (int k = 0; k < GROUPS; ++k) {
+      f.s[k] = ld_shared4(next_s + 16 * k * THREADS);
+      f.t[k] = ld_shared4(next_t + 16 * k * THREADS);
+    }
+    if (adjust) {
+#pragma unroll
+      for (int k = 0; k < GROUPS; ++k) {
+        const int c = f.column(k);
+        if (c < n) {
+          if (bias_t) f.t[k] = add4(f.t[k], *reinterpret_cast<const float4*>(bias_t + lo + c));
+          if (c + 4 > n) f.t[k] = fill(f.t[k], n - c, 4, NEG_INF);
+        }
+        if (c < ns) {
+          if (bias_s) f.s[k] = add4(f.s[k], *reinterpret_cast<const float4*>(bias_s + lo + c));
+          if (c + 4 > ns) f.s[k] = fill(f.s[k], ns - c, 4, NEG_INF);
+        }
+      }
+    }
+    // 1. the row statistics: the warp's max, then the sum of 2^(x - max) (no data-dependent
+    //    branch). inv_temp > 0, so the max of x * scale2 is max(x) * scale2.
     float max_s = NEG_INF, max_t = NEG_INF;
 #pragma unroll
     for (int k = 0; k < GROUPS; ++k) {
-      const int c = f.column(k);
-      float4 t = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF), s = t;
-      if (c < n) {
-        t = ld_shared4(next_t + 16 * k * THREADS);
-        if (bias_t) t = add4(t, *reinterpret_cast<const float4*>(bias_t + lo + c));
-        if (c + 4 > n) t = fill(t, n - c, 4, NEG_INF);
-      }
-      if (c < ns) {
-        s = ld_shared4(next_s + 16 * k * THREADS);
-        if (bias_s) s = add4(s, *reinterpret_cast<const float4*>(bias_s + lo + c));
-        if (c + 4 > ns) s = fill(s, ns - c, 4, NEG_INF);
-      }
-      f.s[k] = s;
-      f.t[k] = t;
-      // 1. the row statistics: the warp's max, then the sum of 2^(x - max) (no data-dependent
-      //    branch). inv_temp > 0, so the max of x * scale2 is max(x) * scale2.
-      max_s = fmaxf(max_s, max4(s));
-      max_t = fmaxf(max_t, max4(t));
+      max_s = fmaxf(max_s, max4(f.s[k]));
+      max_t = fmaxf(max_t, max4(f.t[k]));
     }
     // every value read from next_row is in use above: the next row's copies may start
     if (row + stride < rows) copy_ahead(row + stride);
