@@ -505,11 +505,12 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
   extern __shared__ float4 next_row[];
   __shared__ Lse warp_lse[3][WARPS];
   __shared__ float target_logit;  // in the CTA that holds the label's column
-  // The cluster's CTAs push their partial results here, by rank: the statistics (two float4s
-  // each), then the KL sums. Row i + 1's pushes cannot come before this CTA has read row i's:
-  // a CTA pushes its statistics of row i + 1 only after it has all sums of row i, this CTA's
-  // among them, pushed after it read the statistics of row i; likewise for the sums.
-  __shared__ float4 inbox_stats[2 * CLUSTER], inbox_sums[CLUSTER];
+  // The cluster's CTAs push their partial results here: the statistics by statistic (s, t with
+  // the label's logit, z where it is apart), then rank; then the KL sums, by rank. Row i + 1's
+  // pushes cannot come before this CTA has read row i's: a CTA pushes its statistics of row i + 1
+  // only after it has all sums of row i, this CTA's among them, pushed after it read the
+  // statistics of row i; likewise for the sums.
+  __shared__ float4 inbox_stats[3 * CLUSTER], inbox_sums[CLUSTER];
   __shared__ unsigned long long bars[2];  // their mbarriers: one phase per row
   __shared__ float row_values[5];  // the cluster's totals, for every thread
 
@@ -520,6 +521,7 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
   const int ns = max(0, min(n, vs - lo));     // of which student columns: lo + [0, ns)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool tempered = inv_temp != 1.0f;
+  const bool z_apart = tempered || vt > vs;  // z = s / T is not s: it has a temperature or pad columns
   const float scale2 = inv_temp * LOG2E;
   // shared-memory addresses of this thread's group 0 there; group k is k * THREADS float4s on
   const unsigned next_s = smem_addr(next_row + threadIdx.x), next_t = next_s + 16 * GROUPS * THREADS;
@@ -572,7 +574,7 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
   if (row < rows) copy_ahead(row);
   for (unsigned parity = 0; row < rows; row += stride, parity ^= 1) {
     if (threadIdx.x == 0) {  // the one arrival of this row's phases; the pushes bring the bytes
-      mbar_expect_bytes(stats_bar, sizeof(inbox_stats));
+      mbar_expect_bytes(stats_bar, (z_apart ? 3 : 2) * CLUSTER * sizeof(float4));
       mbar_expect_bytes(f.sums_bar, sizeof(inbox_sums));
     }
     const int y = target[row];
@@ -638,36 +640,39 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
       warp_lse[2][warp] = lt;
     }
     __syncthreads();
-    if (warp == 0) {  // the warps' statistics, pushed to every CTA (lane r to rank r); then theirs
+    // The three statistics merged at once by three warps: s by warp 0, t by warp 1, and z by
+    // warp 2 where it is not s; each warp's total pushed to every CTA (lane r to rank r), then
+    // every CTA's merged.
+    if (warp < (z_apart ? 3 : 2)) {
+      const int stat = warp;  // inbox_stats[stat][rank]
       const Lse none = {NEG_INF, 0.0f};
       // over the warps' lanes, and lanes enough for the pushes below
       constexpr int LANES = tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER);
-      const Lse ms = lse_lanes<LANES>(lane < WARPS ? warp_lse[0][lane] : none);
-      const Lse mt = lse_lanes<LANES>(lane < WARPS ? warp_lse[2][lane] : none);
-      const Lse mz = tempered ? lse_lanes<LANES>(lane < WARPS ? warp_lse[1][lane] : none) : ms;
-      if (lane < CLUSTER) {
-        push4(smem_addr(inbox_stats + 2 * rank), make_float4(ms.m, ms.s, mz.m, mz.s), stats_bar, lane);
-        push4(smem_addr(inbox_stats + 2 * rank + 1),
-              make_float4(mt.m, mt.s, holds_label ? target_logit : 0.0f, 0.0f), stats_bar, lane);
-      }
+      const int from = stat == 0 ? 0 : stat == 1 ? 2 : tempered ? 1 : 0;  // warp_lse's s, z, t
+      const Lse mine = lse_lanes<LANES>(lane < WARPS ? warp_lse[from][lane] : none);
+      if (lane < CLUSTER)
+        push4(smem_addr(inbox_stats + stat * CLUSTER + rank),
+              make_float4(mine.m, mine.s, stat == 1 && holds_label ? target_logit : 0.0f, 0.0f), stats_bar, lane);
       mbar_wait(stats_bar, parity);
-      float4 u = make_float4(NEG_INF, 0.0f, NEG_INF, 0.0f), v = make_float4(NEG_INF, 0.0f, 0.0f, 0.0f);
-      if (lane < CLUSTER) {
-        u = inbox_stats[2 * lane];
-        v = inbox_stats[2 * lane + 1];
-      }
-      Lse zp = {u.z, u.w};
-      if (lane == CLUSTER && vt > vs) zp = Lse{0.0f, (float)(vt - vs)};  // the pad columns: z = 0
-      const Lse s = lse_lanes<tree_lanes(CLUSTER)>(Lse{u.x, u.y}), t = lse_lanes<tree_lanes(CLUSTER)>(Lse{v.x, v.y});
-      const Lse z = tempered || vt > vs ? lse_lanes(zp) : s;  // the pad's part is in lane CLUSTER
-      const float label_logit = warp_sum<tree_lanes(CLUSTER)>(v.z);  // one CTA's is not 0
+      float4 u = make_float4(NEG_INF, 0.0f, 0.0f, 0.0f);
+      if (lane < CLUSTER) u = inbox_stats[stat * CLUSTER + lane];
+      if (stat == 2 && lane == CLUSTER && vt > vs) u = make_float4(0.0f, (float)(vt - vs), 0.0f, 0.0f);  // the pad: z = 0
+      // z's tree spans lane CLUSTER, which holds the pad's part
+      const Lse total = stat == 2 ? lse_lanes(Lse{u.x, u.y}) : lse_lanes<tree_lanes(CLUSTER)>(Lse{u.x, u.y});
+      const float label_logit = stat == 1 ? warp_sum<tree_lanes(CLUSTER)>(u.z) : 0.0f;  // one CTA's is not 0
       if (lane == 0) {
         // each sum is >= 1 (its max's own term) or NaN: lg2.approx's error is absolute (about
         // 2^-22 by the PTX ISA), small beside the log
-        row_values[0] = (s.m + lg2(s.s)) * LN2;
-        row_values[1] = z.m + lg2(z.s);
-        row_values[2] = t.m + lg2(t.s);
-        row_values[3] = label_logit;
+        const float bits = total.m + lg2(total.s);
+        if (stat == 0) {
+          row_values[0] = bits * LN2;
+          if (!z_apart) row_values[1] = bits;
+        } else if (stat == 1) {
+          row_values[2] = bits;
+          row_values[3] = label_logit;
+        } else {
+          row_values[1] = bits;
+        }
       }
     }
     __syncthreads();
