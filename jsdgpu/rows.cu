@@ -347,8 +347,8 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
 // into one another's shared memory (st.async, counted by an mbarrier), not through cluster
 // barriers: in the profile of that version a fifth of the stall samples were at those barriers.
 // Partial results are merged in a fixed order: lanes by xor trees (every lane gets the same
-// bits), warps by warp 0, then the cluster's CTAs by rank. So every CTA holds the same bits, on
-// every run.
+// bits), warps by one warp (a warp per statistic, warp 0 for the KL sums), then the cluster's
+// CTAs by rank. So every CTA holds the same bits, on every run.
 //
 // S [rows, lds], Tl [rows, ldt]: float32 logits without bias (lds, ldt multiples of 4: a row's
 // float4 at a column below round4(v) is inside its padded row). bias_s, bias_t: float32 biases
@@ -498,7 +498,8 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
                                          float w_hard, float w_soft_t, float* __restrict__ ce_out,
                                          float* __restrict__ jsd_out, void* __restrict__ G, long long ldg,
                                          float* __restrict__ label_terms) {
-  static_assert(CLUSTER < 32, "lane CLUSTER of warp 0 holds the pad columns' part");
+  static_assert(CLUSTER < 32, "lane CLUSTER of warp 2 holds the pad columns' part of z");
+  static_assert(THREADS >= 96, "warps 0, 1 and 2 merge one statistic each");
   constexpr int WARPS = THREADS / 32;
   // the next row's columns of this thread, copied ahead (cp.async) while this row is worked on:
   // the student's GROUPS float4s, then the teacher's
@@ -648,7 +649,8 @@ __device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long 
       const Lse none = {NEG_INF, 0.0f};
       // over the warps' lanes, and lanes enough for the pushes below
       constexpr int LANES = tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER);
-      const int from = stat == 0 ? 0 : stat == 1 ? 2 : tempered ? 1 : 0;  // warp_lse's s, z, t
+      // warp_lse rows: 0 s, 1 z (where tempered; else z's parts are s's), 2 t
+      const int from = stat == 0 ? 0 : stat == 1 ? 2 : tempered ? 1 : 0;
       const Lse mine = lse_lanes<LANES>(lane < WARPS ? warp_lse[from][lane] : none);
       if (lane < CLUSTER)
         push4(smem_addr(inbox_stats + stat * CLUSTER + rank),
