@@ -52,12 +52,7 @@ def main():
     p.add_argument("sources", nargs="+", type=pathlib.Path, help="rows.cu files; the first is the reference")
     a = p.parse_args()
     from jsdgpu import _cupy_backend  # loads cuBLAS: after --help
-    xs, ws, xt, wt, target = bench.make_sets(ROWS, bench.make_weights(1), np.random.default_rng(0))[0]
-    backend = _cupy_backend.CupyBackend()
-    work = backend.prepare(ws, wt, None, None, ROWS, ROWS, fused=True)
-    _cupy_backend._logits(xs, ws, work["logits_s"])
-    _cupy_backend._logits(xt, wt, work["logits_t"])
-    target = target.astype(np.int32)
+    *_, target, _, work = bench.one_chunk(ROWS, np.random.default_rng(0))
     kernels = [load_kernel(path) for path in a.sources]
     names = [path.name for path in a.sources]
     print("| options | " + " | ".join(f"{n} µs per row" for n in names)

@@ -187,22 +187,30 @@ def impl_torch(sets, mode):
 
 # ---- one chunk, stage by stage ----
 
+def one_chunk(T, rng):
+    """One all-valid chunk of T rows as the library runs it, its logits computed: (xs, ws, xt, wt,
+    the int32 targets, the backend, its work dict). G has memory of its own (not the logits'), so
+    the row kernel can run again and again on the same logits."""
+    from jsdgpu._cupy_backend import CupyBackend, _logits
+    xs, ws, xt, wt, target = make_sets(T, make_weights(1), rng)[0]
+    be = CupyBackend()
+    work = be.prepare(ws, wt, None, None, T, T, fused=True, own_g=True)
+    _logits(xs, ws, work["logits_s"])
+    _logits(xt, wt, work["logits_t"])
+    return xs, ws, xt, wt, target.astype(np.int32), be, work
+
+
 def stage_breakdown(T, rng, copy_bytes_per_s):
     """Time each stage of one all-valid chunk of T rows, and the fused row kernel with its
     bandwidth: it must read the float32 student and teacher logits once and write the bf16
     gradient rows once (10 bytes per logit)."""
-    from jsdgpu._cupy_backend import CupyBackend, _logits, launch_rows
+    from jsdgpu._cupy_backend import _logits, launch_rows
     from jsdgpu._driver import Gradients, LossOptions
-    xs, ws, xt, wt, target = make_sets(T, make_weights(1), rng)[0]
-    be = CupyBackend()
-    work = be.prepare(ws, wt, None, None, T, T, fused=True)
+    xs, ws, xt, wt, tgt, be, work = one_chunk(T, rng)
     opts = LossOptions(0.5, 0.5, 0.5, 1.0, -100)
     ce, jsd, terms = (cupy.empty(T, np.float32) for _ in range(3))
-    tgt = target.astype(np.int32)
-    G = work["G"][:T]
+    G = work["G"]
     grads = Gradients(cupy.empty((T, HS), np.float32), None, None)  # G held: grad_weight apart
-    _logits(xs, ws, work["logits_s"][:T])
-    _logits(xt, wt, work["logits_t"][:T])
     stages = {"student logits": lambda i: _logits(xs, ws, work["logits_s"][:T]),
               "teacher logits": lambda i: _logits(xt, wt, work["logits_t"][:T]),
               "row kernel": lambda i: launch_rows(work, T, tgt, opts, ce, jsd, G, terms)}

@@ -15,7 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import cupy  # noqa: E402
 
 import bench  # noqa: E402
-from jsdgpu._cupy_backend import _N, CupyBackend, _gemm, _logits, _weight_gemm, launch_rows  # noqa: E402
+from jsdgpu._cupy_backend import _N, _gemm, _logits, _weight_gemm, launch_rows  # noqa: E402
 from jsdgpu._driver import LossOptions  # noqa: E402
 
 
@@ -27,14 +27,10 @@ def main():
     print("| T | product | floor (CuPy @, bf16 out) | jsdgpu | jsdgpu, other out dtype |")
     print("| --- | --- | --- | --- | --- |")
     for T in a.tokens:
-        xs, ws, xt, wt, target = bench.make_sets(T, bench.make_weights(1), np.random.default_rng(0))[0]
-        be = CupyBackend()
-        work = be.prepare(ws, wt, None, None, T, T, fused=True)
-        _logits(xs, ws, work["logits_s"])
-        _logits(xt, wt, work["logits_t"])
+        xs, ws, xt, wt, target, _, work = bench.one_chunk(T, np.random.default_rng(0))
         G = work["G"]
         ce, jsd, terms = (cupy.empty(T, np.float32) for _ in range(3))
-        launch_rows(work, T, target.astype(np.int32), LossOptions(0.5, 0.5, 0.5, 1.0, -100), ce, jsd, G, terms)
+        launch_rows(work, T, target, LossOptions(0.5, 0.5, 0.5, 1.0, -100), ce, jsd, G, terms)
         G_random = (cupy.random.standard_normal((T, V), dtype=np.float32) * 1e-3).astype(bench.BF16)
         ls16 = cupy.empty((T, V), bench.BF16)
         gi32, gi16 = cupy.empty((T, HS), np.float32), cupy.empty((T, HS), bench.BF16)

@@ -22,8 +22,8 @@ import cupy  # noqa: E402
 
 import bench  # noqa: E402
 import jsdgpu  # noqa: E402
-from jsdgpu import _cupy_backend  # noqa: E402
-from jsdgpu._cupy_backend import CupyBackend, _logits, _slice, fused_kernel, launch_rows  # noqa: E402
+from jsdgpu import _checks, _cupy_backend  # noqa: E402
+from jsdgpu._cupy_backend import _slice, fused_kernel, launch_rows  # noqa: E402
 from jsdgpu._driver import LossOptions  # noqa: E402
 
 # the shapes of rows.cu's ROW_KERNEL_VARIANTS: clusters of c CTAs of t threads, g float4 groups
@@ -37,16 +37,11 @@ def main():
     p.add_argument("--host", action="store_true", help="only the host time before the first GEMM")
     a = p.parse_args()
     T = 2048
-    xs, ws, xt, wt, target = bench.make_sets(T, bench.make_weights(1), np.random.default_rng(0))[0]
     if a.host:
-        return host_before_first_gemm(xs[:1024], ws, xt[:1024], wt, target[:1024])
-    be = CupyBackend()
-    work = be.prepare(ws, wt, None, None, T, T, fused=True)
-    _logits(xs, ws, work["logits_s"])
-    _logits(xt, wt, work["logits_t"])
+        return host_before_first_gemm(*bench.make_sets(1024, bench.make_weights(1), np.random.default_rng(0))[0])
+    xs, ws, xt, wt, tgt, be, work = bench.one_chunk(T, np.random.default_rng(0))
     opts = LossOptions(0.5, 0.5, 0.5, 1.0, -100)
     ce, jsd, terms = (cupy.empty(T, np.float32) for _ in range(3))
-    tgt = target.astype(np.int32)
     G = work["G"]
     kernels = {"jsd_rows_bf16": work}
     device = cupy.cuda.Device().id
@@ -68,21 +63,26 @@ def main():
         for rows in (132, 264, 512, 1024, 2048):
             ms = bench.time_ms(lambda i: launch_rows(w, rows, tgt, opts, ce, jsd, G[:rows], terms), 1, 3, 20)
             print(f"| {name} | {active} | {rows} | {ms:.3f} | {1e3 * ms / rows:.2f} |")
-    host_before_first_gemm(xs[:1024], ws, xt[:1024], wt, target[:1024])
+    host_before_first_gemm(*bench.make_sets(1024, [(ws, wt)], np.random.default_rng(1))[0])
 
 
 def host_before_first_gemm(xs, ws, xt, wt, target, repeats=20):
     """Median host milliseconds from the start of a step (GPU idle) to its first GEMM's launch,
-    and of the whole step's GPU time."""
-    first = []
-    real_logits = _cupy_backend._logits
+    split at the targets' check (the targets have been read then: from there the GPU idles
+    even inside a training loop), and of the whole step's GPU time."""
+    first, checked = [], []
+    real_logits, real_check = _cupy_backend._logits, _checks.check_target
 
     def logits(*args):
         if len(first) < len(starts):  # the step's first GEMM
             first.append(time.perf_counter())
         return real_logits(*args)
 
-    _cupy_backend._logits = logits
+    def check_target(*args):
+        checked.append(time.perf_counter())
+        return real_check(*args)
+
+    _cupy_backend._logits, _checks.check_target = logits, check_target
     starts = []
     try:
         for _ in range(repeats):
@@ -90,11 +90,13 @@ def host_before_first_gemm(xs, ws, xt, wt, target, repeats=20):
             starts.append(time.perf_counter())
             jsdgpu.backward(jsdgpu.forward(xs, ws, xt, wt, target)[1])
     finally:
-        _cupy_backend._logits = real_logits
+        _cupy_backend._logits, _checks.check_target = real_logits, real_check
     cupy.cuda.Device().synchronize()
     gpu = bench.time_ms(lambda i: jsdgpu.backward(jsdgpu.forward(xs, ws, xt, wt, target)[1]), 1, 3, repeats)
     host = statistics.median(1e3 * (f - s) for f, s in zip(first, starts))
-    print(f"T = {xs.shape[0]}: host time before the first GEMM {host:.3f} ms; step {gpu:.3f} ms")
+    after_read = statistics.median(1e3 * (f - c) for f, c in zip(first, checked))
+    print(f"T = {xs.shape[0]}: host time before the first GEMM {host:.3f} ms, of which "
+          f"{after_read:.3f} ms after the targets were read; step {gpu:.3f} ms")
 
 
 if __name__ == "__main__":

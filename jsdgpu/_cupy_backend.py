@@ -33,6 +33,12 @@ def _leading_dim(n):
 
 
 @functools.lru_cache(maxsize=None)
+def _sm_count(device_id):
+    # one attribute, once: Device().attributes queries every attribute on each call
+    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
+
+
+@functools.lru_cache(maxsize=None)
 def _module(device_id, options=("-std=c++17",)):
     source = (pathlib.Path(__file__).with_name("rows.cu")).read_text()
     return cupy.RawModule(code=source, options=options)
@@ -61,6 +67,11 @@ def fused_kernel(device_id, name, cluster, threads, groups, options=("-std=c++17
     if err or n.value < 1:
         raise RuntimeError(f"cuOccupancyMaxActiveClusters for {name} failed (CUresult {err}, {n.value})")
     return func, smem, n.value
+
+
+def _fused(vt, fused):
+    """Whether the fused row kernel runs, where the caller allows it: the teacher vocabulary fits."""
+    return fused and vt <= FUSED_MAX_VOCAB
 
 
 def _slice(vt, cluster):
@@ -114,24 +125,35 @@ class CupyBackend:
                 a *= scale
             return a
         out = cupy.empty(a.shape, dtype)
-        n = a.size
-        blocks = max(1, min(-(-n // 1024), 8 * cupy.cuda.Device().attributes["MultiProcessorCount"]))
-        func = _module(cupy.cuda.Device().id).get_function(f"scale_cast_{_KERNEL_FORMAT[out.dtype]}")
+        n, device = a.size, cupy.cuda.Device().id
+        blocks = max(1, min(-(-n // 1024), 8 * _sm_count(device)))
+        func = _module(device).get_function(f"scale_cast_{_KERNEL_FORMAT[out.dtype]}")
         func((blocks,), (256,), (a, out, np.int64(n), np.uint64(0) if scale is None else scale))
         return out
 
     @staticmethod
-    def bytes_per_row(vs, vt, dtype, compute_grad):
-        """Bytes per row of the logits chunk, and of G (0 without gradients)."""
+    def bytes_per_row(vs, vt, dtype, compute_grad, fused):
+        """Bytes per row of the logits chunk, of G held for all rows, and of G per chunk (0
+        where the fused kernel writes it over the logits; both 0 without gradients)."""
         grad = np.dtype(dtype).itemsize * _leading_dim(vs) if compute_grad else 0
-        return 4 * (_leading_dim(vs) + _leading_dim(vt)), grad
+        return 4 * (_leading_dim(vs) + _leading_dim(vt)), grad, 0 if _fused(vt, fused) else grad
 
     @staticmethod
-    def prepare(ws, wt, bs, bt, rows, g_rows, fused):
+    def prepare(ws, wt, bs, bt, rows, g_rows, fused, own_g=False):
         """The buffers: logits for chunks of rows, G for g_rows (0: no G); with fused (and a
-        teacher vocabulary of at most FUSED_MAX_VOCAB), the fused row kernel."""
+        teacher vocabulary of at most FUSED_MAX_VOCAB), the fused row kernel. There G is the
+        student logits' memory (the kernel writes a row's gradient over the row once every CTA of
+        its cluster has read it; a 16-bit row takes the first half of the float32 one) unless
+        own_g: G held for all rows, or kept apart so that the logits can be used again."""
         vs, vt = ws.shape[0], wt.shape[0]
-        fused = fused and vt <= FUSED_MAX_VOCAB
+        fused = _fused(vt, fused)
+        logits_s = cupy.empty((rows, _leading_dim(vs)), np.float32)
+        if not g_rows:
+            G = None
+        elif fused and not own_g:
+            G = logits_s.view(ws.dtype)[:g_rows]
+        else:
+            G = cupy.empty((g_rows, _leading_dim(vs)), ws.dtype)
 
         def padded_bias(b, v):
             if b is None:
@@ -142,9 +164,7 @@ class CupyBackend:
 
         return dict(
             ws=ws, wt=wt, bs=padded_bias(bs, vs), bt=padded_bias(bt, vt),
-            logits_s=cupy.empty((rows, _leading_dim(vs)), np.float32),
-            logits_t=cupy.empty((rows, _leading_dim(vt)), np.float32),
-            G=cupy.empty((g_rows, _leading_dim(vs)), ws.dtype) if g_rows else None,
+            logits_s=logits_s, logits_t=cupy.empty((rows, _leading_dim(vt)), np.float32), G=G,
             ones=cupy.ones(rows, ws.dtype) if bs is not None else None,
             fused=fused, cluster=_CLUSTER, threads=_THREADS, slice=_slice(vt, _CLUSTER),
             kernel=fused_kernel(cupy.cuda.Device().id, f"jsd_rows_{_KERNEL_FORMAT[ws.dtype]}", _CLUSTER,

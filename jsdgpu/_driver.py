@@ -6,9 +6,10 @@ before the loop, so every matrix product shrinks with them.
 
 grad_weight = G.T @ Xs: where the memory budget holds G for all rows (plan_chunks), it is one
 product over all of them, run by backward (which knows grad_output) straight into the output
-dtype; else G lives per chunk and each chunk adds its product to a float32 sum, which backward
-converts. The float32 sum costs a write and read of [Vs, Hs] float32 per chunk and a conversion
-(at the benchmark shape 0.47 ms at T <= 2048, 0.85 ms at 8192: bench/probe_grad_weight.py).
+dtype; else G lives per chunk (with the fused kernel, written over the chunk's student logits)
+and each chunk adds its product to a float32 sum, which backward converts. The float32 sum
+costs a write and read of [Vs, Hs] float32 per chunk and a conversion (at the benchmark shape
+0.47 ms at T <= 2048, 0.85 ms at 8192: bench/probe_grad_weight.py).
 After the loop, the label terms the row kernel kept out of G (where the one-hot dominates a
 16-bit G entry) are added exactly.
 
@@ -68,16 +69,18 @@ def _split(n_rows, most):
     return (aligned if n_chunks > 1 and aligned <= most else rows), n_chunks
 
 
-def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, memory_budget):
-    """(rows per chunk, hold_g) for n_rows > 0 rows, with logits_bytes per row of a chunk and
-    g_bytes per row of G (0 without gradients). hold_g: G is held for all rows, which spares
-    grad_weight's float32 sum over chunks; it is where G and the logits chunks fit the budget
-    together and G takes no room that would cut the logits into more chunks (more chunks cost as
-    much as the sum spares, or more: bench/NOTES.md). chunk_size, where given, is the chunk."""
+def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, chunk_g_bytes, memory_budget):
+    """(rows per chunk, hold_g) for n_rows > 0 rows, with logits_bytes per row of a chunk, g_bytes
+    per row of G held for all rows and chunk_g_bytes per row of G held per chunk (0 without
+    gradients, or where G is written over the logits). hold_g: G is held for all rows, which
+    spares grad_weight's float32 sum over chunks; it is where G and the logits chunks fit the
+    budget together and G takes no room that would cut the logits into more chunks (more chunks
+    cost as much as the sum spares, or more: bench/NOTES.md). chunk_size, where given, is the
+    chunk."""
     held = n_rows * g_bytes
     if chunk_size is not None:
         return int(chunk_size), 0 < held and held + chunk_size * logits_bytes <= memory_budget
-    rows, n_chunks = _split(n_rows, memory_budget // (logits_bytes + g_bytes))
+    rows, n_chunks = _split(n_rows, memory_budget // (logits_bytes + chunk_g_bytes))
     if 0 < held < memory_budget:
         rows_held, n_chunks_held = _split(n_rows, (memory_budget - held) // logits_bytes)
         if n_chunks_held <= n_chunks:
@@ -136,12 +139,11 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
     if n_rows:
         # every rank must cut the same chunks: size them by the largest shard
         widest = (vs, vt) if shard is None else (shard.max_vs, shard.max_vt)
-        rows, hold_g = plan_chunks(n_rows, chunk_size,
-                                   *backend.bytes_per_row(*widest, ws.dtype, compute_grad),
-                                   memory_budget)
+        per_row = backend.bytes_per_row(*widest, ws.dtype, compute_grad, fused=comm is None)
+        rows, hold_g = plan_chunks(n_rows, chunk_size, *per_row, memory_budget)
         rows = min(rows, n_rows)
         g_rows = (n_rows if hold_g else rows) if compute_grad else 0
-        work = backend.prepare(ws, wt, bs, bt, rows, g_rows, fused=comm is None)
+        work = backend.prepare(ws, wt, bs, bt, rows, g_rows, fused=comm is None, own_g=hold_g)
         backend.logits(work, xs[:rows], xt[:rows])
 
     target = target.astype(np.int32)

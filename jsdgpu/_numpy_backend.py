@@ -140,12 +140,14 @@ class NumpyBackend:
         return a.astype(dtype, copy=False)
 
     @staticmethod
-    def bytes_per_row(vs, vt, dtype, compute_grad):
-        """Bytes per row of the logits chunk, and of G (0 without gradients)."""
-        return 4 * (vs + vt), 4 * vs if compute_grad else 0
+    def bytes_per_row(vs, vt, dtype, compute_grad, fused):
+        """Bytes per row of the logits chunk, of G held for all rows and of G per chunk (0
+        without gradients)."""
+        grad = 4 * vs if compute_grad else 0
+        return 4 * (vs + vt), grad, grad
 
     @staticmethod
-    def prepare(ws, wt, bs, bt, rows, g_rows, fused):
+    def prepare(ws, wt, bs, bt, rows, g_rows, fused, own_g=False):
         f32 = lambda a: None if a is None else a.astype(np.float32, copy=False)
         # fused False: the driver runs the three phases
         return dict(ws=f32(ws), wt=f32(wt), bs=f32(bs), bt=f32(bt), fused=False,

@@ -357,6 +357,9 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
 // softmax(s)[y] < 1/2 the label's one-hot term -w_hard dominates G[y] and would be rounded with
 // it to 16 bits: it is left out of G and written to label_terms[row] instead (else 0), for the
 // caller to add exactly (label_scatter). CLUSTER * slice >= vt, slice <= 4 * THREADS * GROUPS.
+// G may be S's own memory (so S and G are not __restrict__): a row's gradient goes over its
+// student logits, which every CTA of the cluster has read by then (each pushed its KL sums after
+// reading its part of the row, and pass 3 comes after every CTA's sums are in).
 //
 // Columns past the CTA's part of the row hold -inf in s and t (2^-inf = 0: no bounds checks in
 // the passes); student columns past vs (the teacher's pad) hold -inf for the statistics, then 0
@@ -491,12 +494,12 @@ struct FusedRow {
 };
 
 template <int MODE, int OUT, int CLUSTER, int THREADS, int GROUPS>
-__device__ __forceinline__ void jsd_rows(const float* __restrict__ S, long long lds, const float* __restrict__ Tl,
+__device__ __forceinline__ void jsd_rows(const float* S, long long lds, const float* __restrict__ Tl,
                                          long long ldt, const float* __restrict__ bias_s,
                                          const float* __restrict__ bias_t, const int* __restrict__ target, int vs,
                                          int vt, int slice, int rows, float inv_temp, float beta,
                                          float w_hard, float w_soft_t, float* __restrict__ ce_out,
-                                         float* __restrict__ jsd_out, void* __restrict__ G, long long ldg,
+                                         float* __restrict__ jsd_out, void* G, long long ldg,
                                          float* __restrict__ label_terms) {
   static_assert(CLUSTER < 32, "lane CLUSTER of warp 2 holds the pad columns' part of z");
   static_assert(THREADS >= 96, "warps 0, 1 and 2 merge one statistic each");

@@ -23,21 +23,28 @@ def test_chunk_sizes_agree(rng, chunk_size, memory_budget):
 
 
 def test_plan_chunks():
-    # (n_rows, chunk_size, logits bytes per row, G bytes per row, budget) -> (rows, hold_g)
-    assert plan_chunks(100, 7, 10, 2, 10**9) == (7, True)  # an explicit chunk size wins
-    assert plan_chunks(100, 7, 10, 2, 269) == (7, False)  # 200 + 70 > 269: G per chunk
-    assert plan_chunks(100, None, 10, 2, 10**9) == (100, True)  # everything fits: one chunk
-    assert plan_chunks(100, None, 10, 0, 10**9) == (100, False)  # no gradients: no G
-    assert plan_chunks(100, None, 10, 2, 1199) == (50, True)  # 2 chunks with G held or not
-    assert plan_chunks(100, None, 10, 2, 400) == (25, False)  # rows fit, then 33: 4 chunks of 25
-    assert plan_chunks(100, None, 10, 2, 5) == (1, False)  # not even one row fits: one per chunk
+    # (n_rows, chunk_size, logits bytes per row, G bytes per row held and per chunk, budget)
+    # -> (rows, hold_g)
+    assert plan_chunks(100, 7, 10, 2, 2, 10**9) == (7, True)  # an explicit chunk size wins
+    assert plan_chunks(100, 7, 10, 2, 2, 269) == (7, False)  # 200 + 70 > 269: G per chunk
+    assert plan_chunks(100, None, 10, 2, 2, 10**9) == (100, True)  # everything fits: one chunk
+    assert plan_chunks(100, None, 10, 0, 0, 10**9) == (100, False)  # no gradients: no G
+    assert plan_chunks(100, None, 10, 2, 2, 1199) == (50, True)  # 2 chunks with G held or not
+    assert plan_chunks(100, None, 10, 2, 2, 400) == (25, False)  # rows fit, then 33: 4 chunks of 25
+    assert plan_chunks(100, None, 10, 2, 2, 5) == (1, False)  # not even one row fits: one per chunk
     # G held where it leaves the number of chunks as it is: 2 either way...
-    assert plan_chunks(100, None, 10, 2, 700) == (50, True)
+    assert plan_chunks(100, None, 10, 2, 2, 700) == (50, True)
     # ...but not where it would make more: 2 chunks with G per chunk, 3 with G held
-    assert plan_chunks(100, None, 10, 2, 650) == (50, False)
+    assert plan_chunks(100, None, 10, 2, 2, 650) == (50, False)
     # several chunks are rounded up to ROW_ALIGN rows where that fits: 1535 rows fit, so 3
     # chunks of 1366, rounded up to 1408...
-    assert plan_chunks(4096, None, 10, 2, 12 * 1535) == (11 * ROW_ALIGN, False)
+    assert plan_chunks(4096, None, 10, 2, 2, 12 * 1535) == (11 * ROW_ALIGN, False)
     # ...but 2 chunks of 1100 rows are not rounded up to 1152 where 1151 rows do not fit
-    assert plan_chunks(2200, None, 10, 0, 11510) == (1100, False)
-    assert plan_chunks(2200, None, 10, 0, 11520) == (1152, False)
+    assert plan_chunks(2200, None, 10, 0, 0, 11510) == (1100, False)
+    assert plan_chunks(2200, None, 10, 0, 0, 11520) == (1152, False)
+    # G per chunk written over the logits takes no room: 40 rows fit, so 3 chunks of 34 (4 of 25
+    # where G per chunk has room of its own)...
+    assert plan_chunks(100, None, 10, 2, 0, 400) == (34, False)
+    # ...and one chunk where G held for all rows (200 bytes) would make 2
+    assert plan_chunks(100, None, 10, 2, 0, 1000) == (100, False)
+    assert plan_chunks(100, None, 10, 2, 0, 1200) == (100, True)
