@@ -12,6 +12,8 @@ import numpy as np
 from cupy.cuda import driver
 from cupy_backends.cuda.libs import cublas
 
+from . import _cublaslt
+
 # cudaDataType and cuBLAS constants
 _CUDA_TYPE = {np.dtype(np.float32): 0, np.dtype(np.float16): 2, np.dtype(ml_dtypes.bfloat16): 14}
 _CUBLAS_COMPUTE_32F = 68
@@ -82,7 +84,15 @@ def _slice(vt, cluster):
 def _gemm(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     """C = alpha op(A) op(B) + beta C, column-major, float32 accumulation; a, b, c CuPy arrays
     (views allowed) whose dtypes give the cuBLAS data types. alpha: a number, or a 0-d float32
-    device array (read by cuBLAS when the product runs: no wait for the GPU)."""
+    device array (read by cuBLAS when the product runs: no wait for the GPU). By the cuBLASLt
+    algorithm that ran fastest for the shape class (_cublaslt), or cuBLAS's default."""
+    args = (transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+    _cublaslt.gemm(*args, (_CUDA_TYPE[a.dtype], _CUDA_TYPE[b.dtype], _CUDA_TYPE[c.dtype]),
+                   functools.partial(_gemm_default, *args))
+
+
+def _gemm_default(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """_gemm by cublasGemmEx with cuBLAS's default algorithm."""
     handle = cupy.cuda.device.get_cublas_handle()
     on_device = isinstance(alpha, cupy.ndarray)
     if on_device:

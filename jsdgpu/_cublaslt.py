@@ -1,0 +1,192 @@
+"""The matrix products through cuBLASLt, with the fastest of cuBLAS's candidate algorithms.
+
+For the products of the benchmark (bf16 in, float32 logits and grad_input, V = 128256) the
+algorithm cuBLAS picks by default ran 5-14% slower on the H200 than the best of the other
+candidates its heuristic offers (bench/NOTES.md). So the first product of each shape class times
+cuBLAS's default and the candidates once, on its own operands, and the fastest is kept for the
+process. A class is the transposes, data types and leading dimensions, with each of m, n, k
+rounded up to a power of 2: a row count that changes from call to call (ignored rows) does not
+tune again. The timing waits for the GPU, once per class; a product that adds to its output
+(beta != 0) is not timed (that would add to it again and again): it takes its class's choice
+where there is one (the first chunk's product, beta = 0, made it), else cuBLAS's default.
+
+JSDGPU_GEMM_TUNING=0 in the environment keeps cuBLAS's default algorithm: no timing, and the same
+algorithm (and bits) in every process. With tuning, two processes may pick different algorithms,
+whose float32 results differ in the last bits.
+
+cuBLASLt is called through ctypes: CuPy does not wrap it, and CuPy's cuBLAS has loaded it.
+"""
+
+import ctypes
+import functools
+import os
+import statistics
+
+import cupy
+
+TUNING = os.environ.get("JSDGPU_GEMM_TUNING", "1") != "0"
+
+# cublasLt.h: cublasComputeType_t, cudaDataType, and attribute numbers
+_COMPUTE_32F, _R_32F = 68, 0
+_DESC_POINTER_MODE, _DESC_TRANSA, _DESC_TRANSB = 2, 3, 4
+_POINTER_MODE_DEVICE = 1
+_PREF_MAX_WORKSPACE_BYTES = 1
+_OP_N, _OP_T = 0, 1
+_CANDIDATES = 8  # heuristic results asked for (8 came back for the benchmark's shapes)
+_TIMED_RUNS = 3  # per candidate, after one untimed run
+
+
+class _Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [("algo", _Algo), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def _check(status, what):
+    if status:
+        raise RuntimeError(f"cuBLASLt {what} failed with status {status}")
+
+
+@functools.lru_cache(maxsize=None)
+def _library(device_id):
+    """(cuBLASLt, a handle of it for the device)."""
+    cupy.cuda.device.get_cublas_handle()  # CuPy's cuBLAS loads its cuBLASLt
+    lib = ctypes.CDLL(f"libcublasLt.so.{cupy.cuda.runtime.runtimeGetVersion() // 1000}")
+    p, i = ctypes.c_void_p, ctypes.c_int  # handles, descriptors and pointers; enums and counts
+    for name, args in (("Create", [p]), ("MatmulDescCreate", [p, i, i]), ("MatmulDescDestroy", [p]),
+                       ("MatmulDescSetAttribute", [p, i, p, ctypes.c_size_t]),
+                       ("MatrixLayoutCreate", [p, i, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64]),
+                       ("MatrixLayoutDestroy", [p]), ("MatmulPreferenceCreate", [p]),
+                       ("MatmulPreferenceDestroy", [p]),
+                       ("MatmulPreferenceSetAttribute", [p, i, p, ctypes.c_size_t]),
+                       ("MatmulAlgoGetHeuristic", [p] * 7 + [i, p, p]), ("MatmulAlgoCheck", [p] * 8),
+                       ("Matmul", [p] * 14 + [ctypes.c_size_t, p])):
+        getattr(lib, "cublasLt" + name).argtypes = args
+    handle = ctypes.c_void_p()
+    _check(lib.cublasLtCreate(ctypes.byref(handle)), "create")
+    return lib, handle
+
+
+_UNSET = object()
+
+
+class _Product:
+    """D [m, n] (ldd) = op(A) [m, k] @ op(B) [k, n], column-major, op a transpose where trans_a
+    (trans_b) is _OP_T, float32 accumulation: the descriptors of one shape, and (candidates)
+    cuBLASLt's algorithms for it, best first by its heuristic."""
+
+    def __init__(self, device_id, trans_a, trans_b, m, n, k, lda, ldb, ldd, a_type, b_type, d_type,
+                 device_scalars):
+        self.lib, self.handle = _library(device_id)
+        self.device_scalars = device_scalars  # alpha and beta: device pointers, else host floats
+        self.desc = ctypes.c_void_p()
+        _check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _R_32F), "desc")
+        attributes = [(_DESC_TRANSA, trans_a), (_DESC_TRANSB, trans_b)]
+        if device_scalars:
+            attributes.append((_DESC_POINTER_MODE, _POINTER_MODE_DEVICE))
+        for attr, setting in attributes:
+            value = ctypes.c_int32(setting)
+            _check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), 4),
+                   "desc attribute")
+        # stored shapes: op(A) = A^T takes A as [k, m]
+        self.a_layout = self._layout(a_type, *((k, m) if trans_a == _OP_T else (m, k)), lda)
+        self.b_layout = self._layout(b_type, *((n, k) if trans_b == _OP_T else (k, n)), ldb)
+        self.d_layout = self._layout(d_type, m, n, ldd)
+        self.algo = _UNSET  # the algorithm this shape runs with (None: cuBLAS's default)
+
+    def candidates(self):
+        pref = ctypes.c_void_p()
+        _check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+        no_workspace = ctypes.c_uint64(0)  # the candidates that need none (the fastest ones did not)
+        _check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES,
+                                                             ctypes.byref(no_workspace), 8), "preference attribute")
+        results, n = (_Heuristic * _CANDIDATES)(), ctypes.c_int()
+        _check(self.lib.cublasLtMatmulAlgoGetHeuristic(
+            self.handle, self.desc, self.a_layout, self.b_layout, self.d_layout, self.d_layout, pref,
+            _CANDIDATES, results, ctypes.byref(n)), "heuristic")
+        self.lib.cublasLtMatmulPreferenceDestroy(pref)
+        return [results[i].algo for i in range(n.value) if results[i].state == 0]
+
+    def _layout(self, dtype_code, rows, cols, ld):
+        layout = ctypes.c_void_p()
+        _check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype_code, rows, cols, ld), "layout")
+        return layout
+
+    def supports(self, algo):
+        result = _Heuristic()
+        return self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, self.a_layout, self.b_layout, self.d_layout,
+                                                self.d_layout, ctypes.byref(algo), ctypes.byref(result)) == 0
+
+    def run(self, algo, a, b, d, alpha, beta):
+        """d = alpha op(a) op(b) + beta d by algo; alpha, beta: floats, or with device_scalars
+        0-d float32 device arrays."""
+        if self.device_scalars:
+            alpha, beta = alpha.data.ptr, beta.data.ptr
+        else:
+            alpha, beta = ctypes.byref(ctypes.c_float(alpha)), ctypes.byref(ctypes.c_float(beta))
+        _check(self.lib.cublasLtMatmul(
+            self.handle, self.desc, alpha, a.data.ptr, self.a_layout, b.data.ptr, self.b_layout, beta,
+            d.data.ptr, self.d_layout, d.data.ptr, self.d_layout, ctypes.byref(algo), None, 0,
+            cupy.cuda.get_current_stream().ptr), "matmul")
+
+    def __del__(self):
+        for layout in (self.a_layout, self.b_layout, self.d_layout):
+            self.lib.cublasLtMatrixLayoutDestroy(layout)
+        self.lib.cublasLtMatmulDescDestroy(self.desc)
+
+
+def _fastest(runs):
+    """The index of the fastest of the products runs (callables), each timed _TIMED_RUNS times
+    after one untimed run."""
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for run in runs:
+        run()
+        samples = []
+        for _ in range(_TIMED_RUNS):
+            start.record()
+            run()
+            stop.record()
+            stop.synchronize()
+            samples.append(cupy.cuda.get_elapsed_time(start, stop))
+        times.append(statistics.median(samples))
+    return times.index(min(times))
+
+
+_product = functools.lru_cache(maxsize=64)(_Product)
+_tuned = {}  # shape class -> the algorithm that ran fastest, None for cuBLAS's default
+
+
+def _bucket(n):
+    return 1 << (n - 1).bit_length()
+
+
+def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd, type_codes, default):
+    """d [m, n] = alpha op(a) op(b) + beta d, column-major, float32 accumulation, by the algorithm
+    that ran fastest for its shape class (see above). alpha: a float, or a 0-d float32 device array
+    (then beta, a float, goes to the device too); type_codes: the cudaDataTypes of a, b and d;
+    default(): the same product by cuBLAS's default algorithm."""
+    if not TUNING:
+        return default()
+    device = cupy.cuda.Device().id
+    device_scalars = isinstance(alpha, cupy.ndarray)
+    product = _product(device, trans_a, trans_b, m, n, k, lda, ldb, ldd, *type_codes, device_scalars)
+    if product.algo is _UNSET:
+        key = (device, trans_a, trans_b, _bucket(m), _bucket(n), _bucket(k), lda, ldb, ldd, type_codes)
+        if key not in _tuned:
+            if beta != 0.0:  # not timed: each run would add to d
+                return default()
+            candidates = product.candidates()
+            runs = [default] + [functools.partial(product.run, algo, a, b, d, alpha,
+                                                  cupy.zeros((), "float32") if device_scalars else 0.0)
+                                for algo in candidates]
+            best = _fastest(runs)
+            _tuned[key] = None if best == 0 else candidates[best - 1]
+        algo = _tuned[key]
+        product.algo = algo if algo is None or product.supports(algo) else None
+    if product.algo is None:
+        return default()
+    product.run(product.algo, a, b, d, alpha, cupy.full((), beta, "float32") if device_scalars else beta)
