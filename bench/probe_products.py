@@ -45,8 +45,8 @@ def main():
 
         def fastest_lt(trans_a, trans_b, m, n, k, a, lda, b, ldb, out, ldd, alpha=1.0):
             product = _cublaslt._Product(cupy.cuda.Device().id, trans_a, trans_b, m, n, k, lda, ldb, ldd,
-                                         _CUDA_TYPE[a.dtype], _CUDA_TYPE[b.dtype], _CUDA_TYPE[out.dtype])
-            return min(t(lambda: product.run(algo, a, b, out, alpha)) for algo in product.candidates())
+                                         _CUDA_TYPE[a.dtype], _CUDA_TYPE[b.dtype], _CUDA_TYPE[out.dtype], False)
+            return min(t(lambda: product.run(algo, a, b, out, alpha, 0.0)) for algo in product.candidates())
 
         def grad_input(g, out):  # [T, Hs] = G @ Ws; column-major: Ws [Hs, V] @ G^T [V, T]
             _gemm(_N, _N, HS, T, V, 1.0 / T, ws, HS, g, g.shape[1], 0.0, out, HS)

@@ -132,10 +132,12 @@ class _Product:
             d.data.ptr, self.d_layout, d.data.ptr, self.d_layout, ctypes.byref(algo), None, 0,
             cupy.cuda.get_current_stream().ptr), "matmul")
 
-    def __del__(self):
-        for layout in (self.a_layout, self.b_layout, self.d_layout):
-            self.lib.cublasLtMatrixLayoutDestroy(layout)
-        self.lib.cublasLtMatmulDescDestroy(self.desc)
+    def __del__(self):  # what __init__ made, where it failed part way
+        for layout in ("a_layout", "b_layout", "d_layout"):
+            if hasattr(self, layout):
+                self.lib.cublasLtMatrixLayoutDestroy(getattr(self, layout))
+        if hasattr(self, "desc"):
+            self.lib.cublasLtMatmulDescDestroy(self.desc)
 
 
 def _fastest(runs):
