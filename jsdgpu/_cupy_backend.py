@@ -1,6 +1,7 @@
 """GPU backend: cuBLAS products with float32 logits through CuPy, and the fused row kernel of
 rows.cu. Everything is queued on CuPy's current stream; nothing in the chunk loop waits for the
-GPU."""
+GPU, but the first product of each shape class in a process, which times cuBLASLt's candidate
+algorithms (_cublaslt)."""
 
 import ctypes
 import functools

@@ -124,7 +124,8 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
     are then its shards of the vocabulary), else None. Returns (hard_loss, soft_loss, Gradients
     or None); the losses are 0-d float32 backend arrays.
 
-    Nothing here waits for the GPU (but a torch process group's all-reduces: parallel.py). The
+    Nothing here waits for the GPU (but a torch process group's all-reduces, parallel.py, and the
+    first product of each shape class in a process, _cublaslt). The
     caller's read of the targets was the last wait, and the GPU idles until the first product
     is queued, so that comes before the rest of the setup.
     """
