@@ -1,7 +1,7 @@
 """The matrix products through cuBLASLt, with the fastest of cuBLAS's candidate algorithms.
 
 For the products of the benchmark (bf16 in, float32 logits and grad_input, V = 128256) the
-algorithm cuBLAS picks by default ran 5-14% slower on the H200 than the best of the other
+algorithm cuBLAS picks by default ran 5-17% slower on the H200 than the best of the other
 candidates its heuristic offers (bench/NOTES.md). So the first product of each shape class times
 cuBLAS's default and the candidates once, on its own operands, and the fastest is kept for the
 process. A class is the transposes, data types and leading dimensions, with each of m, n, k
