@@ -220,11 +220,13 @@ class CupyBackend:
     @staticmethod
     def add_label_terms(work, label_terms, target, xs, norm, grads):
         """The label terms the row kernel left out of G, added exactly in float32 for the rows
-        whose label this rank owns (target >= 0; label_terms is 0 elsewhere): a gather of Ws
-        rows for grad_input, and label_scatter for the grad_weight sums (where there are) and
+        whose label this rank owns (target >= 0; label_terms is 0 elsewhere): rows.cu's
+        label_rows for grad_input, and label_scatter for the grad_weight sums (where there are) and
         grad_bias."""
-        terms = label_terms * np.float32(norm)
-        grads.grad_input += terms[:, None] * work["ws"][cupy.maximum(target, 0)].astype(np.float32)
+        ws = work["ws"]
+        n, hs = grads.grad_input.shape
+        func = _module(cupy.cuda.Device().id).get_function(f"label_rows_{_KERNEL_FORMAT[ws.dtype]}")
+        func((n,), (256,), (label_terms, target, ws, np.int32(hs), np.float32(norm), grads.grad_input))
         if grads.grad_weight is not None or grads.grad_bias is not None:
             _label_scatter(label_terms, target, xs, norm, None, grads.grad_weight, grads.grad_bias)
 

@@ -939,15 +939,8 @@ extern "C" __global__ void scale_cast_f16(const float* in, unsigned short* out, 
 }
 
 // ---- the label terms left out of G, added to the gradient ----
-//
-// grad_weight[label] += k * sum over the rows i with that label of label_terms[i] * x[i], and
-// grad_bias[label] likewise, with k = norm (times *scale where scale is not null). order: the
-// rows sorted by label, stably; sorted_target: their labels (-1: a label on another rank).
-// grad_weight (or grad_bias) null: left alone. grad_weight is the float32 sums (OUT = OUT_F32) or
-// the finished gradient in the inputs' dtype (OUT = IN); grad_bias is always float32 sums.
-// Block b works only where a label's rows start, and adds them in order: no atomics, so the
-// results have the same bits on every run.
 
+// a value of x (of IN's dtype) as float32
 template <int IN>
 __device__ __forceinline__ float load_value(const void* x, long long k) {
   if (IN == OUT_F32) return static_cast<const float*>(x)[k];
@@ -957,6 +950,34 @@ __device__ __forceinline__ float load_value(const void* x, long long k) {
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
   return f;
 }
+
+// label_rows: grad_input[i] += norm * label_terms[i] * ws[target[i]] for the rows whose label this
+// rank owns (target[i] >= 0); grad_input float32 [rows, hs], one block per row.
+template <int IN>
+__device__ __forceinline__ void label_rows(const float* __restrict__ label_terms, const int* __restrict__ target,
+                                           const void* __restrict__ ws, int hs, float norm,
+                                           float* __restrict__ grad_input) {
+  const int i = blockIdx.x;
+  const long long label = target[i];
+  if (label < 0) return;
+  const float k = label_terms[i] * norm;
+  for (int h = threadIdx.x; h < hs; h += blockDim.x)
+    grad_input[(long long)i * hs + h] += k * load_value<IN>(ws, label * hs + h);
+}
+
+#define LABEL_ROWS_ARGS \
+  const float *label_terms, const int *target, const void *ws, int hs, float norm, float *grad_input
+extern "C" __global__ void label_rows_f32(LABEL_ROWS_ARGS) { label_rows<OUT_F32>(label_terms, target, ws, hs, norm, grad_input); }
+extern "C" __global__ void label_rows_f16(LABEL_ROWS_ARGS) { label_rows<OUT_F16>(label_terms, target, ws, hs, norm, grad_input); }
+extern "C" __global__ void label_rows_bf16(LABEL_ROWS_ARGS) { label_rows<OUT_BF16>(label_terms, target, ws, hs, norm, grad_input); }
+
+// grad_weight[label] += k * sum over the rows i with that label of label_terms[i] * x[i], and
+// grad_bias[label] likewise, with k = norm (times *scale where scale is not null). order: the
+// rows sorted by label, stably; sorted_target: their labels (-1: a label on another rank).
+// grad_weight (or grad_bias) null: left alone. grad_weight is the float32 sums (OUT = OUT_F32) or
+// the finished gradient in the inputs' dtype (OUT = IN); grad_bias is always float32 sums.
+// Block b works only where a label's rows start, and adds them in order: no atomics, so the
+// results have the same bits on every run.
 
 template <int IN, int OUT>
 __device__ __forceinline__ void label_scatter(const float* __restrict__ label_terms, const int* __restrict__ order,

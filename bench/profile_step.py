@@ -1,0 +1,105 @@
+"""Where one jsdgpu step's time goes on the GPU: its kernels, by kind, from PyTorch's profiler
+(CUPTI records every kernel of the process, CuPy's too), beside the step's CUDA-event time.
+
+    python bench/profile_step.py                              # T = 1024 and 8192, fwd + bwd
+    python bench/profile_step.py --tokens 8192 --valid 1 0.5 --modes fwd_bwd fwd --kernels
+
+Per step: the products (cuBLAS), the row kernels (rows.cu's jsd_rows_* or vp_*), the other
+kernels and copies, the GPU's idle time between the step's first and last kernel, and the part of
+it between the targets' read (the step's first device-to-host copy) and the first product. The
+profiler's callbacks slow the host's CUDA calls, so the idle times it shows are upper bounds.
+Needs PyTorch.
+"""
+
+import argparse
+import collections
+import json
+import pathlib
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench  # noqa: E402
+
+
+def kind(event):
+    name = event["name"]
+    if event.get("cat") != "kernel":
+        return "other"
+    if name.startswith(("jsd_rows", "vp_")):
+        return "rows"
+    if any(k in name for k in ("gemm", "nvjet", "xmma", "cutlass", "splitKreduce")):
+        return "products"
+    return "other"
+
+
+def profile_one(fn):
+    """The GPU events (kernels, copies, memsets) of one call of fn, by start time."""
+    import cupy
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    cupy.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(1)
+        cupy.cuda.Device().synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = pathlib.Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    torch.cuda.synchronize()
+    return sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                  key=lambda e: e["ts"])
+
+
+def summarize(events):
+    """ms by kind, idle ms within the step, idle ms from the targets' read to the first product."""
+    busy = collections.Counter()
+    idle, end = 0.0, events[0]["ts"]
+    for e in events:
+        busy[kind(e)] += e["dur"]
+        idle += max(0.0, e["ts"] - end)
+        end = max(end, e["ts"] + e["dur"])
+    read = next((e for e in events if "DtoH" in e["name"]), None)
+    first_product = next(e for e in events if kind(e) == "products")
+    after_read = first_product["ts"] - (read["ts"] + read["dur"]) if read and read["ts"] < first_product["ts"] else 0.0
+    return {k: v / 1e3 for k, v in busy.items()}, idle / 1e3, after_read / 1e3
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
+    p.add_argument("--valid", type=float, nargs="+", default=[1.0], help="fractions of valid rows")
+    p.add_argument("--modes", nargs="+", default=["fwd_bwd"], choices=["fwd_bwd", "fwd"])
+    p.add_argument("--kernels", action="store_true", help="also list each step's kernels by total time")
+    a = p.parse_args()
+    rng = np.random.default_rng(0)
+    weights = bench.make_weights(2)
+    rows = []
+    for T in a.tokens:
+        for valid in a.valid:
+            sets = bench.make_sets(T, weights, rng, valid)
+            for mode in a.modes:
+                fn = bench.impl_jsdgpu(sets, mode)
+                ms = bench.time_ms(fn, len(sets), 3, 10)
+                events = profile_one(fn)
+                busy, idle, after_read = summarize(events)
+                rows.append((T, valid, mode, ms, busy, idle, after_read))
+                if a.kernels:
+                    total, count = collections.Counter(), collections.Counter()
+                    for e in events:
+                        total[e["name"][:80]] += e["dur"] / 1e3
+                        count[e["name"][:80]] += 1
+                    print(f"T = {T}, {valid:.0%} valid, {mode}:")
+                    for name, t in total.most_common():
+                        print(f"    {t:8.3f} ms  x{count[name]:<3d} {name}")
+    print("| T | valid rows | mode | step ms (events) | products | row kernels | other | GPU idle | of it, read to first product |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for T, valid, mode, ms, busy, idle, after_read in rows:
+        print(f"| {T} | {valid:.0%} | {mode} | {ms:.2f} | {busy.get('products', 0):.2f} | {busy.get('rows', 0):.2f} | "
+              f"{busy.get('other', 0):.2f} | {idle:.2f} | {after_read:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
