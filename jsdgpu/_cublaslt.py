@@ -33,7 +33,7 @@ _POINTER_MODE_DEVICE = 1
 _PREF_MAX_WORKSPACE_BYTES = 1
 _OP_N, _OP_T = 0, 1
 _CANDIDATES = 8  # heuristic results asked for (8 came back for the benchmark's shapes)
-_TIMED_RUNS = 5  # rounds, each timing every candidate once
+_ROUNDS = 5  # of timing, each timing every candidate once
 
 
 class _Algo(ctypes.Structure):
@@ -142,12 +142,12 @@ class _Product:
 
 def _fastest(runs):
     """The index of the fastest of the products runs (callables): after one untimed run of each,
-    _TIMED_RUNS rounds that time each once, the median of each kept. In rounds, not one candidate
+    _ROUNDS rounds that time each once, the median of each kept. In rounds, not one candidate
     after another, so that a drift of the GPU's clocks (tuning runs in a process's first steps)
     falls on every candidate alike."""
     for run in runs:
         run()
-    events = [[(cupy.cuda.Event(), cupy.cuda.Event()) for _ in runs] for _ in range(_TIMED_RUNS)]
+    events = [[(cupy.cuda.Event(), cupy.cuda.Event()) for _ in runs] for _ in range(_ROUNDS)]
     for round_ in events:
         for run, (start, stop) in zip(runs, round_):
             start.record()
