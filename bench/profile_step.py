@@ -64,8 +64,10 @@ def summarize(events):
         idle += max(0.0, e["ts"] - end)
         end = max(end, e["ts"] + e["dur"])
     read = next((e for e in events if "DtoH" in e["name"]), None)
-    first_product = next(e for e in events if kind(e) == "products")
-    after_read = first_product["ts"] - (read["ts"] + read["dur"]) if read and read["ts"] < first_product["ts"] else 0.0
+    first_product = next((e for e in events if kind(e) == "products"), None)  # none: no valid row
+    after_read = 0.0
+    if read and first_product and read["ts"] < first_product["ts"]:
+        after_read = first_product["ts"] - (read["ts"] + read["dur"])
     return {k: v / 1e3 for k, v in busy.items()}, idle / 1e3, after_read / 1e3
 
 

@@ -153,7 +153,7 @@ def _fastest(runs):
             start.record()
             run()
             stop.record()
-    events[-1][-1][1].synchronize()
+    events[-1][-1][1].synchronize()  # the last stop: every run is done
     times = [statistics.median(cupy.cuda.get_elapsed_time(*round_[i]) for round_ in events)
              for i in range(len(runs))]
     return times.index(min(times))

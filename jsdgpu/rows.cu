@@ -2,8 +2,8 @@
 //
 // The fused kernel (one thread-block cluster per token row, the row held in registers) does all
 // of a row's work with one read of its logits; the three vocab-parallel phases do it in three
-// streaming passes, with the ranks' partial results combined between them; scale_cast and
-// label_scatter serve the gradient sums.
+// streaming passes, with the ranks' partial results combined between them; scale_cast,
+// label_rows and label_scatter serve the gradient sums.
 //
 // The file includes no header, so NVRTC compiles it anywhere (CI compiles it with no GPU).
 
