@@ -47,6 +47,11 @@ def _module(device_id, options=("-std=c++17",)):
     return cupy.RawModule(code=source, options=options)
 
 
+def _function(name):
+    """A kernel of rows.cu, for the current device."""
+    return _module(cupy.cuda.Device().id).get_function(name)
+
+
 class _LaunchConfig(ctypes.Structure):
     """The driver API's CUlaunchConfig."""
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
@@ -136,9 +141,9 @@ class CupyBackend:
                 a *= scale
             return a
         out = cupy.empty(a.shape, dtype)
-        n, device = a.size, cupy.cuda.Device().id
-        blocks = max(1, min(-(-n // 1024), 8 * _sm_count(device)))
-        func = _module(device).get_function(f"scale_cast_{_KERNEL_FORMAT[out.dtype]}")
+        n = a.size
+        blocks = max(1, min(-(-n // 1024), 8 * _sm_count(cupy.cuda.Device().id)))
+        func = _function(f"scale_cast_{_KERNEL_FORMAT[out.dtype]}")
         func((blocks,), (256,), (a, out, np.int64(n), np.uint64(0) if scale is None else scale))
         return out
 
@@ -225,7 +230,7 @@ class CupyBackend:
         grad_bias."""
         ws = work["ws"]
         n, hs = grads.grad_input.shape
-        func = _module(cupy.cuda.Device().id).get_function(f"label_rows_{_KERNEL_FORMAT[ws.dtype]}")
+        func = _function(f"label_rows_{_KERNEL_FORMAT[ws.dtype]}")
         func((n,), (256,), (label_terms, target, ws, np.int32(hs), np.float32(norm), grads.grad_input))
         if grads.grad_weight is not None or grads.grad_bias is not None:
             _label_scatter(label_terms, target, xs, norm, None, grads.grad_weight, grads.grad_bias)
@@ -274,7 +279,7 @@ def _label_scatter(label_terms, target, xs, norm, scale, grad_weight, grad_bias)
     out = np.float32 if grad_weight is None else grad_weight.dtype
     name = f"label_scatter_{_KERNEL_FORMAT[xs.dtype]}_{_KERNEL_FORMAT[np.dtype(out)]}"
     null = np.uint64(0)
-    func = _module(cupy.cuda.Device().id).get_function(name)
+    func = _function(name)
     func((len(order),), (256,),
          (label_terms, order, sorted_target, np.int32(len(order)), xs, np.int32(xs.shape[1]),
           np.float32(norm), null if scale is None else scale, null if grad_weight is None else grad_weight,
@@ -294,7 +299,7 @@ def _row_args(work, target):
 def _vp_launch(name, work, target, opts, more_args):
     """A vp_* kernel of rows.cu over the chunk's rows (one CTA of VP_THREADS = 256 per row)."""
     args = _row_args(work, target) + (np.float32(1.0 / opts.temperature), np.int32(len(target)))
-    func = _module(cupy.cuda.Device().id).get_function(name)
+    func = _function(name)
     func((len(target),), (256,), args + more_args)
 
 
