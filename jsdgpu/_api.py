@@ -1,5 +1,6 @@
 """Public API: forward, backward and the loss object JSDDistillLoss (SPEC.md, "API")."""
 
+import functools
 import importlib
 
 import numpy as np
@@ -21,7 +22,9 @@ def _bridge_for(arrays):
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def _backend(kind):
+    """The backend for arrays of kind 'cupy' or 'numpy' (stateless: one of each)."""
     if kind == "cupy":
         from ._cupy_backend import CupyBackend
         return CupyBackend()
@@ -101,24 +104,18 @@ def _forward(arrays, *, weight_hard_loss, weight_soft_loss, beta, temperature, i
     bs, bt = arrays["student_bias"], arrays["teacher_bias"]
     device = xs.device.id if kind == "cupy" else None
     with backend.on_device(device):
-        # all that needs no target values comes first: reading them waits for the GPU, which
-        # then idles until the first product is queued
+        # all that needs no target values comes first: selecting the valid rows waits for the
+        # GPU, which then idles until the first product is queued
         xs, ws, xt, wt = (xp.ascontiguousarray(a) for a in (xs, ws, xt, wt))
         budget = backend.default_memory_budget if memory_budget is None else int(memory_budget)
-        target_host = arrays["target"]
-        target_host = (xp.asnumpy(target_host) if kind == "cupy" else target_host).astype(np.int64)
         # the shard sizes cross the ranks first: the targets index the whole vocabulary
         shard = None if comm is None else parallel.shard_layout(comm, xp, ws.shape[0], wt.shape[0])
-        _checks.check_target(target_host, ws.shape[0] if shard is None else shard.vs_total,
-                             opts.ignore_index)
-        valid = np.flatnonzero(target_host != opts.ignore_index)
+        valid_rows, target, n_valid = backend.select_rows(
+            arrays["target"], ws.shape[0] if shard is None else shard.vs_total, opts.ignore_index)
         n_rows = xs.shape[0]
-        valid_rows = None if len(valid) == n_rows else xp.asarray(valid)
-        # the valid rows' targets, taken where they are (no copy to the device)
-        target = arrays["target"] if valid_rows is None else xp.take(arrays["target"], valid_rows)
         hard, soft, grads = run(backend, xs, ws, xt, wt, target, bs, bt, opts,
                                 valid_rows=valid_rows,
-                                normalizer=_checks.check_normalizer(num_valid_tokens, len(valid)),
+                                normalizer=_checks.check_normalizer(num_valid_tokens, n_valid),
                                 chunk_size=chunk_size, memory_budget=budget,
                                 compute_grad=bool(compute_grad), shard=shard)
         loss = (opts.weight_hard_loss * hard.astype(np.float64)

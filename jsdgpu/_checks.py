@@ -76,8 +76,8 @@ def check_normalizer(num_valid_tokens, n_valid):
 def check_arrays(arrays):
     """arrays: dict name -> array (biases may be None). Returns the kind, 'numpy' or 'cupy'.
 
-    Checks kinds, devices, ranks, shapes and dtypes; the target's values are checked by
-    check_target once it is on the host.
+    Checks kinds, devices, ranks, shapes and dtypes; the target's values are checked where the
+    backend selects the valid rows (select_rows).
     """
     present = {k: v for k, v in arrays.items() if v is not None}
     for name, a in present.items():
@@ -139,11 +139,19 @@ def check_arrays(arrays):
     return kinds.pop()
 
 
+def target_error(row, value, vocab, ignore_index):
+    """The ValueError for target[row] = value, outside [0, vocab) and not ignore_index."""
+    return ValueError(f"target[{row}] = {value} is outside [0, {vocab}) and is not "
+                      f"ignore_index ({ignore_index})")
+
+
 def check_target(target_host, vocab, ignore_index):
-    """target_host: a NumPy integer array. Raise if a non-ignored entry is outside [0, vocab)."""
+    """target_host: a NumPy integer array. Raise if a non-ignored entry is outside [0, vocab);
+    else return the indices of the non-ignored (valid) entries."""
     t = np.asarray(target_host, dtype=np.int64)  # no copy where it is int64 already
-    bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
+    valid = t != ignore_index
+    bad = valid & ((t < 0) | (t >= vocab))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"target[{i}] = {int(t[i])} is outside [0, {vocab}) and is not "
-                         f"ignore_index ({ignore_index})")
+        raise target_error(i, int(target_host[i]), vocab, ignore_index)
+    return np.flatnonzero(valid)

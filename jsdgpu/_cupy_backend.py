@@ -6,6 +6,7 @@ algorithms (_cublaslt)."""
 import ctypes
 import functools
 import pathlib
+import threading
 
 import cupy
 import ml_dtypes
@@ -13,7 +14,7 @@ import numpy as np
 from cupy.cuda import driver
 from cupy_backends.cuda.libs import cublas
 
-from . import _cublaslt
+from . import _checks, _cublaslt
 
 # cudaDataType and cuBLAS constants
 _CUDA_TYPE = {np.dtype(np.float32): 0, np.dtype(np.float16): 2, np.dtype(ml_dtypes.bfloat16): 14}
@@ -28,6 +29,7 @@ _KERNEL_FORMAT = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
 # cluster per row), threads per CTA, and float4 groups of columns per thread (held in registers).
 _CLUSTER, _THREADS, _GROUPS = 16, 512, 4
 FUSED_MAX_VOCAB = _CLUSTER * _THREADS * _GROUPS * 4  # 131072 columns; wider rows take the phases
+_SELECT_THREADS = 1024  # rows.cu's SELECT_THREADS
 
 
 def _leading_dim(n):
@@ -49,7 +51,30 @@ def _module(device_id, options=("-std=c++17",)):
 
 def _function(name):
     """A kernel of rows.cu, for the current device."""
-    return _module(cupy.cuda.Device().id).get_function(name)
+    return _device_function(cupy.cuda.Device().id, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_function(device_id, name):
+    return _module(device_id).get_function(name)
+
+
+_per_thread = threading.local()
+
+
+def _select_out(device_id):
+    """(view, address) of select_rows's two results (the count and the first bad row): 8 bytes
+    of page-locked host memory, which the kernel writes straight into (with unified addressing,
+    CUDA maps it into the devices' address space at the same address). One per thread and
+    device, allocated once (an allocation a call took tens of µs inside a step): select_rows
+    waits for the kernel and reads them before it returns."""
+    buffers = getattr(_per_thread, "select_out", None)
+    if buffers is None:
+        buffers = _per_thread.select_out = {}
+    if device_id not in buffers:
+        view = np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.int32, 2)  # keeps it alive
+        buffers[device_id] = view, np.uint64(view.ctypes.data)
+    return buffers[device_id]
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -132,6 +157,48 @@ class CupyBackend:
     @staticmethod
     def on_device(device):
         return cupy.cuda.Device(device)
+
+    @staticmethod
+    def select_rows(target, vocab, ignore_index):
+        """(valid_rows, row_target, count): the indices of the rows whose target is not
+        ignore_index (None where that is every row), their targets as int32, and their count,
+        by rows.cu's select_rows. Raises _checks.target_error's ValueError for a bad target.
+        Its wait for the kernel is the step's one wait for the GPU. (Reading all the targets,
+        checking and selecting them on the host, copying the selection back and gathering the
+        rows by CuPy took 0.15-0.25 ms more a step at T = 1024 with half of the rows ignored:
+        bench/NOTES.md.)"""
+        n = len(target)
+        targets = target if target.dtype in (np.int32, np.int64) else target.astype(np.int64)
+        targets = cupy.ascontiguousarray(targets)
+        selected = cupy.empty(2 * n, np.int32)  # one allocation: the rows, then their targets
+        rows, row_target = selected[:n], selected[n:]
+        out, out_address = _select_out(cupy.cuda.Device().id)
+        has_ignore = -2**63 <= ignore_index < 2**63  # else no int64 target equals it
+        func = _function(f"select_rows_{'i32' if targets.dtype == np.int32 else 'i64'}")
+        func((1,), (_SELECT_THREADS,), (targets, np.int32(n), np.int64(ignore_index if has_ignore else 0),
+                                        np.int32(has_ignore), np.int64(vocab), rows, row_target,
+                                        out_address))
+        cupy.cuda.get_current_stream().synchronize()
+        count, first_bad = (int(x) for x in out)
+        if first_bad < n:
+            raise _checks.target_error(first_bad, int(target[first_bad]), vocab, ignore_index)
+        if count == n:
+            return None, row_target, n
+        return rows[:count], row_target[:count], count
+
+    @staticmethod
+    def take_rows(rows, a, b):
+        """The given rows of a and of b (2-D, C-contiguous), by one launch of rows.cu's
+        gather_rows."""
+        out_a = cupy.empty((len(rows), a.shape[1]), a.dtype)
+        out_b = cupy.empty((len(rows), b.shape[1]), b.dtype)
+        if len(rows):
+            row_bytes = (a.shape[1] * a.itemsize, b.shape[1] * b.itemsize)
+            word = 16 if all(n % 16 == 0 for n in row_bytes) else 2  # every dtype here is even-sized
+            func = _function(f"gather_rows_{word}")
+            func((len(rows), 2), (256,), (rows, a, out_a, np.int64(row_bytes[0] // word), b, out_b,
+                                          np.int64(row_bytes[1] // word)))
+        return out_a, out_b
 
     @staticmethod
     def scale_cast(a, scale, dtype):

@@ -118,22 +118,22 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
         memory_budget, compute_grad, shard=None):
     """Compute the per-row losses and, with compute_grad, the gradient sums.
 
-    target: a backend array of the valid rows' targets. valid_rows: a backend index array of the
-    valid rows, or None when every row is valid. normalizer: N, the divisor of the summed row
+    target: a backend int32 array of the valid rows' targets. valid_rows: a backend index array
+    of the valid rows, or None when every row is valid. normalizer: N, the divisor of the summed row
     losses. shard: under vocab parallelism, this rank's parallel.Shard (its weights and biases
     are then its shards of the vocabulary), else None. Returns (hard_loss, soft_loss, Gradients
     or None); the losses are 0-d float32 backend arrays.
 
     Nothing here waits for the GPU (but a torch process group's all-reduces, parallel.py, and the
-    first product of each shape class in a process, _cublaslt). The
-    caller's read of the targets was the last wait, and the GPU idles until the first product
-    is queued, so that comes before the rest of the setup.
+    first product of each shape class in a process, _cublaslt). The caller's selection of the
+    valid rows (the backend's select_rows) was the last wait, and the GPU idles until the first
+    product is queued, so that comes before the rest of the setup.
     """
     xp = backend.xp
     comm = None if shard is None else shard.comm
     vs, vt = ws.shape[0], wt.shape[0]
     if valid_rows is not None:
-        xs, xt = xp.take(xs, valid_rows, axis=0), xp.take(xt, valid_rows, axis=0)
+        xs, xt = backend.take_rows(valid_rows, xs, xt)
     n_rows, hs = xs.shape
     norm = 1.0 / normalizer
     rows, hold_g = 0, False
@@ -147,7 +147,6 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
         work = backend.prepare(ws, wt, bs, bt, rows, g_rows, fused=comm is None, own_g=hold_g)
         backend.logits(work, xs[:rows], xt[:rows])
 
-    target = target.astype(np.int32)
     if shard is not None:  # the labels as columns of this rank's shard, -1 where not owned
         owned = (target >= shard.v0) & (target < shard.v0 + vs)
         target = xp.where(owned, target - shard.v0, -1).astype(np.int32)

@@ -11,6 +11,7 @@ import math
 import numba
 import numpy as np
 
+from . import _checks
 from ._driver import FORWARD_KL, JSD
 
 
@@ -131,6 +132,21 @@ class NumpyBackend:
     @staticmethod
     def on_device(device):
         return contextlib.nullcontext()
+
+    @staticmethod
+    def select_rows(target, vocab, ignore_index):
+        """(valid_rows, row_target, count): the indices of the rows whose target is not
+        ignore_index (None where that is every row), their targets as int32, and their count.
+        Raises _checks.target_error's ValueError for a bad target."""
+        valid = _checks.check_target(target, vocab, ignore_index)
+        if len(valid) == len(target):
+            return None, target.astype(np.int32), len(target)
+        return valid, target[valid].astype(np.int32), len(valid)
+
+    @staticmethod
+    def take_rows(rows, a, b):
+        """The given rows of a and of b."""
+        return a[rows], b[rows]
 
     @staticmethod
     def scale_cast(a, scale, dtype):

@@ -1,5 +1,6 @@
 """The GPU backend at real sizes: the benchmark shape's accuracy, a chunk of more than 2^31
-logits, the widest vocabulary of the fused row kernel and past it, and a non-default stream."""
+logits, the widest vocabulary of the fused row kernel and past it, and a non-default stream;
+and the gather of the valid rows."""
 
 import numpy as np
 import pytest
@@ -101,3 +102,16 @@ def test_runs_on_the_current_stream(rng):
     assert abs(float(host[0]) - ref[0]) <= 1e-5 * ref[0]
     for got, want in zip(host[1:], ref[3:]):
         assert rel_err(got, want) <= 1e-4
+
+
+# rows of 64 and 128 bytes in float32 (16-byte words), of 26 and 48 bytes in bf16 (2-byte words)
+@pytest.mark.parametrize("dtype,widths", [(np.float32, (16, 32)), (BF16, (13, 24))])
+@pytest.mark.parametrize("n_rows", [0, 1, 37])
+def test_take_rows(rng, dtype, widths, n_rows):
+    import cupy
+    from jsdgpu._cupy_backend import CupyBackend
+    a, b = (rng.standard_normal((50, h)).astype(dtype) for h in widths)
+    rows = np.sort(rng.choice(50, n_rows, replace=False)).astype(np.int32)
+    out_a, out_b = CupyBackend.take_rows(cupy.asarray(rows), cupy.asarray(a), cupy.asarray(b))
+    assert out_a.shape == (n_rows, widths[0]) and out_b.shape == (n_rows, widths[1])
+    assert out_a.get().tobytes() == a[rows].tobytes() and out_b.get().tobytes() == b[rows].tobytes()
