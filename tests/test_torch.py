@@ -112,12 +112,11 @@ def test_runs_on_the_current_torch_stream(rng):
     (1.0, 0.5, (0.7, 0.3), False, 3), (0.3, 1.0, (1.0, 0.0), True, 3)])
 def test_matches_liger(rng, beta, temperature, weights, bias, ignore_index, logit_std):
     """Against Liger 0.8.5 on the same bf16 inputs: gradients at least as close to float64 as
-    Liger's, or within twice the error of rounding the float64 gradient to bf16 (both outputs
-    are bf16: where the softmax is very peaked, at std 8 and temperature 0.5, Liger's bf16
-    logits cost it little and both errors are about that rounding); the loss within 1e-4 of
-    Liger's where Liger's own loss is that accurate (logits of std 1), and at std 8, where
-    Liger's bf16 logits cost it more (about 1.4e-4 relative, seen on the H200), closer to
-    float64 than Liger's or within 1e-6 of it."""
+    Liger's; the loss within 1e-4 of Liger's where Liger's own loss is that accurate (logits of
+    std 1), and at std 8, where Liger's bf16 logits cost it more, closer to float64 than
+    Liger's or within 1e-6 of it, relative. (At std 8, beta 1 and temperature 0.5, 96 draws on
+    the H200: our loss 2e-5 from float64, 5e-7 relative; Liger's 8e-4 to 1.6e-2. Liger's error,
+    a sum of roundings, can pass near 0 by chance: "closer than Liger's" alone failed once.)"""
     liger = pytest.importorskip("liger_kernel.chunked_loss")
     case = make_case(rng, T=300, hs=256, ht=512, vs=32003, vt=32003, dtype=BF16, ignored=0.25,
                      logit_std=logit_std, bias=bias, ignore_index=ignore_index)
@@ -139,9 +138,8 @@ def test_matches_liger(rng, beta, temperature, weights, bias, ignore_index, logi
         assert abs(ours - ref[0]) <= max(abs(theirs - ref[0]), 1e-6 * abs(ref[0]))
     for k, want in ((0, ref[3]), (1, ref[4])) + (((5, ref[5]),) if bias else ()):
         e_ours, e_theirs = rel_err(g_ours[k], want), rel_err(g_theirs[k], want)
-        rounding = rel_err(want.astype(BF16), want)
-        print(f"grad {k}: jsdgpu {e_ours:.2e}, liger {e_theirs:.2e}, bf16 rounding {rounding:.2e}")
-        assert e_ours <= max(e_theirs, 2.0 * rounding)
+        print(f"grad {k}: jsdgpu {e_ours:.2e}, liger {e_theirs:.2e}")
+        assert e_ours <= e_theirs
 
 
 def test_num_valid_tokens(rng, device):
