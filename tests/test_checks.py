@@ -147,7 +147,7 @@ def _select_rows(xp, target, vocab, ignore_index):
 @pytest.mark.parametrize("dtype", [np.int8, np.uint16, np.int32, np.int64, np.uint64])
 def test_select_rows(xp, rng, T, dtype):
     """The valid rows, in order, their targets as int32 and their count, for every integer
-    dtype of the targets; None for the rows where all are valid."""
+    dtype of the targets; None for the rows where every row is valid."""
     vocab, ignore_index = 100, 7  # an ignore_index inside [0, vocab)
     target = rng.integers(0, vocab, T).astype(dtype)
     target[rng.random(T) < rng.choice([0.0, 0.5])] = ignore_index
