@@ -2,6 +2,7 @@
 
     python bench/bench.py                 # T = 1024, 2048, 4096, 8192; writes bench/results/
     python bench/bench.py --tokens 1024 --impls jsdgpu gemm_floor --out /tmp/r
+    python bench/bench.py --render bench/results/h200.json   # its table and plot again
 
 Workload (DESIGN.md): V = 128256, teacher hidden 4096, student hidden 2048, bf16. Times are
 medians of CUDA-event timings after warm-up, the inputs rotated over several sets so the L2
@@ -266,7 +267,12 @@ def main(argv=None):
     p.add_argument("--name", help="result file name (default: the device's name)")
     p.add_argument("--budgets-gib", type=float, nargs="*", default=[0.25, 0.5, 1.0, 5.0],
                    help="memory_budget values (GiB) timed at the largest T beside the default")
+    p.add_argument("--render", type=pathlib.Path, metavar="JSON",
+                   help="time nothing: write the table and plot of a results file again, beside it")
     a = p.parse_args(argv)
+    if a.render:
+        render(a.render)
+        return
 
     rng = np.random.default_rng(0)
     name = a.name or device_name()
@@ -329,10 +335,63 @@ def main(argv=None):
 
     result.update(stages_T1024=stages, row_kernel=row_kernel)
     (a.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    render(a.out / f"{name}.json")
+
+
+def render(path):
+    """The table (printed, and written beside the results file) and the plot of a results file."""
+    result = json.loads(path.read_text())
     table = markdown_table(result)
-    (a.out / f"{name}.md").write_text(table)
-    plot(result, a.out / f"{name}.png")
+    path.with_suffix(".md").write_text(table)
+    plot(result, path.with_suffix(".png"))
     print(table)
+
+
+# The speed issue's targets (forward + backward, default options, bf16): the ratio per T, the
+# goal (per T where it differs), and whether a smaller or a larger ratio is better.
+TARGETS = [("jsdgpu ÷ floor", {}, 1.10, "≤"), ("Liger ÷ jsdgpu", {1024: 2.0, 8192: 1.7}, None, "≥"),
+           ("half ignored ÷ floor", {}, 0.60, "≤"), ("forward only ÷ floor", {}, 0.65, "≤")]
+PEAK_GOAL_MIB = 4e9 / 2**20  # below 4 GB beyond the inputs at T = 8192
+ROW_KERNEL_GOAL = 0.70  # of the copy bandwidth
+
+
+def targets_table(result):
+    """The issue's targets against this run's numbers: markdown lines."""
+    ms = {(r["impl"], r["T"], r["mode"], r["valid_fraction"]): r["ms"]
+          for r in result["records"] if "memory_budget" not in r}
+    Ts = sorted({T for _, T, _, _ in ms})
+
+    def ratio(name, T):
+        floor, ours = ms.get(("gemm_floor", T, "fwd_bwd", 1.0)), ms.get(("jsdgpu", T, "fwd_bwd", 1.0))
+        num, den = {"jsdgpu ÷ floor": (ours, floor),
+                    "Liger ÷ jsdgpu": (ms.get(("liger", T, "fwd_bwd", 1.0)), ours),
+                    "half ignored ÷ floor": (ms.get(("jsdgpu", T, "fwd_bwd", 0.5)), floor),
+                    "forward only ÷ floor": (ms.get(("jsdgpu", T, "fwd", 1.0)), floor)}[name]
+        return num / den if num and den else None
+
+    lines = ["| target | goal | " + " | ".join(f"T = {T}" for T in Ts) + " | met at |",
+             "| --- | --- | " + "--- | " * len(Ts) + "--- |"]
+    for name, goal_at, goal, sign in TARGETS:
+        goals = {T: goal_at.get(T, goal) for T in Ts}
+        values = {T: ratio(name, T) for T in Ts}
+        met = [T for T in Ts if goals[T] is not None and values[T] is not None
+               and (values[T] <= goals[T] if sign == "≤" else values[T] >= goals[T])]
+        asked = [T for T in Ts if goals[T] is not None]
+        goal_text = (", ".join(f"{sign} {g:.2f} at {T}" for T, g in goal_at.items()) if goal_at
+                     else f"{sign} {goal:.2f}")
+        cells = " | ".join("" if values[T] is None else f"{values[T]:.3f}" for T in Ts)
+        met_text = "every T" if met == asked else ", ".join(map(str, met)) or "none"
+        lines.append(f"| {name} | {goal_text} | {cells} | {met_text} |")
+    peak = [r["peak_mib"] for r in result["records"] if r["impl"] == "jsdgpu" and r["T"] == 8192
+            and r["mode"] == "fwd_bwd" and r["valid_fraction"] == 1.0 and "memory_budget" not in r]
+    fused = [r["fraction_of_copy"] for r in result.get("row_kernel", []) if r["kernel"] == "fused"]
+    if peak:
+        lines.append(f"| peak MiB at T = 8192 | < {PEAK_GOAL_MIB:.0f} (4 GB) | {peak[0]:.0f} | "
+                     + "| " * (len(Ts) - 1) + f"{'yes' if peak[0] < PEAK_GOAL_MIB else 'no'} |")
+    if fused:
+        lines.append(f"| row kernel, of copy bandwidth | ≥ {ROW_KERNEL_GOAL:.0%} | {fused[0]:.0%} | "
+                     + "| " * (len(Ts) - 1) + f"{'yes' if fused[0] >= ROW_KERNEL_GOAL else 'no'} |")
+    return lines
 
 
 def markdown_table(result):
@@ -349,6 +408,8 @@ def markdown_table(result):
         lines.append(f"| {r['impl']} | {r['T']} | {r['mode']} | {r['valid_fraction']:.0%} | {budget} | "
                      f"{r['ms']:.2f} | {ratio(r['ms'], dense)} | {ratio(r['ms'], same)} | "
                      f"{r['peak_mib']:.0f} |")
+    lines += ["", "The speed issue's targets (forward + backward, default options):", ""]
+    lines += targets_table(result)
     lines += ["", "One chunk of T = 1024 rows, stage by stage:", "", "| stage | ms |", "| --- | --- |"]
     lines += [f"| {name} | {ms:.3f} |" for name, ms in result["stages_T1024"].items()]
     lines += ["", f"Copy bandwidth {result['copy_bytes_per_s'] / 1e12:.2f} TB/s. Row kernel alone "
