@@ -380,7 +380,9 @@ def targets_table(result):
         goal_text = (", ".join(f"{sign} {g:.2f} at {T}" for T, g in goal_at.items()) if goal_at
                      else f"{sign} {goal:.2f}")
         cells = " | ".join("" if values[T] is None else f"{values[T]:.3f}" for T in Ts)
-        met_text = "every T" if met == asked else ", ".join(map(str, met)) or "none"
+        measured = [T for T in asked if values[T] is not None]
+        met_text = ("not measured" if not measured else "every T" if met == asked
+                    else ", ".join(map(str, met)) or "none")
         lines.append(f"| {name} | {goal_text} | {cells} | {met_text} |")
     peak = [r["peak_mib"] for r in result["records"] if r["impl"] == "jsdgpu" and r["T"] == 8192
             and r["mode"] == "fwd_bwd" and r["valid_fraction"] == 1.0 and "memory_budget" not in r]
