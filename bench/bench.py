@@ -381,7 +381,7 @@ def targets_table(result):
                      else f"{sign} {goal:.2f}")
         cells = " | ".join("" if values[T] is None else f"{values[T]:.3f}" for T in Ts)
         measured = [T for T in asked if values[T] is not None]
-        met_text = ("not measured" if not measured else "every T" if met == asked
+        met_text = ("not measured" if not measured else "all" if met == asked
                     else ", ".join(map(str, met)) or "none")
         lines.append(f"| {name} | {goal_text} | {cells} | {met_text} |")
     peak = [r["peak_mib"] for r in result["records"] if r["impl"] == "jsdgpu" and r["T"] == 8192
