@@ -341,11 +341,17 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
 // passes, (1) the row statistics, (2) the JSD sums, (3) the gradient row, work on registers
 // only; each logit crosses HBM once (8 bytes in, 2 or 4 bytes of gradient out).
 //
-// The grid holds only as many clusters as fit the GPU at once, and each takes every so many
-// rows: while it works on one row, the next one's columns are on their way into shared memory
-// (cp.async, each thread its own columns). The CTAs exchange partial results by pushing them
-// into one another's shared memory (st.async, counted by an mbarrier), not through cluster
-// barriers: in the profile of that version a fifth of the stall samples were at those barriers.
+// The grid holds only as many clusters as fit the GPU at once, and each takes rows until none
+// is left: while it works on one row, the next one's columns are on their way into shared memory
+// (cp.async, each thread its own columns). Rows are handed out as they are asked for, not in a
+// fixed stride (a cluster that runs slower, such as one whose CTAs share SMs with one another,
+// takes fewer rows; with a fixed stride the slowest cluster set the kernel's time): cluster c
+// takes rows c and c + clusters first; from then on, at the start of each row, rank 0 takes the
+// row after the next one from *row_counter (zero at launch) and pushes it with its statistics,
+// so every CTA knows the next row a whole row ahead, when its copy must start.
+// The CTAs exchange partial results by pushing them into one another's shared memory
+// (st.async, counted by an mbarrier), not through cluster barriers: in the profile of that
+// version a fifth of the stall samples were at those barriers.
 // Partial results are merged in a fixed order: lanes by xor trees (every lane gets the same
 // bits), warps by one warp (a warp per statistic, warp 0 for the KL sums), then the cluster's
 // CTAs by rank. So every CTA holds the same bits, on every run.
@@ -500,7 +506,7 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
                                          int vt, int slice, int rows, float inv_temp, float beta,
                                          float w_hard, float w_soft_t, float* __restrict__ ce_out,
                                          float* __restrict__ jsd_out, void* G, long long ldg,
-                                         float* __restrict__ label_terms) {
+                                         float* __restrict__ label_terms, int* __restrict__ row_counter) {
   static_assert(CLUSTER < 32, "lane CLUSTER of warp 2 holds the pad columns' part of z");
   static_assert(THREADS >= 96, "warps 0, 1 and 2 merge one statistic each");
   constexpr int WARPS = THREADS / 32;
@@ -517,6 +523,7 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
   __shared__ float4 inbox_stats[3 * CLUSTER], inbox_sums[CLUSTER];
   __shared__ unsigned long long bars[2];  // their mbarriers: one phase per row
   __shared__ float row_values[5];  // the cluster's totals, for every thread
+  __shared__ int row_after;        // the row after the next one (from rank 0), for every thread
 
   FusedRow<OUT, CLUSTER, THREADS, GROUPS> f;
   const unsigned rank = cluster_ctarank();
@@ -571,15 +578,16 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
   // (whose values past the end must be -inf).
   const bool adjust = bias_s != nullptr || bias_t != nullptr || n % 4 != 0 || ns % 4 != 0;
 
-  // The cluster takes rows blockIdx.x / CLUSTER + i * (its count); the grid holds no more
-  // clusters than fit the GPU at once.
-  const int stride = gridDim.x / CLUSTER;
-  int row = blockIdx.x / CLUSTER;
+  // This cluster's row and the next one: the first two by its index, then from row_counter.
+  const int clusters = gridDim.x / CLUSTER;
+  int row = blockIdx.x / CLUSTER, next = row + clusters;
   if (row < rows) copy_ahead(row);
-  for (unsigned parity = 0; row < rows; row += stride, parity ^= 1) {
+  for (unsigned parity = 0; row < rows; parity ^= 1) {
+    int after = 0;  // the row after next: thread 0 of rank 0 takes it; every CTA gets it below
     if (threadIdx.x == 0) {  // the one arrival of this row's phases; the pushes bring the bytes
       mbar_expect_bytes(stats_bar, (z_apart ? 3 : 2) * CLUSTER * sizeof(float4));
       mbar_expect_bytes(f.sums_bar, sizeof(inbox_sums));
+      if (rank == 0) after = 2 * clusters + atomicAdd(row_counter, 1);
     }
     const int y = target[row];
     cp_async_wait_all();
@@ -612,7 +620,7 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
       max_t = fmaxf(max_t, max4(f.t[k]));
     }
     // every value read from next_row is in use above: the next row's copies may start
-    if (row + stride < rows) copy_ahead(row + stride);
+    if (next < rows) copy_ahead(next);
     max_s = warp_max(max_s);
     max_t = warp_max(max_t);
     Lse ls = {max_s * LOG2E, 0.0f}, lz = {max_s * scale2, 0.0f}, lt = {max_t * scale2, 0.0f};
@@ -655,12 +663,15 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
       // warp_lse rows: 0 s, 1 z (where tempered; else z's parts are s's), 2 t
       const int from = stat == 0 ? 0 : stat == 1 ? 2 : tempered ? 1 : 0;
       const Lse mine = lse_lanes<LANES>(lane < WARPS ? warp_lse[from][lane] : none);
+      const int after_of_rank = __shfl_sync(0xffffffffu, after, 0);  // warp 0's is thread 0's
       if (lane < CLUSTER)
         push4(smem_addr(inbox_stats + stat * CLUSTER + rank),
-              make_float4(mine.m, mine.s, stat == 1 && holds_label ? target_logit : 0.0f, 0.0f), stats_bar, lane);
+              make_float4(mine.m, mine.s, stat == 1 && holds_label ? target_logit : 0.0f,
+                          __int_as_float(after_of_rank)), stats_bar, lane);
       mbar_wait(stats_bar, parity);
       float4 u = make_float4(NEG_INF, 0.0f, 0.0f, 0.0f);
       if (lane < CLUSTER) u = inbox_stats[stat * CLUSTER + lane];
+      if (stat == 0 && lane == 0) row_after = __float_as_int(u.w);  // rank 0's statistic s
       if (stat == 2 && lane == CLUSTER && vt > vs) u = make_float4(0.0f, (float)(vt - vs), 0.0f, 0.0f);  // the pad: z = 0
       // z's tree spans lane CLUSTER, which holds the pad's part
       const Lse total = stat == 2 ? lse_lanes(Lse{u.x, u.y}) : lse_lanes<tree_lanes(CLUSTER)>(Lse{u.x, u.y});
@@ -690,6 +701,7 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
     }
 
     f.row = row;
+    const int after_row = row_after;  // read before the next row's statistics overwrite it
     f.rm = RowMath{scale2, row_values[0], row_values[1], row_values[2], beta, w_hard, w_soft_t};
     f.label_apart = G != nullptr && label_dominates(row_values[3], row_values[0]);
     f.label_column = holds_label && !f.label_apart ? y - lo : -1;
@@ -698,6 +710,8 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
       f.template passes<MODE, true>();
     else
       f.template passes<MODE, false>();
+    row = next;
+    next = after_row;
   }
   cluster_sync();  // no CTA leaves while its pushes may still be on the way
 }
@@ -705,10 +719,11 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
 #define JSD_ROWS_ARGS                                                                                   \
   const float *S, long long lds, const float *Tl, long long ldt, const float *bias_s, const float *bias_t, \
       const int *target, int vs, int vt, int slice, int rows, float inv_temp, int mode, float beta,       \
-      float w_hard, float w_soft_t, float *ce_out, float *jsd_out, void *G, long long ldg, float *label_terms
+      float w_hard, float w_soft_t, float *ce_out, float *jsd_out, void *G, long long ldg, float *label_terms, \
+      int *row_counter
 #define JSD_ROWS_CALL                                                                                      \
   S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, slice, rows, inv_temp, beta, w_hard, w_soft_t, ce_out, \
-      jsd_out, G, ldg, label_terms
+      jsd_out, G, ldg, label_terms, row_counter
 
 // MIN_CTAS: CTAs per SM that the register allocation must allow
 #define DEFINE_JSD_ROWS(NAME, OUT, CLUSTER, THREADS, GROUPS, MIN_CTAS)                            \
