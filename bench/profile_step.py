@@ -5,10 +5,12 @@
     python bench/profile_step.py --tokens 8192 --valid 1 0.5 --modes fwd_bwd fwd --kernels
 
 Per step: the products (cuBLAS), the row kernels (rows.cu's jsd_rows_* or vp_*), the other
-kernels and copies, the GPU's idle time between the step's first and last kernel, and the time
-from the targets' read (the step's first device-to-host copy) to the first product (the row
-gathers of ignored rows run then; the rest is idle). The profiler's callbacks slow the host's
-CUDA calls, so the idle times it shows are upper bounds.
+kernels and copies, the GPU's idle time from the first product to the step's last kernel, and
+the time from the step's first kernel (the selection of the valid rows, which the host waits
+for) to the first product (the row gathers of ignored rows run then; the rest is idle). The
+profiler's callbacks slow the host's CUDA calls, so the idle times it shows are upper bounds;
+the host's setup before the first product most of all (2.2 ms under the profiler at T = 1024 in
+session 9, 0.04-0.06 ms without it: `profile_rows.py --host`).
 Needs PyTorch.
 """
 
@@ -56,19 +58,18 @@ def profile_one(fn):
 
 
 def summarize(events):
-    """ms by kind, idle ms within the step, idle ms from the targets' read to the first product."""
+    """ms by kind, idle ms from the first product on, ms from the step's first kernel's end to the
+    first product (the whole step where no row is valid)."""
     busy = collections.Counter()
+    first_product = next((e for e in events if kind(e) == "products"), events[-1])
     idle, end = 0.0, events[0]["ts"]
     for e in events:
         busy[kind(e)] += e["dur"]
-        idle += max(0.0, e["ts"] - end)
+        if e["ts"] > first_product["ts"]:
+            idle += max(0.0, e["ts"] - end)
         end = max(end, e["ts"] + e["dur"])
-    read = next((e for e in events if "DtoH" in e["name"]), None)
-    first_product = next((e for e in events if kind(e) == "products"), None)  # none: no valid row
-    after_read = 0.0
-    if read and first_product and read["ts"] < first_product["ts"]:
-        after_read = first_product["ts"] - (read["ts"] + read["dur"])
-    return {k: v / 1e3 for k, v in busy.items()}, idle / 1e3, after_read / 1e3
+    before = first_product["ts"] - (events[0]["ts"] + events[0]["dur"])
+    return {k: v / 1e3 for k, v in busy.items()}, idle / 1e3, max(0.0, before) / 1e3
 
 
 def main():
@@ -88,8 +89,8 @@ def main():
                 fn = bench.impl_jsdgpu(sets, mode)
                 ms = bench.time_ms(fn, len(sets), 3, 10)
                 events = profile_one(fn)
-                busy, idle, after_read = summarize(events)
-                rows.append((T, valid, mode, ms, busy, idle, after_read))
+                busy, idle, before = summarize(events)
+                rows.append((T, valid, mode, ms, busy, idle, before))
                 if a.kernels:
                     total, count = collections.Counter(), collections.Counter()
                     for e in events:
@@ -98,11 +99,12 @@ def main():
                     print(f"T = {T}, {valid:.0%} valid, {mode}:")
                     for name, t in total.most_common():
                         print(f"    {t:8.3f} ms  x{count[name]:<3d} {name}")
-    print("| T | valid rows | mode | step ms (events) | products | row kernels | other | GPU idle | targets' read to first product |")
+    print("| T | valid rows | mode | step ms (events) | products | row kernels | other | GPU idle from the first "
+          "product | selection to first product |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for T, valid, mode, ms, busy, idle, after_read in rows:
+    for T, valid, mode, ms, busy, idle, before in rows:
         print(f"| {T} | {valid:.0%} | {mode} | {ms:.2f} | {busy.get('products', 0):.2f} | {busy.get('rows', 0):.2f} | "
-              f"{busy.get('other', 0):.2f} | {idle:.2f} | {after_read:.2f} |")
+              f"{busy.get('other', 0):.2f} | {idle:.2f} | {before:.2f} |")
 
 
 if __name__ == "__main__":
