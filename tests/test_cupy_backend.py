@@ -1,12 +1,12 @@
 """The GPU backend at real sizes: the benchmark shape's accuracy, a chunk of more than 2^31
-logits, the widest vocabulary of the fused row kernel and past it, and a non-default stream;
-and the gather of the valid rows."""
+logits, the widest vocabulary of the fused row kernel and past it, the rows it hands out to its
+clusters, a second GPU and a non-default stream; and the gather of the valid rows."""
 
 import numpy as np
 import pytest
 
 import jsdgpu
-from conftest import BF16, make_case, rel_err
+from conftest import BF16, make_case, rel_err, to_xp
 
 pytestmark = pytest.mark.gpu
 
@@ -85,6 +85,46 @@ def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, beta, tempera
     assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0]
     for got, want in zip((gi, gw, gb), ref[3:]):
         assert rel_err(got.get(), want.get()) <= 1e-4
+
+
+def test_rows_handed_out_to_the_clusters(rng):
+    """One chunk of T rows for T around multiples of the fused kernel's clusters (each takes its
+    first two rows by its index, the rest from a counter as it asks): every row's loss and
+    gradient, as the reference's."""
+    import cupy
+    from jsdgpu._cupy_backend import CupyBackend
+    case = gpu_case(rng, vs=1031, vt=1040)
+    clusters = CupyBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1, 0,
+                                   fused=True)["kernel"][2]
+    for T in (1, clusters - 1, clusters, clusters + 1, 2 * clusters - 1, 2 * clusters, 2 * clusters + 1,
+              5 * clusters + 3):
+        case = make_case(rng, T=T, hs=32, ht=48, vs=1031, vt=1040, bias=True, logit_std=4.0)
+        ref = jsdgpu.reference(**case, beta=0.3)
+        loss, ctx = jsdgpu.forward(**to_xp(case, cupy), beta=0.3, chunk_size=T)
+        gi, gw, gb = jsdgpu.backward(ctx)
+        assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0], T
+        for got, want in zip((gi, gw, gb), ref[3:]):
+            assert rel_err(got.get(), want) <= 1e-4, T
+
+
+def test_on_a_second_gpu(rng):
+    """The same call on GPU 0 and on GPU 1 (the kernels, the selection's result buffer and
+    cuBLASLt's choices are kept per device): both as the reference's, their results on their
+    inputs' device."""
+    import cupy
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    case = make_case(rng, T=100, hs=32, ht=48, vs=1031, vt=1040, bias=True, ignored=0.3)
+    ref = jsdgpu.reference(**case)
+    for device in (0, 1):
+        with cupy.cuda.Device(device):
+            arrays = to_xp(case, cupy)
+        loss, ctx = jsdgpu.forward(**arrays)
+        grads = jsdgpu.backward(ctx)
+        assert loss.device.id == device and all(g.device.id == device for g in grads)
+        assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0]
+        for got, want in zip(grads, ref[3:]):
+            assert rel_err(got.get(), want) <= 1e-4
 
 
 def test_runs_on_the_current_stream(rng):
