@@ -220,12 +220,10 @@ class NumpyBackend:
     def add_label_terms(work, label_terms, target, xs, norm, grads):
         """The label terms the row kernel left out of G, added exactly, for the rows whose label
         this rank owns (target >= 0; np.add.at adds in row order, so the result does not vary)."""
-        owned = np.flatnonzero(target >= 0)
-        labels = target[owned]
-        terms = label_terms[owned] * np.float32(norm)
+        owned, labels, terms = _owned_label_terms(label_terms, target, np.float32(norm))
         grads.grad_input[owned] += terms[:, None] * work["ws"][labels]
         if grads.grad_weight is not None:
-            _add_label_rows(grads.grad_weight, label_terms, target, xs, np.float32(norm))
+            _add_label_rows(grads.grad_weight, owned, labels, terms, xs)
         if grads.grad_bias is not None:
             np.add.at(grads.grad_bias, labels, terms)
 
@@ -234,14 +232,19 @@ class NumpyBackend:
         """grad_weight = norm scale (G.T @ Xs + the label terms) in dtype, from G over all rows
         (scale None for 1): summed in float32, rounded once."""
         out = G.T @ xs.astype(np.float32)
-        _add_label_rows(out, label_terms, target, xs, np.float32(1.0))
+        _add_label_rows(out, *_owned_label_terms(label_terms, target, np.float32(1.0)), xs)
         out *= np.float32(norm) if scale is None else np.float32(norm) * scale
         return out.astype(dtype, copy=False)
 
 
-def _add_label_rows(grad_weight, label_terms, target, xs, k):
-    """grad_weight[label] += k label_terms[i] xs[i] over the rows i whose label this rank owns
-    (target >= 0); np.add.at adds in row order, so the result does not vary."""
+def _owned_label_terms(label_terms, target, k):
+    """(rows, labels, terms): the rows whose label this rank owns (target >= 0), their labels,
+    and k times their label terms."""
     owned = np.flatnonzero(target >= 0)
-    terms = label_terms[owned] * k
-    np.add.at(grad_weight, target[owned], terms[:, None] * xs[owned].astype(np.float32))
+    return owned, target[owned], label_terms[owned] * k
+
+
+def _add_label_rows(grad_weight, owned, labels, terms, xs):
+    """grad_weight[labels[j]] += terms[j] xs[owned[j]]; np.add.at adds in row order, so the
+    result does not vary."""
+    np.add.at(grad_weight, labels, terms[:, None] * xs[owned].astype(np.float32))
