@@ -218,25 +218,25 @@ def stage_breakdown(T, rng, copy_bytes_per_s, row_kernel_rows=(1024, 2048)):
     """Time each stage of one all-valid chunk of T rows; and the row kernels alone with their
     bandwidth: the fused one on chunks of each of row_kernel_rows (it must read the float32
     student and teacher logits once and write the bf16 gradient rows once: 10 bytes per logit),
-    the vocab-parallel phases on T rows."""
+    the vocab-parallel phases on T rows. The fused kernel is timed once per chunk size: the
+    stage's time is its record's."""
     from jsdgpu._cupy_backend import _logits, launch_rows
     from jsdgpu._driver import Gradients, LossOptions
     opts = LossOptions(0.5, 0.5, 0.5, 1.0, -100)
-    row_kernel = []
-    for rows in row_kernel_rows:
-        *_, tgt, _, work = one_chunk(rows, rng)
+    chunks = {rows: one_chunk(rows, rng) for rows in sorted({T, *row_kernel_rows})}
+
+    def fused(rows):
+        *_, tgt, _, work = chunks[rows]
         ce, jsd, terms = (cupy.empty(rows, np.float32) for _ in range(3))
-        row_kernel.append(row_kernel_record(
-            "fused", lambda i: launch_rows(work, rows, tgt, opts, ce, jsd, work["G"], terms), rows, 4 + 4 + 2,
-            copy_bytes_per_s))
-        del work
-    xs, ws, xt, wt, tgt, be, work = one_chunk(T, rng)
+        return row_kernel_record("fused", lambda i: launch_rows(work, rows, tgt, opts, ce, jsd, work["G"], terms),
+                                 rows, 4 + 4 + 2, copy_bytes_per_s)
+    fused_records = {rows: fused(rows) for rows in chunks}
+    row_kernel = [fused_records[rows] for rows in row_kernel_rows]
+
+    xs, ws, xt, wt, tgt, be, work = chunks[T]
     ce, jsd, terms = (cupy.empty(T, np.float32) for _ in range(3))
-    G = work["G"]
+    G = work["G"]  # written by the fused kernel above (one_chunk's G is not the logits')
     grads = Gradients(cupy.empty((T, HS), np.float32), None, None)  # G held: grad_weight apart
-    stages = {"student logits": lambda i: _logits(xs, ws, work["logits_s"][:T]),
-              "teacher logits": lambda i: _logits(xt, wt, work["logits_t"][:T]),
-              "row kernel": lambda i: launch_rows(work, T, tgt, opts, ce, jsd, G, terms)}
 
     # the vocab-parallel path's three phase kernels on one GPU (no communicator): they read the
     # logits three times and write G once, 26 bytes per logit
@@ -245,10 +245,15 @@ def stage_breakdown(T, rng, copy_bytes_per_s, row_kernel_rows=(1024, 2048)):
         kl = be.row_kl(work, tgt, stats, opts)
         be.row_finish(work, tgt, stats, kl, opts, ce, jsd, G, terms)
     row_kernel.append(row_kernel_record("phases", phases, T, 3 * 8 + 2, copy_bytes_per_s))
-    stages["grad_input (G @ Ws)"] = lambda i: be.grad_products(work, G, xs, 1.0 / T, grads, 0, T)
-    stages["backward: grad_weight (G.T @ Xs, bf16)"] = lambda i: be.weight_product(
-        G, V, xs, 1.0 / T, terms, tgt, None, BF16)
-    times = {name: round(time_ms(fn, 1, 3, 20), 4) for name, fn in stages.items()}
+
+    def timed(fn):
+        return round(time_ms(lambda i: fn(), 1, 3, 20), 4)
+    times = {"student logits": timed(lambda: _logits(xs, ws, work["logits_s"][:T])),
+             "teacher logits": timed(lambda: _logits(xt, wt, work["logits_t"][:T])),
+             "row kernel": fused_records[T]["ms"],
+             "grad_input (G @ Ws)": timed(lambda: be.grad_products(work, G, xs, 1.0 / T, grads, 0, T)),
+             "backward: grad_weight (G.T @ Xs, bf16)": timed(lambda: be.weight_product(
+                 G, V, xs, 1.0 / T, terms, tgt, None, BF16))}
     return times, row_kernel
 
 
