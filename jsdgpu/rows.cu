@@ -75,14 +75,17 @@ __device__ __forceinline__ void push4(unsigned dst, float4 v, unsigned bar, unsi
                : "memory");
 }
 
-// 16 bytes from global memory to the shared-memory address dst, asynchronously
-__device__ __forceinline__ void cp_async16(unsigned dst, const float* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+// bytes (a multiple of 16) from global memory at src to the shared-memory address dst (both
+// 16-byte aligned), by the Tensor Memory Accelerator, completed on the mbarrier at bar
+__device__ __forceinline__ void bulk_copy(unsigned dst, const float* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// Orders this thread's view of shared memory (and, after a barrier, the CTA's) before the
+// async proxy's writes to it (bulk copies).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 __device__ __forceinline__ float4 ld_shared4(unsigned addr) {
   float4 v;
@@ -297,7 +300,7 @@ __device__ __forceinline__ float grad_value(float softmax, float p, float h, boo
 // Whether the label's one-hot term is kept out of the 16-bit G row (and added exactly later):
 // where softmax(s)[label] < 1/2 it would dominate G[label] and be rounded with it.
 __device__ __forceinline__ bool label_dominates(float target_logit, float lse_s) {
-  return __expf(target_logit - lse_s) < 0.5f;
+  return target_logit - lse_s < -LN2;  // softmax(s)[label] < 1/2, without the exp
 }
 
 // The row's CE and JSD values from its sums (in bits), and the label term kept out of G (with G
@@ -343,7 +346,7 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
 //
 // The grid holds only as many clusters as fit the GPU at once, and each takes rows until none
 // is left: while it works on one row, the next one's columns are on their way into shared memory
-// (cp.async, each thread its own columns). Rows are handed out as they are asked for, not in a
+// (one bulk copy per matrix and CTA). Rows are handed out as they are asked for, not in a
 // fixed stride (a cluster that runs slower, such as one whose CTAs share SMs with one another,
 // takes fewer rows; with a fixed stride the slowest cluster set the kernel's time): cluster c
 // takes rows c and c + clusters first; from then on, at the start of each row, rank 0 takes the
@@ -431,7 +434,16 @@ struct FusedRow {
 
   __device__ __forceinline__ int column(int k) const { return 4 * (threadIdx.x + k * THREADS); }
 
-  template <int MODE, bool SOFTMAX_IS_P>
+  // Whether group k holds student columns. FULL: the CTA's student columns fill groups 0 to
+  // GROUPS - 2 and end at a multiple of 4, as every CTA's do at the benchmark's V; then only the
+  // last group needs the check, and every gradient store is of 4 values. (Pass 2 keeps its
+  // checks: without them ptxas spills.)
+  template <bool FULL>
+  __device__ __forceinline__ bool student_group(int k) const {
+    return (FULL && k < GROUPS - 1) || column(k) < ns;
+  }
+
+  template <int MODE, bool SOFTMAX_IS_P, bool FULL>
   __device__ __forceinline__ void passes() {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // 2. a and b; t becomes h, and s becomes p where softmax(s) == p (no temperature, no pad),
@@ -470,18 +482,28 @@ struct FusedRow {
                                 label_terms);
     }
     __syncthreads();
-    // 3. the gradient row
+    // 3. the gradient row; the label's value, where its one-hot term goes into G, written over
+    //    its group's after the loop, so that the loop holds no check for it. Group k's values go
+    //    to g0 + 4 k THREADS: offsets the stores take as immediates.
     if (G != nullptr) {
       const float kl = row_values[4];
-      const long long g0 = row * ldg + lo;
+      const long long g0 = row * ldg + lo + column(0);
 #pragma unroll
       for (int k = 0; k < GROUPS; ++k) {
-        const int c = column(k);
-        if (c >= ns) continue;
+        if (!student_group<FULL>(k)) continue;
         float out[4];
         gradient<MODE, SOFTMAX_IS_P>(k, kl, -1, out);
-        if ((label_column & ~3) == c) gradient<MODE, SOFTMAX_IS_P>(k, kl, label_column - c, out);
-        store4<OUT>(G, g0 + c, out, min(4, ns - c));
+        store4<OUT>(G, g0 + 4 * k * THREADS, out, FULL ? 4 : min(4, ns - column(k)));
+      }
+      if (label_column >= 0) {
+#pragma unroll
+        for (int k = 0; k < GROUPS; ++k) {
+          if (column(k) != (label_column & ~3)) continue;
+          float out[4];
+          gradient<MODE, SOFTMAX_IS_P>(k, kl, label_column & 3, out);
+          const float value = component(make_float4(out[0], out[1], out[2], out[3]), label_column & 3);
+          store4<OUT>(G, row * ldg + lo + label_column, &value, 1);
+        }
       }
     }
   }
@@ -508,10 +530,12 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
                                          float* __restrict__ jsd_out, void* G, long long ldg,
                                          float* __restrict__ label_terms, int* __restrict__ row_counter) {
   static_assert(CLUSTER < 32, "lane CLUSTER of warp 2 holds the pad columns' part of z");
-  static_assert(THREADS >= 96, "warps 0, 1 and 2 merge one statistic each");
+  static_assert(THREADS >= 128, "warps 0, 1 and 2 merge one statistic each; a thread of warp 3 copies");
   constexpr int WARPS = THREADS / 32;
-  // the next row's columns of this thread, copied ahead (cp.async) while this row is worked on:
-  // the student's GROUPS float4s, then the teacher's
+  constexpr int COPIER = 96;  // the thread that starts the copies: in warp 3, which merges nothing
+  // The next row's part of this CTA, copied ahead while this row is worked on: the student's
+  // GROUPS * THREADS float4s, then the teacher's, each in the order of its columns, so that float4
+  // k * THREADS + i is thread i's group k.
   extern __shared__ float4 next_row[];
   __shared__ Lse warp_lse[3][WARPS];
   __shared__ float target_logit;  // in the CTA that holds the label's column
@@ -521,9 +545,12 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
   // only after it has all sums of row i, this CTA's among them, pushed after it read the
   // statistics of row i; likewise for the sums.
   __shared__ float4 inbox_stats[3 * CLUSTER], inbox_sums[CLUSTER];
-  __shared__ unsigned long long bars[2];  // their mbarriers: one phase per row
+  __shared__ unsigned long long bars[3];  // their mbarriers, and the copies': one phase per row
   __shared__ float row_values[5];  // the cluster's totals, for every thread
   __shared__ int row_after;        // the row after the next one (from rank 0), for every thread
+  // vt - vs, read from here by the one lane that needs it: held in a register through the loop,
+  // it was spilled in jsd_rows_f32
+  __shared__ float pad_columns;
 
   FusedRow<OUT, CLUSTER, THREADS, GROUPS> f;
   const unsigned rank = cluster_ctarank();
@@ -549,10 +576,12 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
   f.inbox_sums = inbox_sums;
   f.sums_bar = smem_addr(bars + 1);
   f.row_values = row_values;
-  const unsigned stats_bar = smem_addr(bars);
+  const unsigned stats_bar = smem_addr(bars), copy_bar = smem_addr(bars + 2);
   if (threadIdx.x == 0) {
     mbar_init(stats_bar, 1);
     mbar_init(f.sums_bar, 1);
+    mbar_init(copy_bar, 1);
+    pad_columns = vt - vs;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // The copies fill only the slots of next_row that hold the CTA's columns; the others hold -inf
@@ -564,24 +593,26 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
     if (f.column(k) >= n) next_row[(GROUPS + k) * THREADS + threadIdx.x] = none4;
   }
   cluster_sync();  // every CTA's mbarriers are ready before any push
-  // Each thread copies and reads back only its own columns, so no barrier guards next_row.
+  // One bulk copy per matrix (the Tensor Memory Accelerator's, by COPIER, once every thread has
+  // read the previous row from next_row), completed on copy_bar: per thread, a copy of its own
+  // columns took 7 instructions per float4 in address arithmetic. A part that ends inside a float4
+  // is copied to the float4's end (inside the padded row); the load below sets the rest to -inf.
+  const unsigned t_bytes = 16 * ((n + 3) / 4), s_bytes = 16 * ((ns + 3) / 4);
   auto copy_ahead = [&](int row) {
-#pragma unroll
-    for (int k = 0; k < GROUPS; ++k) {
-      const int c = f.column(k);
-      if (c < n) cp_async16(next_t + 16 * k * THREADS, Tl + row * ldt + lo + c);
-      if (c < ns) cp_async16(next_s + 16 * k * THREADS, S + row * lds + lo + c);
-    }
-    cp_async_commit();
+    fence_proxy_async();  // the CTA's reads of next_row (before a barrier) come before the copies
+    mbar_expect_bytes(copy_bar, t_bytes + s_bytes);
+    if (s_bytes != 0) bulk_copy(smem_addr(next_row), S + row * lds + lo, s_bytes, copy_bar);
+    if (t_bytes != 0) bulk_copy(smem_addr(next_row + GROUPS * THREADS), Tl + row * ldt + lo, t_bytes, copy_bar);
   };
   // Rare, and the same in every row: biases, or a slice that ends inside a float4 of columns
   // (whose values past the end must be -inf).
   const bool adjust = bias_s != nullptr || bias_t != nullptr || n % 4 != 0 || ns % 4 != 0;
+  const bool full = ns >= 4 * THREADS * (GROUPS - 1) && ns % 4 == 0;  // FusedRow::student_group
 
   // This cluster's row and the next one: the first two by its index, then from row_counter.
   const int clusters = gridDim.x / CLUSTER;
   int row = blockIdx.x / CLUSTER, next = row + clusters;
-  if (row < rows) copy_ahead(row);
+  if (threadIdx.x == COPIER && row < rows) copy_ahead(row);
   for (unsigned parity = 0; row < rows; parity ^= 1) {
     int after = 0;  // the row after next: thread 0 of rank 0 takes it; every CTA gets it below
     if (threadIdx.x == 0) {  // the one arrival of this row's phases; the pushes bring the bytes
@@ -590,7 +621,7 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
       if (rank == 0) after = 2 * clusters + atomicAdd(row_counter, 1);
     }
     const int y = target[row];
-    cp_async_wait_all();
+    mbar_wait(copy_bar, parity);
     // 0. the thread's columns into registers (-inf past the ends), with their biases
 #pragma unroll
     for (int k = 0; k < GROUPS; ++k) {
@@ -619,8 +650,6 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
       max_s = fmaxf(max_s, max4(f.s[k]));
       max_t = fmaxf(max_t, max4(f.t[k]));
     }
-    // every value read from next_row is in use above: the next row's copies may start
-    if (next < rows) copy_ahead(next);
     max_s = warp_max(max_s);
     max_t = warp_max(max_t);
     Lse ls = {max_s * LOG2E, 0.0f}, lz = {max_s * scale2, 0.0f}, lt = {max_t * scale2, 0.0f};
@@ -651,7 +680,8 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
       warp_lse[1][warp] = lz;  // read only where tempered
       warp_lse[2][warp] = lt;
     }
-    __syncthreads();
+    __syncthreads();  // after it every thread's reads of next_row are done: the next row's copies start
+    if (threadIdx.x == COPIER && next < rows) copy_ahead(next);
     // The three statistics merged at once by three warps: s by warp 0, t by warp 1, and z by
     // warp 2 where it is not s; each warp's total pushed to every CTA (lane r to rank r), then
     // every CTA's merged.
@@ -672,7 +702,7 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
       float4 u = make_float4(NEG_INF, 0.0f, 0.0f, 0.0f);
       if (lane < CLUSTER) u = inbox_stats[stat * CLUSTER + lane];
       if (stat == 0 && lane == 0) row_after = __float_as_int(u.w);  // rank 0's statistic s
-      if (stat == 2 && lane == CLUSTER && vt > vs) u = make_float4(0.0f, (float)(vt - vs), 0.0f, 0.0f);  // the pad: z = 0
+      if (stat == 2 && lane == CLUSTER && vt > vs) u = make_float4(0.0f, pad_columns, 0.0f, 0.0f);  // the pad: z = 0
       // z's tree spans lane CLUSTER, which holds the pad's part
       const Lse total = stat == 2 ? lse_lanes(Lse{u.x, u.y}) : lse_lanes<tree_lanes(CLUSTER)>(Lse{u.x, u.y});
       const float label_logit = stat == 1 ? warp_sum<tree_lanes(CLUSTER)>(u.z) : 0.0f;  // one CTA's is not 0
@@ -706,10 +736,14 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
     f.label_apart = G != nullptr && label_dominates(row_values[3], row_values[0]);
     f.label_column = holds_label && !f.label_apart ? y - lo : -1;
     f.parity = parity;
-    if (f.softmax_is_p)
-      f.template passes<MODE, true>();
+    if (f.softmax_is_p && full)
+      f.template passes<MODE, true, true>();
+    else if (f.softmax_is_p)
+      f.template passes<MODE, true, false>();
+    else if (full)
+      f.template passes<MODE, false, true>();
     else
-      f.template passes<MODE, false>();
+      f.template passes<MODE, false, false>();
     row = next;
     next = after_row;
   }
