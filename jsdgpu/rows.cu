@@ -297,6 +297,10 @@ __device__ __forceinline__ float grad_value(float softmax, float p, float h, boo
   return fmaf(r.w_hard, softmax - (onehot ? 1.0f : 0.0f), soft);
 }
 
+// softmax(s) of a student logit s (at temperature 1): 2 instructions, where __expf(s - lse_s)
+// took 7 (its range checks)
+__device__ __forceinline__ float softmax_of(float s, const RowMath& r) { return ex2(fmaf(s, LOG2E, -r.lse_s * LOG2E)); }
+
 // Whether the label's one-hot term is kept out of the 16-bit G row (and added exactly later):
 // where softmax(s)[label] < 1/2 it would dominate G[label] and be rounded with it.
 __device__ __forceinline__ bool label_dominates(float target_logit, float lse_s) {
@@ -396,6 +400,15 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// The max over the warp by one redux.sync (integers only) on the floats' bits mapped to integers
+// of the same order (a negative float's bits but the sign flipped), where the shuffle tree took
+// 10 instructions in a chain. A NaN with the sign bit clear is above +inf, one with it set below
+// -inf; either way the sums against the max are NaN, as with fmaxf's tree.
+__device__ __forceinline__ int ordered_bits(int i) { return i ^ ((i >> 31) & 0x7fffffff); }
+__device__ __forceinline__ float warp_max_redux(float v) {
+  return __int_as_float(ordered_bits(__reduce_max_sync(0xffffffffu, ordered_bits(__float_as_int(v)))));
+}
+
 template <int LANES = 32>
 __device__ __forceinline__ float warp_sum(float v) {
   for (int mask = LANES / 2; mask > 0; mask >>= 1) v += __shfl_xor_sync(0xffffffffu, v, mask);
@@ -434,16 +447,7 @@ struct FusedRow {
 
   __device__ __forceinline__ int column(int k) const { return 4 * (threadIdx.x + k * THREADS); }
 
-  // Whether group k holds student columns. FULL: the CTA's student columns fill groups 0 to
-  // GROUPS - 2 and end at a multiple of 4, as every CTA's do at the benchmark's V; then only the
-  // last group needs the check, and every gradient store is of 4 values. (Pass 2 keeps its
-  // checks: without them ptxas spills.)
-  template <bool FULL>
-  __device__ __forceinline__ bool student_group(int k) const {
-    return (FULL && k < GROUPS - 1) || column(k) < ns;
-  }
-
-  template <int MODE, bool SOFTMAX_IS_P, bool FULL>
+  template <int MODE, bool SOFTMAX_IS_P>
   __device__ __forceinline__ void passes() {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // 2. a and b; t becomes h, and s becomes p where softmax(s) == p (no temperature, no pad),
@@ -482,27 +486,36 @@ struct FusedRow {
                                 label_terms);
     }
     __syncthreads();
-    // 3. the gradient row; the label's value, where its one-hot term goes into G, written over
-    //    its group's after the loop, so that the loop holds no check for it. Group k's values go
-    //    to g0 + 4 k THREADS: offsets the stores take as immediates.
+    // 3. the gradient row: the loop writes the groups of 4 student columns, without the
+    //    label's one-hot term; after it, the thread that holds them writes the group that ends
+    //    inside a float4 (where ns % 4 != 0) and, where the one-hot term goes into G, the label's
+    //    value over its group's. So the loop holds one check per group. Group k's values go to
+    //    g0 + 4 k THREADS: offsets the stores take as immediates.
     if (G != nullptr) {
       const float kl = row_values[4];
       const long long g0 = row * ldg + lo + column(0);
+      const int ns4 = ns & ~3;
 #pragma unroll
       for (int k = 0; k < GROUPS; ++k) {
-        if (!student_group<FULL>(k)) continue;
+        if (column(k) >= ns4) continue;
         float out[4];
         gradient<MODE, SOFTMAX_IS_P>(k, kl, -1, out);
-        store4<OUT>(G, g0 + 4 * k * THREADS, out, FULL ? 4 : min(4, ns - column(k)));
+        store4<OUT>(G, g0 + 4 * k * THREADS, out, 4);
       }
-      if (label_column >= 0) {
+      if (label_column >= 0 || ns4 != ns) {
 #pragma unroll
         for (int k = 0; k < GROUPS; ++k) {
-          if (column(k) != (label_column & ~3)) continue;
+          const int c = column(k);
+          const bool tail = c == ns4 && ns4 != ns, label = (label_column & ~3) == c;
+          if (!tail && !label) continue;
           float out[4];
-          gradient<MODE, SOFTMAX_IS_P>(k, kl, label_column & 3, out);
-          const float value = component(make_float4(out[0], out[1], out[2], out[3]), label_column & 3);
-          store4<OUT>(G, row * ldg + lo + label_column, &value, 1);
+          gradient<MODE, SOFTMAX_IS_P>(k, kl, label ? label_column - c : -1, out);
+          if (tail) {
+            store4<OUT>(G, g0 + 4 * k * THREADS, out, ns & 3);  // the columns c + [0, ns - c)
+          } else {
+            const float value = component(make_float4(out[0], out[1], out[2], out[3]), label_column - c);
+            store4<OUT>(G, g0 + 4 * k * THREADS + (label_column - c), &value, 1);
+          }
         }
       }
     }
@@ -515,7 +528,7 @@ struct FusedRow {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float p = SOFTMAX_IS_P ? sv[j] : ex2(fmaf(sv[j], rm.scale2, -rm.lse_z2));
-      const float softmax = SOFTMAX_IS_P ? p : __expf(sv[j] - rm.lse_s);
+      const float softmax = SOFTMAX_IS_P ? p : softmax_of(sv[j], rm);
       out[j] = grad_value<MODE, SOFTMAX_IS_P>(softmax, p, hv[j], j == j_label, kl, rm);
     }
   }
@@ -607,7 +620,6 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
   // Rare, and the same in every row: biases, or a slice that ends inside a float4 of columns
   // (whose values past the end must be -inf).
   const bool adjust = bias_s != nullptr || bias_t != nullptr || n % 4 != 0 || ns % 4 != 0;
-  const bool full = ns >= 4 * THREADS * (GROUPS - 1) && ns % 4 == 0;  // FusedRow::student_group
 
   // This cluster's row and the next one: the first two by its index, then from row_counter.
   const int clusters = gridDim.x / CLUSTER;
@@ -650,8 +662,8 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
       max_s = fmaxf(max_s, max4(f.s[k]));
       max_t = fmaxf(max_t, max4(f.t[k]));
     }
-    max_s = warp_max(max_s);
-    max_t = warp_max(max_t);
+    max_s = warp_max_redux(max_s);
+    max_t = warp_max_redux(max_t);
     Lse ls = {max_s * LOG2E, 0.0f}, lz = {max_s * scale2, 0.0f}, lt = {max_t * scale2, 0.0f};
     // a warp with no column of s or t sums nothing (2^(-inf - -inf) would be NaN)
     if (max_t != NEG_INF) {
@@ -736,14 +748,10 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
     f.label_apart = G != nullptr && label_dominates(row_values[3], row_values[0]);
     f.label_column = holds_label && !f.label_apart ? y - lo : -1;
     f.parity = parity;
-    if (f.softmax_is_p && full)
-      f.template passes<MODE, true, true>();
-    else if (f.softmax_is_p)
-      f.template passes<MODE, true, false>();
-    else if (full)
-      f.template passes<MODE, false, true>();
+    if (f.softmax_is_p)
+      f.template passes<MODE, true>();
     else
-      f.template passes<MODE, false, false>();
+      f.template passes<MODE, false>();
     row = next;
     next = after_row;
   }
@@ -928,7 +936,7 @@ struct VpFinish {
       for (int k = 0; k < 4; ++k) {
         const KlTerms terms = kl_terms<MODE>(s[k], t[k], rm);
         // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns
-        g[k] = grad_value<MODE, false>(__expf(s[k] - rm.lse_s), terms.p, terms.h, i + k == y && !label_apart, a, rm);
+        g[k] = grad_value<MODE, false>(softmax_of(s[k], rm), terms.p, terms.h, i + k == y && !label_apart, a, rm);
       }
       const int count = min(4, vs - i);
       store4<OUT>(G, row * ldg + i, g, count);
