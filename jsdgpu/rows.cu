@@ -394,18 +394,12 @@ __device__ __forceinline__ float sum_ex2_4(float4 v, float scale2, float m2) {
          (ex2(fmaf(v.z, scale2, -m2)) + ex2(fmaf(v.w, scale2, -m2)));
 }
 
-template <int LANES = 32>
-__device__ __forceinline__ float warp_max(float v) {
-  for (int mask = LANES / 2; mask > 0; mask >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
-  return v;
-}
-
 // The max over the warp by one redux.sync (integers only) on the floats' bits mapped to integers
-// of the same order (a negative float's bits but the sign flipped), where the shuffle tree took
-// 10 instructions in a chain. A NaN with the sign bit clear is above +inf, one with it set below
-// -inf; either way the sums against the max are NaN, as with fmaxf's tree.
+// of the same order (a negative float's bits but the sign flipped), where a shuffle tree took 10
+// instructions in a chain. A NaN with the sign bit clear is above +inf, one with it set below
+// -inf; either way the sums against the max are NaN, as with a tree of fmaxf.
 __device__ __forceinline__ int ordered_bits(int i) { return i ^ ((i >> 31) & 0x7fffffff); }
-__device__ __forceinline__ float warp_max_redux(float v) {
+__device__ __forceinline__ float warp_max(float v) {
   return __int_as_float(ordered_bits(__reduce_max_sync(0xffffffffu, ordered_bits(__float_as_int(v)))));
 }
 
@@ -416,10 +410,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // Logsumexp parts in bits, one per lane (m: a max, s: the sum of 2^(x - m); s == 0: no value),
-// merged over groups of LANES lanes. A part of NaNs has s = NaN and is kept.
+// merged over the first LANES lanes, where the others hold no value (their total is then that
+// max, and partial sums). A part of NaNs has s = NaN and is kept.
 template <int LANES = 32>
 __device__ __forceinline__ Lse lse_lanes(Lse a) {
-  const float m = warp_max<LANES>(a.m);
+  const float m = warp_max(a.m);
   Lse r = {m, warp_sum<LANES>(a.s == 0.0f ? 0.0f : a.s * ex2(a.m - m))};
   return r;
 }
@@ -662,8 +657,8 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
       max_s = fmaxf(max_s, max4(f.s[k]));
       max_t = fmaxf(max_t, max4(f.t[k]));
     }
-    max_s = warp_max_redux(max_s);
-    max_t = warp_max_redux(max_t);
+    max_s = warp_max(max_s);
+    max_t = warp_max(max_t);
     Lse ls = {max_s * LOG2E, 0.0f}, lz = {max_s * scale2, 0.0f}, lt = {max_t * scale2, 0.0f};
     // a warp with no column of s or t sums nothing (2^(-inf - -inf) would be NaN)
     if (max_t != NEG_INF) {
