@@ -203,6 +203,20 @@ def test_confident_and_unsure_rows(rng, dtype):
     check_against_reference(case, xp, DTYPES[dtype], chunk_size=7, beta=0.3)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.gpu)])
+def test_label_in_a_part_that_ends_inside_a_float4(rng, dtype, temperature):
+    """The last column as the label of about half the rows, with the student's bias making its
+    softmax about 0.9 (the label's one-hot term stays in G). At Vs = 257 the fused kernel's last
+    CTA holds columns 240 to 256: its part of the row ends inside a float4, whose values, the
+    label's among them, it writes after its loop of whole float4s."""
+    xp = np if dtype == "float32" else pytest.importorskip("cupy")
+    case = make_case(rng, T=24, vs=257, dtype=DTYPES[dtype], bias=True, ignored=0.1)
+    case["student_bias"][-1] = 8.0
+    case["target"][rng.random(24) < 0.5] = 256
+    check_against_reference(case, xp, DTYPES[dtype], chunk_size=7, beta=0.3, temperature=temperature)
+
+
 def test_num_valid_tokens_parts_add_up_to_the_whole(xp, rng):
     """Two parts of a batch, each divided by the whole batch's count of valid rows, add up to
     the loss and gradients of the whole batch in one call (data parallelism, accumulation)."""
