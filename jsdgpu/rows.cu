@@ -1080,6 +1080,17 @@ extern "C" __global__ void label_scatter_bf16_bf16(LABEL_SCATTER_ARGS) { label_s
 #define SELECT_THREADS 1024
 #define SELECT_ITEMS 8
 
+// the sum of v over lanes 0 to this one
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int x = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += x;
+  }
+  return v;
+}
+
 template <typename T>
 __device__ __forceinline__ void select_rows(const T* __restrict__ target, int n, long long ignore_index,
                                             int has_ignore, long long vocab, int* __restrict__ rows,
@@ -1109,24 +1120,11 @@ __device__ __forceinline__ void select_rows(const T* __restrict__ target, int n,
     }
     // where this thread's rows go: an exclusive scan of the counts over the block
     const int mine = __popc(valid);
-    int before = mine;  // inclusive over the warp's lanes, then made exclusive
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int x = __shfl_up_sync(0xffffffffu, before, d);
-      if (lane >= d) before += x;
-    }
+    int before = warp_inclusive_sum(mine);  // then made exclusive
     if (lane == 31) warp_total[warp] = before;
     before -= mine;
     __syncthreads();
-    if (warp == 0) {  // the warps' totals, inclusive
-      int w = warp_total[lane];
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int x = __shfl_up_sync(0xffffffffu, w, d);
-        if (lane >= d) w += x;
-      }
-      warp_total[lane] = w;
-    }
+    if (warp == 0) warp_total[lane] = warp_inclusive_sum(warp_total[lane]);  // the warps' totals, inclusive
     __syncthreads();
     int at = done + (warp ? warp_total[warp - 1] : 0) + before;
 #pragma unroll
