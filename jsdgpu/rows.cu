@@ -33,6 +33,20 @@ __device__ __forceinline__ unsigned cluster_ctarank() {
   return r;
 }
 
+// The lane's index and gridDim.x, read where they are used (volatile: ptxas kept values made
+// from them in registers through the fused kernel's row loop, and spilled them)
+__device__ __forceinline__ int lane_id() {
+  int r;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ int grid_ctas() {
+  int r;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(r));
+  return r;
+}
+
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
@@ -361,7 +375,8 @@ __device__ __forceinline__ float4 add4(float4 a, float4 b) {
 // version a fifth of the stall samples were at those barriers.
 // Partial results are merged in a fixed order: lanes by xor trees (every lane gets the same
 // bits), warps by one warp (a warp per statistic, warp 0 for the KL sums), then the cluster's
-// CTAs by rank. So every CTA holds the same bits, on every run.
+// CTAs by rank (the statistics by those warps, the KL sums by every warp that needs them). So
+// every CTA holds the same bits, on every run.
 //
 // S [rows, lds], Tl [rows, ldt]: float32 logits without bias (lds, ldt multiples of 4: a row's
 // float4 at a column below round4(v) is inside its padded row). bias_s, bias_t: float32 biases
@@ -438,7 +453,7 @@ struct FusedRow {
   long long ldg;
   float4* inbox_sums;  // the cluster's CTAs' (a, b), by rank (pushed there)
   unsigned sums_bar, parity;  // their mbarrier, and the parity of this row's phase
-  float* row_values;
+  float target_logit;
 
   __device__ __forceinline__ int column(int k) const { return 4 * (threadIdx.x + k * THREADS); }
 
@@ -466,28 +481,30 @@ struct FusedRow {
     }
     const float2 mine = block_merge<THREADS>(make_float2(a, b), make_float2(0.0f, 0.0f), sums_warp_merge<32>,
                                              sums_warp_merge<tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER)>);
-    if (warp == 0) {  // this CTA's sums, pushed to every CTA (lane r to rank r); then theirs
-      if (lane < CLUSTER) push4(smem_addr(inbox_sums + rank), make_float4(mine.x, mine.y, 0.0f, 0.0f), sums_bar, lane);
-      mbar_wait(sums_bar, parity);
-      float2 r = make_float2(0.0f, 0.0f);
-      if (lane < CLUSTER) {
-        const float4 v = inbox_sums[lane];
-        r = make_float2(v.x, v.y);
-      }
-      r = sums_warp_merge<tree_lanes(CLUSTER)>(r);
-      if (lane == 0) row_values[4] = r.x;
-      if (lane == 0 && rank == 0)
-        write_row_results<MODE>(row, row_values[3], r.x, r.y, label_apart, rm, G != nullptr, ce_out, jsd_out,
-                                label_terms);
+    // this CTA's sums, pushed to every CTA (lane r to rank r)
+    if (warp == 0 && lane < CLUSTER)
+      push4(smem_addr(inbox_sums + rank), make_float4(mine.x, mine.y, 0.0f, 0.0f), sums_bar, lane);
+    // The cluster's sums: every warp that needs them waits for them and merges them itself (the
+    // same tree, so the same bits), with no block barrier behind one warp's merge. Without G only
+    // warp 0 needs them (for the row's results); the others go on to the next row.
+    if (G == nullptr && warp != 0) return;
+    mbar_wait(sums_bar, parity);
+    float2 r = make_float2(0.0f, 0.0f);
+    if (lane < CLUSTER) {
+      const float4 v = ld_shared4(smem_addr(inbox_sums) + 16 * lane_id());
+      r = make_float2(v.x, v.y);
     }
-    __syncthreads();
+    r = sums_warp_merge<32>(r);  // lanes CLUSTER.. add zeros: the bits of a tree over CLUSTER lanes, in every lane
+    if (warp == 0 && lane == 0 && rank == 0)
+      write_row_results<MODE>(row, target_logit, r.x, r.y, label_apart, rm, G != nullptr, ce_out, jsd_out,
+                              label_terms);
     // 3. the gradient row: the loop writes the groups of 4 student columns, without the
     //    label's one-hot term; after it, the thread that holds them writes the group that ends
     //    inside a float4 (where ns % 4 != 0) and, where the one-hot term goes into G, the label's
     //    value over its group's. So the loop holds one check per group. Group k's values go to
     //    g0 + 4 k THREADS: offsets the stores take as immediates.
     if (G != nullptr) {
-      const float kl = row_values[4];
+      const float kl = r.x;
       const long long g0 = row * ldg + lo + column(0);
       const int ns4 = ns & ~3;
 #pragma unroll
@@ -554,7 +571,7 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
   // statistics of row i; likewise for the sums.
   __shared__ float4 inbox_stats[3 * CLUSTER], inbox_sums[CLUSTER];
   __shared__ unsigned long long bars[3];  // their mbarriers, and the copies': one phase per row
-  __shared__ float row_values[5];  // the cluster's totals, for every thread
+  __shared__ float row_values[4];  // the cluster's statistics, for every thread
   __shared__ int row_after;        // the row after the next one (from rank 0), for every thread
   // vt - vs, read from here by the one lane that needs it: held in a register through the loop,
   // it was spilled in jsd_rows_f32
@@ -583,7 +600,6 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
   f.ldg = ldg;
   f.inbox_sums = inbox_sums;
   f.sums_bar = smem_addr(bars + 1);
-  f.row_values = row_values;
   const unsigned stats_bar = smem_addr(bars), copy_bar = smem_addr(bars + 2);
   if (threadIdx.x == 0) {
     mbar_init(stats_bar, 1);
@@ -625,7 +641,7 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
     if (threadIdx.x == 0) {  // the one arrival of this row's phases; the pushes bring the bytes
       mbar_expect_bytes(stats_bar, (z_apart ? 3 : 2) * CLUSTER * sizeof(float4));
       mbar_expect_bytes(f.sums_bar, sizeof(inbox_sums));
-      if (rank == 0) after = 2 * clusters + atomicAdd(row_counter, 1);
+      if (rank == 0) after = 2 * (grid_ctas() / CLUSTER) + atomicAdd(row_counter, 1);
     }
     const int y = target[row];
     mbar_wait(copy_bar, parity);
@@ -740,7 +756,8 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
     f.row = row;
     const int after_row = row_after;  // read before the next row's statistics overwrite it
     f.rm = RowMath{scale2, row_values[0], row_values[1], row_values[2], beta, w_hard, w_soft_t};
-    f.label_apart = G != nullptr && label_dominates(row_values[3], row_values[0]);
+    f.target_logit = row_values[3];
+    f.label_apart = G != nullptr && label_dominates(f.target_logit, row_values[0]);
     f.label_column = holds_label && !f.label_apart ? y - lo : -1;
     f.parity = parity;
     if (f.softmax_is_p)
