@@ -453,7 +453,7 @@ struct FusedRow {
   long long ldg;
   float4* inbox_sums;  // the cluster's CTAs' (a, b), by rank (pushed there)
   unsigned sums_bar, parity;  // their mbarrier, and the parity of this row's phase
-  float target_logit;
+  float target_logit;         // the row's logit at its label (for the CE)
 
   __device__ __forceinline__ int column(int k) const { return 4 * (threadIdx.x + k * THREADS); }
 
@@ -494,7 +494,7 @@ struct FusedRow {
       const float4 v = ld_shared4(smem_addr(inbox_sums) + 16 * lane_id());
       r = make_float2(v.x, v.y);
     }
-    r = sums_warp_merge<32>(r);  // lanes CLUSTER.. add zeros: the bits of a tree over CLUSTER lanes, in every lane
+    r = sums_warp_merge<32>(r);  // the other lanes hold zeros: every lane gets the CLUSTER lanes' tree's bits
     if (warp == 0 && lane == 0 && rank == 0)
       write_row_results<MODE>(row, target_logit, r.x, r.y, label_apart, rm, G != nullptr, ce_out, jsd_out,
                               label_terms);
