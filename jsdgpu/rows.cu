@@ -641,6 +641,7 @@ __device__ __forceinline__ void jsd_rows(const float* S, long long lds, const fl
     if (threadIdx.x == 0) {  // the one arrival of this row's phases; the pushes bring the bytes
       mbar_expect_bytes(stats_bar, (z_apart ? 3 : 2) * CLUSTER * sizeof(float4));
       mbar_expect_bytes(f.sums_bar, sizeof(inbox_sums));
+      // 2 * clusters, from gridDim.x read again here (kept from above, ptxas spilled it)
       if (rank == 0) after = 2 * (grid_ctas() / CLUSTER) + atomicAdd(row_counter, 1);
     }
     const int y = target[row];
