@@ -2,9 +2,9 @@
 
 Inside a step the row kernel runs after the logits products, which hold the H200 at its power
 limit: its SM clock falls, and the kernel's time with it, while the copy bandwidth (HBM) stays.
-This times the kernel (2048 rows of the benchmark's logits, G over the student logits as in a
-step) and a 1 GiB device copy, each (1) after a 0.3 s pause and the same work back to back, as
-`bench.py` times the kernel alone, and (2) after 30 ms of the logits products, as in a step;
+This times the kernel (2048 rows of the benchmark's logits) and a 1 GiB device copy, each (1)
+after a 0.3 s pause and the same work back to back, as `bench.py` times the kernel alone (G
+apart from the logits), and (2) after 30 ms of the logits products, as in a step (G over them);
 with the SM clock just before and just after, measured by one thread spinning 200k cycles of
 clock64 against the globaltimer. Medians of 12 rounds, the cases interleaved in each. The SM
 cycles per row (time times clock) show whether the kernel's time follows the SM clock.
