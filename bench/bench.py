@@ -192,12 +192,11 @@ def one_chunk(T, rng):
     """One all-valid chunk of T rows as the library runs it, its logits computed: (xs, ws, xt, wt,
     the int32 targets, the backend, its work dict). G has memory of its own (not the logits'), so
     the row kernel can run again and again on the same logits."""
-    from jsdgpu._cupy_backend import CupyBackend, _logits
+    from jsdgpu._cupy_backend import CupyBackend
     xs, ws, xt, wt, target = make_sets(T, make_weights(1), rng)[0]
     be = CupyBackend()
     work = be.prepare(ws, wt, None, None, T, T, fused=True, own_g=True)
-    _logits(xs, ws, work["logits_s"])
-    _logits(xt, wt, work["logits_t"])
+    be.logits(work, xs, xt)
     return xs, ws, xt, wt, target.astype(np.int32), be, work
 
 

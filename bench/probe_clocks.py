@@ -42,7 +42,7 @@ def main():
     import cupy
 
     import bench
-    from jsdgpu._cupy_backend import _logits, launch_rows
+    from jsdgpu._cupy_backend import launch_rows
     from jsdgpu._driver import LossOptions
 
     clock = cupy.RawKernel(CLOCK_SOURCE, "sm_clock")
@@ -56,8 +56,7 @@ def main():
     dst = cupy.empty_like(src)
 
     def products():  # the chunk's logits, written where the row kernel reads them
-        _logits(xs, ws, work["logits_s"])
-        _logits(xt, wt, work["logits_t"])
+        be.logits(work, xs, xt)
 
     def rows():
         launch_rows(work, ROWS, target, opts, ce, jsd, work["G"], terms)
