@@ -1,0 +1,114 @@
+"""How close to the floor the design can come at best: jsdgpu with its fused row kernel replaced
+by a kernel that only moves that kernel's bytes (reads each chunk's float32 student and teacher
+logits, writes a bf16 row of G over the student's: 8 B in and 2 B out per logit; without
+gradients the 8 B in), against the four products alone (bench.py's gemm_floor), in one run.
+Its results are wrong by design (G is s - t), but every other kernel, the products and the host
+work are the library's. So the ratio it gives is the least that any row kernel reading the
+float32 logits once can reach, with the rest of jsdgpu as it is. A third form, with no row work
+at all (G left as the logits' bits), gives what the rest costs: the products at the library's
+shapes (float32 logits, grad_weight summed over chunks in float32), the other kernels, the host.
+
+    python bench/probe_bound.py
+    python bench/probe_bound.py --tokens 1024 8192
+"""
+
+import argparse
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+# Each thread moves 4 columns of one row: the logits as float4, G as 4 bf16 (the upper halves of
+# the float32 differences) in one 8-byte store. Without G, a comparison that never holds keeps
+# the loads.
+STREAM_SOURCE = r'''
+extern "C" __global__ void stream_rows(const float4* S, long long lds4, const float4* Tl, long long ldt4,
+                                       int v4, unsigned long long* G, long long ldg4, float* sink) {
+  const long long row = blockIdx.y;
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= v4) return;
+  const float4 s = S[row * lds4 + c], t = Tl[row * ldt4 + c];
+  if (G) {
+    const float d[4] = {s.x - t.x, s.y - t.y, s.z - t.z, s.w - t.w};
+    unsigned long long w = 0;
+    for (int j = 0; j < 4; ++j) w |= (unsigned long long)(__float_as_uint(d[j]) >> 16) << (16 * j);
+    G[row * ldg4 + c] = w;
+  } else if (s.x + s.y + s.z + s.w + t.x + t.y + t.z + t.w == 1.2345e-30f) {
+    sink[row] = 1.0f;
+  }
+}'''
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    p.add_argument("--repeats", type=int, default=8)
+    a = p.parse_args()
+    import cupy
+
+    import bench
+    from jsdgpu._cupy_backend import CupyBackend
+
+    kernel = cupy.RawKernel(STREAM_SOURCE, "stream_rows")
+    library_rows = CupyBackend.fused_rows
+
+    def stream_rows(work, target, opts, ce, jsd, G, label_terms):
+        ls, lt = work["logits_s"], work["logits_t"]
+        rows, v4 = len(target), -(-work["ws"].shape[0] // 4)
+        kernel((-(-v4 // 256), rows), (256,),
+               (ls, np.int64(ls.shape[1] // 4), lt, np.int64(lt.shape[1] // 4), np.int32(v4),
+                np.uint64(0) if G is None else G, np.int64(0 if G is None else G.shape[1] // 4), ce))
+
+    def with_rows(rows_fn, fn):
+        def run(i):
+            CupyBackend.fused_rows = staticmethod(rows_fn)
+            fn(i)
+        return run
+
+    bw = bench.copy_bandwidth()
+    weights = bench.make_weights(2)
+    rng = np.random.default_rng(0)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+
+    def alone(rows):
+        """ms of the streaming kernel alone on a chunk of rows, as bench.py times the fused kernel"""
+        *_, tgt, _, work = bench.one_chunk(rows, rng)
+        ce = cupy.zeros(rows, np.float32)
+        return bench.time_ms(lambda i: stream_rows(work, tgt, None, ce, None, work["G"], None), 1, 3, 20)
+
+    ms = alone(2048)
+    cupy.get_default_memory_pool().free_all_blocks()
+    print(f"streaming kernel alone, 2048 rows with G: {1e3 * ms / 2048:.3f} µs per row, "
+          f"{10 * 2048 * bench.V / (ms * 1e-3) / bw:.0%} of the copy bandwidth")
+
+    print("| T | mode | floor ms | jsdgpu ms | × floor | bytes only ms | × floor | no row work ms | × floor |")
+    print("| --- " * 9 + "|")
+    try:
+        for T in a.tokens:
+            sets = bench.make_sets(T, weights, rng)
+            floor_fwd_bwd = None
+            for mode in ("fwd_bwd", "fwd"):
+                fns = {"floor": bench.impl_gemm_floor(sets, mode),
+                       "jsdgpu": with_rows(library_rows, bench.impl_jsdgpu(sets, mode)),
+                       "bytes": with_rows(stream_rows, bench.impl_jsdgpu(sets, mode)),
+                       "none": with_rows(lambda *args: None, bench.impl_jsdgpu(sets, mode))}
+                times = {k: [] for k in fns}
+                for _ in range(2):  # two rounds, the implementations taking turns; the best kept
+                    for k, fn in fns.items():
+                        times[k].append(bench.time_ms(fn, len(sets), 2, a.repeats))
+                best = {k: min(t) for k, t in times.items()}
+                floor_fwd_bwd = floor_fwd_bwd or best["floor"]  # ratios to the fwd_bwd floor
+                print(f"| {T} | {mode} | {best['floor']:.2f} | {best['jsdgpu']:.2f} | "
+                      f"{best['jsdgpu'] / floor_fwd_bwd:.3f} | {best['bytes']:.2f} | "
+                      f"{best['bytes'] / floor_fwd_bwd:.3f} | {best['none']:.2f} | "
+                      f"{best['none'] / floor_fwd_bwd:.3f} |", flush=True)
+            del sets
+            cupy.get_default_memory_pool().free_all_blocks()
+    finally:
+        CupyBackend.fused_rows = staticmethod(library_rows)
+
+
+if __name__ == "__main__":
+    main()
