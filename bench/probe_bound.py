@@ -1,12 +1,13 @@
 """How close to the floor the design can come at best: jsdgpu with its fused row kernel replaced
 by a kernel that only moves that kernel's bytes (reads each chunk's float32 student and teacher
-logits, writes a bf16 row of G over the student's: 8 B in and 2 B out per logit; without
+logits, writes a bf16 row of G where the library keeps it: 8 B in and 2 B out per logit; without
 gradients the 8 B in), against the four products alone (bench.py's gemm_floor), in one run.
 Its results are wrong by design (G is s - t), but every other kernel, the products and the host
 work are the library's. So the ratio it gives is the least that any row kernel reading the
 float32 logits once can reach, with the rest of jsdgpu as it is. A third form, with no row work
-at all (G left as the logits' bits), gives what the rest costs: the products at the library's
-shapes (float32 logits, grad_weight summed over chunks in float32), the other kernels, the host.
+at all (G left as whatever its memory held), gives what the rest costs: the products at the
+library's shapes (float32 logits, grad_weight summed over chunks in float32 where G is not held
+for all rows), the other kernels, the host.
 
     python bench/probe_bound.py
     python bench/probe_bound.py --tokens 1024 8192
