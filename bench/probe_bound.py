@@ -74,15 +74,16 @@ def main():
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
 
     def alone(rows):
-        """ms of the streaming kernel alone on a chunk of rows, as bench.py times the fused kernel"""
+        """The streaming kernel alone on a chunk of rows, as bench.py times the fused kernel"""
         *_, tgt, _, work = bench.one_chunk(rows, rng)
         ce = cupy.zeros(rows, np.float32)
-        return bench.time_ms(lambda i: stream_rows(work, tgt, None, ce, None, work["G"], None), 1, 3, 20)
+        return bench.row_kernel_record("stream", lambda i: stream_rows(work, tgt, None, ce, None, work["G"], None),
+                                       rows, 10, bw)
 
-    ms = alone(2048)
+    record = alone(2048)
     cupy.get_default_memory_pool().free_all_blocks()
-    print(f"streaming kernel alone, 2048 rows with G: {1e3 * ms / 2048:.3f} µs per row, "
-          f"{10 * 2048 * bench.V / (ms * 1e-3) / bw:.0%} of the copy bandwidth")
+    print(f"streaming kernel alone, 2048 rows with G: {1e3 * record['ms'] / 2048:.3f} µs per row, "
+          f"{record['fraction_of_copy']:.0%} of the copy bandwidth")
 
     print("| T | mode | floor ms | jsdgpu ms | × floor | bytes only ms | × floor | no row work ms | × floor |")
     print("| --- " * 9 + "|")
