@@ -15,6 +15,7 @@ streaming kernel reads 4 B and writes 2 B per logit. It is the least that design
 
     python bench/probe_bound.py
     python bench/probe_bound.py --tokens 1024 8192
+    python bench/probe_bound.py --valid 0.5     # half of the rows ignored; ratios to the dense floor
 """
 
 import argparse
@@ -73,6 +74,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--valid", type=float, default=1.0,
+                   help="fraction of rows with a valid target (the rest ignore_index); the floor stays dense")
     a = p.parse_args()
     import cupy
 
@@ -114,7 +117,7 @@ def main():
     bw = bench.copy_bandwidth()
     weights = bench.make_weights(2)
     rng = np.random.default_rng(0)
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; valid rows {a.valid:.0%}")
 
     def alone(rows, rows_fn, bytes_per_logit):
         """A streaming kernel alone on a chunk of rows, as bench.py times the fused kernel (the
@@ -135,7 +138,7 @@ def main():
     print("| --- " * (3 + 2 * len(forms)) + "|")
     try:
         for T in a.tokens:
-            sets = bench.make_sets(T, weights, rng)
+            sets = bench.make_sets(T, weights, rng, a.valid)
             floor_fwd_bwd = None
             for mode in ("fwd_bwd", "fwd"):
                 fns = {"floor": bench.impl_gemm_floor(sets, mode),
