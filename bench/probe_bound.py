@@ -84,22 +84,23 @@ def main():
     from jsdgpu._cupy_backend import CupyBackend
 
     module = cupy.RawModule(code=STREAM_SOURCE)
-    kernel, kernel16 = module.get_function("stream_rows"), module.get_function("stream_rows16")
     library_rows, library_logits = CupyBackend.fused_rows, backend._logits
 
-    def stream_rows(work, target, opts, ce, jsd, G, label_terms):
-        ls, lt = work["logits_s"], work["logits_t"]
-        rows, v4 = len(target), -(-work["ws"].shape[0] // 4)
-        kernel((-(-v4 // 256), rows), (256,),
-               (ls, np.int64(ls.shape[1] // 4), lt, np.int64(lt.shape[1] // 4), np.int32(v4),
-                np.uint64(0) if G is None else G, np.int64(0 if G is None else G.shape[1] // 4), ce))
+    def streaming(kernel, group_bytes):
+        """A stand-in for the fused row kernel, launching kernel: each thread moves 4 columns of a
+        row, group_bytes of each logits matrix (16: float32 logits, 8: 16-bit ones in the first
+        half of each float32 row) and 8 bytes of G."""
+        def rows_fn(work, target, opts, ce, jsd, G, label_terms):
+            ls, lt = work["logits_s"], work["logits_t"]
+            rows, v4 = len(target), -(-work["ws"].shape[0] // 4)
+            kernel((-(-v4 // 256), rows), (256,),
+                   (ls, np.int64(ls.shape[1] * 4 // group_bytes), lt, np.int64(lt.shape[1] * 4 // group_bytes),
+                    np.int32(v4), np.uint64(0) if G is None else G, np.int64(0 if G is None else G.shape[1] // 4),
+                    ce))
+        return rows_fn
 
-    def stream_rows16(work, target, opts, ce, jsd, G, label_terms):
-        ls, lt = work["logits_s"], work["logits_t"]  # float32 buffers holding bf16 rows
-        rows, v4 = len(target), -(-work["ws"].shape[0] // 4)
-        kernel16((-(-v4 // 256), rows), (256,),
-                 (ls, np.int64(ls.shape[1] // 2), lt, np.int64(lt.shape[1] // 2), np.int32(v4),
-                  np.uint64(0) if G is None else G, np.int64(0 if G is None else G.shape[1] // 4), ce))
+    stream_rows = streaming(module.get_function("stream_rows"), 16)
+    stream_rows16 = streaming(module.get_function("stream_rows16"), 8)
 
     def logits16(x, w, out):
         """The library's logits product, written in bf16 into the first half of each float32 row."""
