@@ -3,7 +3,7 @@ the vocabulary of both LM heads, talking over NCCL (CuPy's bindings), one proces
 
     python bench/bench_vocab_parallel.py --gpus 2     # writes bench/results/<device>x2.{json,md}
 
-Same workload and timing as bench.py (V = 128256, Ht = 4096, Hs = 2048, bf16; medians of
+Same workload and timing as bench.py (harness.py: V = 128256, Ht = 4096, Hs = 2048, bf16; medians of
 CUDA-event times, inputs rotated). A P-GPU time is the largest of the ranks' medians.
 """
 
@@ -23,22 +23,22 @@ def worker(rank, n_gpus, nccl_id, a, results):
     sys.path.insert(0, str(ROOT / "bench"))
     import cupy
     cupy.cuda.Device(rank).use()
-    import bench
+    import harness
     comm = None
     if n_gpus > 1:
         from cupy.cuda import nccl
         comm = nccl.NcclCommunicator(n_gpus, nccl_id, rank)
-    lo, hi = rank * bench.V // n_gpus, (rank + 1) * bench.V // n_gpus
+    lo, hi = rank * harness.V // n_gpus, (rank + 1) * harness.V // n_gpus
     # every rank draws the same full weights (same seed) and keeps its rows
-    weights = [(ws[lo:hi].copy(), wt[lo:hi].copy()) for ws, wt in bench.make_weights(a.sets)]
+    weights = [(ws[lo:hi].copy(), wt[lo:hi].copy()) for ws, wt in harness.make_weights(a.sets)]
     cupy.get_default_memory_pool().free_all_blocks()
     rng = np.random.default_rng(0)  # the same inputs and targets on every rank
     for T in a.tokens:
-        sets = bench.make_sets(T, weights, rng)
+        sets = harness.make_sets(T, weights, rng)
         for mode in ("fwd_bwd", "fwd"):
-            fn = bench.impl_jsdgpu(sets, mode, vocab_parallel=comm)
-            ms = bench.time_ms(fn, a.sets, a.warmup, a.repeats)
-            results.put((rank, T, mode, ms, bench.peak_mib(fn)))
+            fn = harness.impl_jsdgpu(sets, mode, vocab_parallel=comm)
+            ms = harness.time_ms(fn, a.sets, a.warmup, a.repeats)
+            results.put((rank, T, mode, ms, harness.peak_mib(fn)))
         del sets
         cupy.get_default_memory_pool().free_all_blocks()
 
@@ -81,22 +81,22 @@ def main(argv=None):
     if cupy.cuda.runtime.getDeviceCount() < a.gpus:
         raise SystemExit(f"needs {a.gpus} GPUs, this machine has {cupy.cuda.runtime.getDeviceCount()}")
     sys.path.insert(0, str(ROOT / "bench"))
-    import bench
-    name = f"{bench.device_name()}x{a.gpus}"
+    import harness
+    name = f"{harness.device_name()}x{a.gpus}"
     records = []
     timings = {n: run(n, a) for n in (1, a.gpus)}
     for n, times in timings.items():
         for (T, mode), (ms, mib) in sorted(times.items()):
             records.append(dict(impl="jsdgpu", gpus=n, T=T, mode=mode, ms=round(ms, 4),
                                 peak_mib=round(mib, 1)))
-    result = dict(device=name, V=bench.V, Hs=bench.HS, Ht=bench.HT, dtype="bfloat16",
+    result = dict(device=name, V=harness.V, Hs=harness.HS, Ht=harness.HT, dtype="bfloat16",
                   date=time.strftime("%Y-%m-%d"),
                   command="python bench/bench_vocab_parallel.py " + " ".join(argv or sys.argv[1:]),
                   records=records)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"{name}.json").write_text(json.dumps(result, indent=1))
     one = timings[1]
-    lines = [f"Device {name}, {result['date']}; V={bench.V}, Hs={bench.HS}, Ht={bench.HT}, bf16, "
+    lines = [f"Device {name}, {result['date']}; V={harness.V}, Hs={harness.HS}, Ht={harness.HT}, bf16, "
              f"each GPU holding 1/{a.gpus} of the vocabulary. `{result['command']}`", "",
              f"| T | mode | 1 GPU ms | {a.gpus} GPUs ms | speed-up | peak MiB per GPU (1 / {a.gpus}) |",
              "| --- | --- | --- | --- | --- | --- |"]

@@ -10,7 +10,8 @@ import ml_dtypes
 import numpy as np
 
 import jsdgpu
-from jsdgpu._checks import gpu_available
+from jsdgpu.checks import gpu_available
+from jsdgpu.options import DEFAULTS
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
@@ -31,10 +32,10 @@ def parse_args(argv):
     p.add_argument("--logit-std", type=float, default=4.0, help="scale of the random logits")
     p.add_argument("--ignored", type=float, default=0.0, help="fraction of rows ignored")
     p.add_argument("--bias", action="store_true", help="add random biases to both heads")
-    p.add_argument("--beta", type=float, default=0.5)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--weight-hard-loss", type=float, default=0.5)
-    p.add_argument("--weight-soft-loss", type=float, default=0.5)
+    p.add_argument("--beta", type=float, default=DEFAULTS.beta)
+    p.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
+    p.add_argument("--weight-hard-loss", type=float, default=DEFAULTS.weight_hard_loss)
+    p.add_argument("--weight-soft-loss", type=float, default=DEFAULTS.weight_soft_loss)
     p.add_argument("--chunk-size", type=int)
     p.add_argument("--check-rows", type=int, default=16, help="rows checked against float64")
     p.add_argument("--seed", type=int, default=0)

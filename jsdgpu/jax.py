@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _api
+from . import api
+from .options import LOSS_FIELDS
 
 
 # ---- the bridge jsdgpu.forward / backward use for JAX arrays ----
@@ -50,13 +51,12 @@ def current_stream(x):
 
 # ---- the differentiable function ----
 
-_OPTIONS = ("weight_hard_loss", "weight_soft_loss", "beta", "temperature", "ignore_index",
-            "chunk_size", "num_valid_tokens")
+_OPTIONS = LOSS_FIELDS + ("chunk_size", "num_valid_tokens")
 
 
 def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_weight, target,
                           student_bias=None, teacher_bias=None, **options):
-    """SPEC.md's loss; differentiable with respect to the student input, weight and bias.
+    """The loss of docs/contract.md; differentiable with respect to the student input, weight and bias.
     options: weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size,
     num_valid_tokens (see jsdgpu.forward)."""
     unknown = set(options) - set(_OPTIONS)
@@ -69,17 +69,17 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _loss(student_input, student_weight, student_bias, teacher_input, teacher_weight,
           teacher_bias, target, options):
-    loss, _ = _api.forward(student_input, student_weight, teacher_input, teacher_weight, target,
+    loss, _ = api.forward(student_input, student_weight, teacher_input, teacher_weight, target,
                            student_bias, teacher_bias, compute_grad=False, **dict(options))
     return loss
 
 
 def _loss_fwd(student_input, student_weight, student_bias, teacher_input, teacher_weight,
               teacher_bias, target, options):
-    loss, ctx = _api.forward(student_input, student_weight, teacher_input, teacher_weight, target,
+    loss, ctx = api.forward(student_input, student_weight, teacher_input, teacher_weight, target,
                              student_bias, teacher_bias, **dict(options))
     # residuals must be JAX arrays: the gradients themselves, scaled in the backward rule
-    return loss, _api.backward(ctx)
+    return loss, api.backward(ctx)
 
 
 def _loss_bwd(options, grads, g):

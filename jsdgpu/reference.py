@@ -1,4 +1,4 @@
-"""The loss of SPEC.md in float64, in the plainest code: the yardstick of the tests.
+"""The loss of docs/contract.md in float64, in the plainest code: the yardstick of the tests.
 
 It holds the full logits. NumPy arrays in, NumPy out; CuPy arrays run it on the GPU (the tests
 use that for the benchmark shape, where NumPy would take minutes).
@@ -7,6 +7,8 @@ use that for the benchmark shape, where NumPy would take minutes).
 import sys
 
 import numpy as np
+
+from .options import LossOptions
 
 
 def _logsumexp(xp, x):
@@ -25,12 +27,15 @@ def _xlogy_diff(xp, w, a, b):
 
 
 def reference(student_input, student_weight, teacher_input, teacher_weight, target,
-              student_bias=None, teacher_bias=None, *, weight_hard_loss=0.5, weight_soft_loss=0.5,
-              beta=0.5, temperature=1.0, ignore_index=-100):
+              student_bias=None, teacher_bias=None, **options):
     """Return (loss, hard_loss, soft_loss, grad_input, grad_weight, grad_bias), all float64.
 
-    grad_bias is None when student_bias is None. Gradients are those of `loss` (grad_output = 1).
+    options: those of jsdgpu.LossOptions. grad_bias is None when student_bias is None.
+    Gradients are those of `loss` (grad_output = 1).
     """
+    opts = LossOptions(**options)
+    beta, temperature, ignore_index = opts.beta, opts.temperature, opts.ignore_index
+    weight_hard_loss, weight_soft_loss = opts.weight_hard_loss, opts.weight_soft_loss
     xp = sys.modules["cupy"] if type(student_input).__module__.startswith("cupy") else np
     f = lambda a: None if a is None else xp.asarray(a).astype(xp.float64)
     xs, ws, xt, wt = f(student_input), f(student_weight), f(teacher_input), f(teacher_weight)

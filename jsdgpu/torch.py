@@ -15,7 +15,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from . import _api
+from . import api
+from .options import DEFAULTS
 
 
 # ---- the bridge jsdgpu.forward / backward use for torch tensors ----
@@ -70,7 +71,7 @@ class FusedLinearJSDFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student_input, student_weight, teacher_input, teacher_weight, target,
                 student_bias, teacher_bias, options):
-        loss, jctx = _api.forward(student_input, student_weight, teacher_input, teacher_weight,
+        loss, jctx = api.forward(student_input, student_weight, teacher_input, teacher_weight,
                                   target, student_bias, teacher_bias, **options)
         ctx.jsd_ctx = jctx
         ctx.mark_non_differentiable(jctx.soft_loss, jctx.hard_loss)
@@ -78,15 +79,17 @@ class FusedLinearJSDFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_soft, grad_hard):
-        grad_input, grad_weight, grad_bias = _api.backward(ctx.jsd_ctx, grad_loss)
+        grad_input, grad_weight, grad_bias = api.backward(ctx.jsd_ctx, grad_loss)
         ctx.jsd_ctx = None
         return grad_input, grad_weight, None, None, None, grad_bias, None, None
 
 
 def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_weight,
                           true_labels, student_bias=None, teacher_bias=None, *,
-                          weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5,
-                          ignore_index=-100, temperature=1.0, chunk_size=None,
+                          weight_hard_loss=DEFAULTS.weight_hard_loss,
+                          weight_soft_loss=DEFAULTS.weight_soft_loss, beta=DEFAULTS.beta,
+                          ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
+                          chunk_size=None,
                           return_soft_hard_loss=False, num_valid_tokens=None,
                           vocab_parallel=None):
     """The loss as a function; see FusedLinearJSDLoss. num_valid_tokens and vocab_parallel (a
@@ -112,9 +115,10 @@ class FusedLinearJSDLoss(torch.nn.Module):
     process group whose ranks each hold a vocabulary shard of both LM heads (jsdgpu.parallel).
     """
 
-    def __init__(self, weight_hard_loss=0.5, weight_soft_loss=0.5, beta=0.5, ignore_index=-100,
-                 temperature=1.0, compiled=True, chunk_size=None, return_soft_hard_loss=False,
-                 vocab_parallel=None):
+    def __init__(self, weight_hard_loss=DEFAULTS.weight_hard_loss,
+                 weight_soft_loss=DEFAULTS.weight_soft_loss, beta=DEFAULTS.beta,
+                 ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature, compiled=True,
+                 chunk_size=None, return_soft_hard_loss=False, vocab_parallel=None):
         super().__init__()
         self.options = dict(weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
                             beta=beta, ignore_index=ignore_index, temperature=temperature,

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jsdgpu._checks import gpu_available
+from jsdgpu.checks import gpu_available
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}

@@ -52,7 +52,7 @@ def check_against_reference(case, xp, dtype, *, chunk_size=None, memory_budget=N
         else:
             # 16-bit gradients: within 2 eps of the reference (a few hundred elements make a
             # noisy ratio; the strict bound, twice the rounding floor, is checked at the
-            # benchmark shape in test_cupy_backend.py)
+            # benchmark shape in test_cuda_backend.py)
             eps = float(np.finfo(dtype).eps) if dtype != BF16 else 2.0**-8
             assert rel_err(got, want) <= 2 * eps, (rel_err(got, want),
                                                    rel_err(round_to(want, dtype), want))

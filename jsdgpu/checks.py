@@ -1,7 +1,5 @@
-"""Input checks of SPEC.md ("Bad input"): everything is checked before any loss work starts."""
-
-import math
-import numbers
+"""The arrays' checks of docs/contract.md ("Bad input"), made before any loss work starts (the
+options' are jsdgpu.options')."""
 
 import ml_dtypes
 import numpy as np
@@ -31,46 +29,6 @@ def gpu_available():
 
 def _device_of(a):
     return a.device.id if array_kind(a) == "cupy" else "cpu"
-
-
-def _real(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
-def check_options(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size):
-    """Return the options as plain Python floats / ints, or raise."""
-    w_hard = _real("weight_hard_loss", weight_hard_loss)
-    w_soft = _real("weight_soft_loss", weight_soft_loss)
-    beta = _real("beta", beta)
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must lie in [0, 1], got {beta}")
-    temperature = _real("temperature", temperature)
-    if temperature <= 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index must be an integer, got {type(ignore_index).__name__}")
-    if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
-            raise TypeError(f"chunk_size must be a positive integer or None, got {chunk_size!r}")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
-    return w_hard, w_soft, beta, temperature, int(ignore_index)
-
-
-def check_normalizer(num_valid_tokens, n_valid):
-    """N, the divisor of the loss: num_valid_tokens when given (a positive real), else
-    max(1, number of valid rows)."""
-    if num_valid_tokens is None:
-        return float(max(1, n_valid))
-    n = _real("num_valid_tokens", num_valid_tokens)
-    if n <= 0.0:
-        raise ValueError(f"num_valid_tokens must be > 0, got {n}")
-    return n
 
 
 def check_arrays(arrays):

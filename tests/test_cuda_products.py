@@ -1,4 +1,4 @@
-"""The products through cuBLASLt (jsdgpu/_cublaslt.py), tuned and untuned, against float64: for
+"""The products (jsdgpu/cuda/products.py) through cuBLASLt, tuned and untuned, against float64: for
 the row count a class was tuned on and for others of its class, and for products that add to
 their output (not timed) with the scale on the host or on the device."""
 
@@ -12,14 +12,14 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def fresh_tuning(monkeypatch):
-    """_cublaslt with tuning on or off (the test's choice) and nothing tuned yet."""
-    from jsdgpu import _cublaslt
-    monkeypatch.setattr(_cublaslt, "_tuned", {})
-    _cublaslt._product.cache_clear()
+    """products with tuning on or off (the test's choice) and nothing tuned yet."""
+    from jsdgpu.cuda import products
+    monkeypatch.setattr(products, "_tuned", {})
+    products._product.cache_clear()
 
     def with_tuning(on):
-        monkeypatch.setattr(_cublaslt, "TUNING", on)
-        return _cublaslt
+        monkeypatch.setattr(products, "TUNING", on)
+        return products
     return with_tuning
 
 
@@ -28,7 +28,7 @@ def fresh_tuning(monkeypatch):
 def test_logits_against_float64(rng, fresh_tuning, dtype, tuning):
     import cupy
 
-    from jsdgpu._cupy_backend import _leading_dim, _logits
+    from jsdgpu.cuda.backend import leading_dim
     lt = fresh_tuning(tuning)
     h = int(rng.integers(8, 200))
     v = int(rng.integers(900, 1100))  # odd vocabularies too: the row pitch has padding
@@ -36,8 +36,8 @@ def test_logits_against_float64(rng, fresh_tuning, dtype, tuning):
     # 37 tunes the class of 33..64 rows, 40 and 64 take its choice; 1 and 65 are classes of their own
     for c in (37, 40, 64, 1, 65):
         x = rng.standard_normal((c, h)).astype(DTYPES[dtype])
-        out = cupy.full((c, _leading_dim(v)), np.nan, np.float32)  # poisoned: every logit must be written
-        _logits(cupy.asarray(x), cupy.asarray(w), out)
+        out = cupy.full((c, leading_dim(v)), np.nan, np.float32)  # poisoned: every logit must be written
+        lt.logits(cupy.asarray(x), cupy.asarray(w), out)
         want = x.astype(np.float64) @ w.astype(np.float64).T
         assert rel_err(out[:, :v], want) <= 1e-5, (c, rel_err(out[:, :v], want))
     assert len(lt._tuned) == (3 if tuning else 0)
@@ -50,7 +50,6 @@ def test_accumulating_products(rng, fresh_tuning, device_alpha):
     adds by cuBLAS's default (it is not timed)."""
     import cupy
 
-    from jsdgpu._cupy_backend import _N, _T, _gemm
     lt = fresh_tuning(True)
     bf16 = DTYPES["bfloat16"]
     v, hs = int(rng.integers(900, 1100)), int(rng.integers(8, 100))
@@ -61,7 +60,7 @@ def test_accumulating_products(rng, fresh_tuning, device_alpha):
         alpha = float(rng.uniform(0.5, 2.0))
         scale = cupy.asarray(np.float32(alpha)) if device_alpha else alpha
         # column-major: out^T [Hs, V] = alpha Xs^T [Hs, c] @ G [c, V] + beta out^T
-        _gemm(_N, _T, hs, v, c, scale, cupy.asarray(xs), hs, cupy.asarray(G), v, beta, out, hs)
+        lt.gemm(lt.N, lt.T, hs, v, c, scale, cupy.asarray(xs), hs, cupy.asarray(G), v, beta, out, hs)
         want = np.float32(alpha) * (G.astype(np.float64).T @ xs.astype(np.float64)) + beta * want
         assert rel_err(out, want) <= 1e-5, (c, rel_err(out, want))
     assert len(lt._tuned) == 1

@@ -61,7 +61,7 @@ def test_chunk_of_more_than_2_31_logits(rng):
     assert rel_err(gi[rows].astype(cupy.float32) * (T / len(rows)), ref[3].get()) <= 2**-8
 
 
-FUSED_MAX = 131072  # _cupy_backend.FUSED_MAX_VOCAB: the fused kernel's widest teacher vocabulary
+FUSED_MAX = 131072  # jsdgpu.cuda.backend.FUSED_MAX_VOCAB: the fused kernel's widest teacher vocabulary
 
 
 @pytest.mark.parametrize("vs, vt, beta, temperature", [
@@ -72,13 +72,13 @@ def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, beta, tempera
     columns (reverse KL: a column past the teacher's taken for a pad one makes the loss inf)
     and at its widest (every group of every thread full), and from the three phases just past
     it."""
-    from jsdgpu._cupy_backend import FUSED_MAX_VOCAB, CupyBackend
+    from jsdgpu.cuda.backend import FUSED_MAX_VOCAB, CudaBackend
     assert FUSED_MAX_VOCAB == FUSED_MAX
     case = gpu_case(rng, T=33, hs=64, ht=96, vs=vs, vt=vt, dtype=np.float32, bias=True,
                     logit_std=8.0, ignored=0.3)
-    work = CupyBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1, 0,
+    work = CudaBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1, 0,
                                fused=True)
-    assert work["fused"] == (vt <= FUSED_MAX)
+    assert (work.fused is not None) == (vt <= FUSED_MAX)
     ref = jsdgpu.reference(**case, beta=beta, temperature=temperature)
     loss, ctx = jsdgpu.forward(**case, beta=beta, temperature=temperature)
     gi, gw, gb = jsdgpu.backward(ctx)
@@ -92,10 +92,10 @@ def test_rows_handed_out_to_the_clusters(rng):
     first two rows by its index, the rest from a counter as it asks): every row's loss and
     gradient, as the reference's."""
     import cupy
-    from jsdgpu._cupy_backend import CupyBackend
+    from jsdgpu.cuda.backend import CudaBackend
     case = gpu_case(rng, vs=1031, vt=1040)
-    clusters = CupyBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1, 0,
-                                   fused=True)["kernel"][2]
+    clusters = CudaBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1, 0,
+                                   fused=True).fused.max_clusters
     for T in (1, clusters - 1, clusters, clusters + 1, 2 * clusters - 1, 2 * clusters, 2 * clusters + 1,
               5 * clusters + 3):
         case = make_case(rng, T=T, hs=32, ht=48, vs=1031, vt=1040, bias=True, logit_std=4.0)
@@ -149,9 +149,9 @@ def test_runs_on_the_current_stream(rng):
 @pytest.mark.parametrize("n_rows", [0, 1, 37])
 def test_take_rows(rng, dtype, widths, n_rows):
     import cupy
-    from jsdgpu._cupy_backend import CupyBackend
+    from jsdgpu.cuda.backend import CudaBackend
     a, b = (rng.standard_normal((50, h)).astype(dtype) for h in widths)
     rows = np.sort(rng.choice(50, n_rows, replace=False)).astype(np.int32)
-    out_a, out_b = CupyBackend.take_rows(cupy.asarray(rows), cupy.asarray(a), cupy.asarray(b))
+    out_a, out_b = CudaBackend.take_rows(cupy.asarray(rows), cupy.asarray(a), cupy.asarray(b))
     assert out_a.shape == (n_rows, widths[0]) and out_b.shape == (n_rows, widths[1])
     assert out_a.get().tobytes() == a[rows].tobytes() and out_b.get().tobytes() == b[rows].tobytes()

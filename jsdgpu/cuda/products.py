@@ -1,10 +1,11 @@
-"""The matrix products through cuBLASLt, with the fastest of cuBLAS's candidate algorithms.
+"""The matrix products: cuBLAS through CuPy's handle, and cuBLASLt with the fastest of cuBLAS's
+candidate algorithms for each shape class.
 
 For the products of the benchmark (bf16 in, float32 logits and grad_input, V = 128256) the
 algorithm cuBLAS picks by default ran 5-17% slower on the H200 than the best of the other
-candidates its heuristic offers (bench/NOTES.md). So the first product of each shape class times
-cuBLAS's default and the candidates once, on its own operands, and the fastest is kept for the
-process. A class is the transposes, data types and leading dimensions, with each of m, n, k
+candidates its heuristic offers (docs/design.md, "Products"). So the first product of each shape
+class times cuBLAS's default and the candidates once, on its own operands, and the fastest is
+kept for the process. A class is the transposes, data types and leading dimensions, with each of m, n, k
 rounded up to a power of 2: a row count that changes from call to call (ignored rows) does not
 tune again. The timing waits for the GPU, once per class; a product that adds to its output
 (beta != 0) is not timed (that would add to it again and again): it takes its class's choice
@@ -17,21 +18,29 @@ whose float32 results differ in the last bits.
 cuBLASLt is called through ctypes: CuPy does not wrap it, and CuPy's cuBLAS has loaded it.
 """
 
+import contextlib
 import ctypes
 import functools
 import os
 import statistics
+import threading
 
 import cupy
+import numpy as np
+from cupy_backends.cuda.libs import cublas
+
+from .sources import FORMATS
 
 TUNING = os.environ.get("JSDGPU_GEMM_TUNING", "1") != "0"
 
-# cublasLt.h: cublasComputeType_t, cudaDataType, and attribute numbers
+# cudaDataType of each dtype; cublasLt.h: cublasComputeType_t, and attribute numbers
+_CUDA_TYPE = {dtype: {0: 0, 1: 2, 2: 14}[code] for dtype, code in FORMATS.items()}
 _COMPUTE_32F, _R_32F = 68, 0
+_GEMM_DEFAULT = -1
 _DESC_POINTER_MODE, _DESC_TRANSA, _DESC_TRANSB = 2, 3, 4
 _POINTER_MODE_DEVICE = 1
 _PREF_MAX_WORKSPACE_BYTES = 1
-_OP_N, _OP_T = 0, 1
+N, T = 0, 1  # cublasOperation_t: as stored, transposed
 _CANDIDATES = 8  # heuristic results asked for (8 came back for the benchmark's shapes)
 _ROUNDS = 5  # of timing, each timing every candidate once
 
@@ -75,7 +84,7 @@ _UNSET = object()
 
 class _Product:
     """D [m, n] (ldd) = op(A) [m, k] @ op(B) [k, n], column-major, op a transpose where trans_a
-    (trans_b) is _OP_T, float32 accumulation: the descriptors of one shape, and (candidates)
+    (trans_b) is T, float32 accumulation: the descriptors of one shape, and (candidates)
     cuBLASLt's algorithms for it, best first by its heuristic."""
 
     def __init__(self, device_id, trans_a, trans_b, m, n, k, lda, ldb, ldd, a_type, b_type, d_type,
@@ -92,8 +101,8 @@ class _Product:
             _check(self.lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), 4),
                    "desc attribute")
         # stored shapes: op(A) = A^T takes A as [k, m]
-        self.a_layout = self._layout(a_type, *((k, m) if trans_a == _OP_T else (m, k)), lda)
-        self.b_layout = self._layout(b_type, *((n, k) if trans_b == _OP_T else (k, n)), ldb)
+        self.a_layout = self._layout(a_type, *((k, m) if trans_a == T else (m, k)), lda)
+        self.b_layout = self._layout(b_type, *((n, k) if trans_b == T else (k, n)), ldb)
         self.d_layout = self._layout(d_type, m, n, ldd)
         self.algo = _UNSET  # the algorithm this shape runs with (None: cuBLAS's default)
 
@@ -167,29 +176,110 @@ def _bucket(n):
     return 1 << (n - 1).bit_length()
 
 
-def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd, type_codes, default):
-    """d [m, n] = alpha op(a) op(b) + beta d, column-major, float32 accumulation, by the algorithm
-    that ran fastest for its shape class (see above). alpha: a float, or a 0-d float32 device array
-    (then beta, a float, goes to the device too); type_codes: the cudaDataTypes of a, b and d;
-    default(): the same product by cuBLAS's default algorithm."""
+def _device_constant(value):
+    """A 0-d float32 device array holding value, made once per device (for beta where alpha is
+    on the device: filling one per product took a launch and an allocation)."""
+    return _constants(cupy.cuda.Device().id, float(value))
+
+
+@functools.lru_cache(maxsize=None)
+def _constants(device_id, value):
+    return cupy.full((), value, np.float32)
+
+
+_observed = threading.local()
+
+
+@contextlib.contextmanager
+def observing(callback):
+    """For the block, callback(m, n, k) as each product of this thread is queued (how
+    experiments/host_time.py marks the host's time to a step's first product)."""
+    before = getattr(_observed, "callback", None)
+    _observed.callback = callback
+    try:
+        yield
+    finally:
+        _observed.callback = before
+
+
+def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd):
+    """d [m, n] = alpha op(a) op(b) + beta d, column-major, float32 accumulation; a, b, d CuPy
+    arrays (views allowed) whose dtypes give the cuBLAS data types. alpha: a float, or a 0-d
+    float32 device array (read by cuBLAS when the product runs: no wait for the GPU); beta: a
+    float. By the cuBLASLt algorithm that ran fastest for the shape class (above), else cuBLAS's
+    default."""
+    callback = getattr(_observed, "callback", None)
+    if callback is not None:
+        callback(m, n, k)
+    types = (_CUDA_TYPE[a.dtype], _CUDA_TYPE[b.dtype], _CUDA_TYPE[d.dtype])
+    args = (trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd)
     if not TUNING:
-        return default()
+        return _gemm_default(*args)
     device = cupy.cuda.Device().id
     device_scalars = isinstance(alpha, cupy.ndarray)
-    product = _product(device, trans_a, trans_b, m, n, k, lda, ldb, ldd, *type_codes, device_scalars)
+    product = _product(device, trans_a, trans_b, m, n, k, lda, ldb, ldd, *types, device_scalars)
     if product.algo is _UNSET:
-        key = (device, trans_a, trans_b, _bucket(m), _bucket(n), _bucket(k), lda, ldb, ldd, type_codes)
+        key = (device, trans_a, trans_b, _bucket(m), _bucket(n), _bucket(k), lda, ldb, ldd, types)
         if key not in _tuned:
             if beta != 0.0:  # not timed: each run would add to d
-                return default()
+                return _gemm_default(*args)
             candidates = product.candidates()
-            runs = [default] + [functools.partial(product.run, algo, a, b, d, alpha,
-                                                  cupy.zeros((), "float32") if device_scalars else 0.0)
-                                for algo in candidates]
+            zero = _device_constant(0.0) if device_scalars else 0.0
+            runs = [functools.partial(_gemm_default, *args)] + [
+                functools.partial(product.run, algo, a, b, d, alpha, zero) for algo in candidates]
             best = _fastest(runs)
             _tuned[key] = None if best == 0 else candidates[best - 1]
         algo = _tuned[key]
         product.algo = algo if algo is None or product.supports(algo) else None
     if product.algo is None:
-        return default()
-    product.run(product.algo, a, b, d, alpha, cupy.full((), beta, "float32") if device_scalars else beta)
+        return _gemm_default(*args)
+    product.run(product.algo, a, b, d, alpha, _device_constant(beta) if device_scalars else beta)
+
+
+def _gemm_default(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+    """gemm by cublasGemmEx with cuBLAS's default algorithm, on CuPy's handle."""
+    handle = cupy.cuda.device.get_cublas_handle()
+    on_device = isinstance(alpha, cupy.ndarray)
+    if on_device:
+        beta = _device_constant(beta)
+        pointer = lambda x: x.data.ptr  # noqa: E731
+        # CuPy's handle is shared: its pointer mode is put back below
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_DEVICE)
+    else:
+        alpha, beta = np.array(alpha, np.float32), np.array(beta, np.float32)
+        pointer = lambda x: x.ctypes.data  # noqa: E731
+    try:
+        cublas.gemmEx(handle, transa, transb, m, n, k, pointer(alpha), a.data.ptr, _CUDA_TYPE[a.dtype],
+                      lda, b.data.ptr, _CUDA_TYPE[b.dtype], ldb, pointer(beta),
+                      c.data.ptr, _CUDA_TYPE[c.dtype], ldc, _COMPUTE_32F, _GEMM_DEFAULT)
+    finally:
+        if on_device:
+            cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+
+
+# ---- the products of the loss, row-major arrays ----
+
+def logits(x, w, out):
+    """out[:, :V] = x @ w.T in float32; x [c, H], w [V, H] row-major, out [c, ld]."""
+    (c, h), v = x.shape, w.shape[0]
+    # column-major: out^T [V, c] = w [H, V]^T @ x [H, c]
+    gemm(T, N, v, c, h, 1.0, w, h, x, h, 0.0, out, out.shape[1])
+
+
+def input_gradient(G, ws, alpha, out):
+    """out [c, Hs] = alpha G @ Ws; G [c, ld] (its first Vs columns), Ws [Vs, Hs]."""
+    (c, hs), vs = out.shape, ws.shape[0]
+    # column-major: Ws [Hs, V] @ G^T [V, c]
+    gemm(N, N, hs, c, vs, alpha, ws, hs, G, G.shape[1], 0.0, out, hs)
+
+
+def weight_gradient(G, vs, xs, alpha, beta, out):
+    """out [Vs, Hs] = alpha G^T @ Xs + beta out; column-major: Xs^T [Hs, c] @ G [c, V]."""
+    c, hs = xs.shape
+    gemm(N, T, hs, vs, c, alpha, xs, hs, G, G.shape[1], beta, out, hs)
+
+
+def bias_gradient(G, vs, ones, alpha, beta, out):
+    """out [Vs] = alpha G^T @ ones + beta out; column-major: G^T [V, c] @ ones [c, 1]."""
+    c = ones.shape[0]
+    gemm(N, N, vs, 1, c, alpha, G, G.shape[1], ones, c, beta, out, vs)

@@ -1,17 +1,20 @@
-"""Where one jsdgpu step's time goes on the GPU: its kernels, by kind, from PyTorch's profiler
-(CUPTI records every kernel of the process, CuPy's too), beside the step's CUDA-event time.
+"""Where does one step's GPU time go?
 
-    python bench/profile_step.py                              # T = 1024 and 8192, fwd + bwd
-    python bench/profile_step.py --tokens 8192 --valid 1 0.5 --modes fwd_bwd fwd --kernels
+Answer (H200, 2026-11-30, docs/design.md "Where a step's time goes"): at T = 8192 the products
+take what the four-product floor does (29.3 of a 38.0 ms profiled step), the fused row kernel
+3.5 ms (at the SM clock the products leave it), the other kernels 0.65 ms and the GPU idles
+0.09 ms from the first product on; at T = 1024 the products take 3.43 of 4.14 ms and the row
+kernel 0.36.
 
-Per step: the products (cuBLAS), the row kernels (rows.cu's jsd_rows_* or vp_*), the other
-kernels and copies, the GPU's idle time from the first product to the step's last kernel, and
-the time from the step's first kernel (the selection of the valid rows, which the host waits
-for) to the first product (the row gathers of ignored rows run then; the rest is idle). The
-profiler's callbacks slow the host's CUDA calls, so the idle times it shows are upper bounds;
-the host's setup before the first product most of all (2.2 ms under the profiler at T = 1024 in
-session 9, 0.04-0.06 ms without it: `profile_rows.py --host`).
-Needs PyTorch.
+    python experiments/profile_step.py                              # T = 1024 and 8192, fwd + bwd
+    python experiments/profile_step.py --tokens 8192 --valid 1 0.5 --modes fwd_bwd fwd --kernels
+
+Per step: the products (cuBLAS), the row kernels (fused_rows or phase_*), the other kernels and
+copies, the GPU's idle time from the first product to the step's last kernel, and the time from
+the step's first kernel to the first product. From PyTorch's profiler (CUPTI records every kernel
+of the process, CuPy's too), beside the step's CUDA-event time. The profiler's callbacks slow the
+host's CUDA calls, so the idle times it shows are upper bounds, the host's setup before the first
+product most of all (experiments/host_time.py measures that without the profiler). Needs PyTorch.
 """
 
 import argparse
@@ -23,15 +26,15 @@ import tempfile
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 
 def kind(event):
     name = event["name"]
     if event.get("cat") != "kernel":
         return "other"
-    if name.startswith(("jsd_rows", "vp_")):
+    if any(k in name for k in ("fused_rows", "phase_stats", "phase_kl", "phase_finish")):  # mangled or not
         return "rows"
     if any(k in name for k in ("gemm", "nvjet", "xmma", "cutlass", "splitKreduce")):
         return "products"
@@ -79,15 +82,16 @@ def main():
     p.add_argument("--modes", nargs="+", default=["fwd_bwd"], choices=["fwd_bwd", "fwd"])
     p.add_argument("--kernels", action="store_true", help="also list each step's kernels by total time")
     a = p.parse_args()
+    import harness  # needs the GPU: after --help
     rng = np.random.default_rng(0)
-    weights = bench.make_weights(2)
+    weights = harness.make_weights(2)
     rows = []
     for T in a.tokens:
         for valid in a.valid:
-            sets = bench.make_sets(T, weights, rng, valid)
+            sets = harness.make_sets(T, weights, rng, valid)
             for mode in a.modes:
-                fn = bench.impl_jsdgpu(sets, mode)
-                ms = bench.time_ms(fn, len(sets), 3, 10)
+                fn = harness.impl_jsdgpu(sets, mode)
+                ms = harness.time_ms(fn, len(sets), 3, 10)
                 events = profile_one(fn)
                 busy, idle, before = summarize(events)
                 rows.append((T, valid, mode, ms, busy, idle, before))

@@ -1,4 +1,4 @@
-"""The chunk loop shared by every backend.
+"""The chunk loop shared by every backend (the steps it takes of a backend: jsdgpu.backend).
 
 Per chunk of valid token rows: student and teacher logits (float32), the row work (per-row CE
 and JSD values, and the gradient rows G), then grad_input = G @ Ws. Ignored rows are dropped
@@ -9,50 +9,22 @@ product over all of them, run by backward (which knows grad_output) straight int
 dtype; else G lives per chunk (with the fused kernel, written over the chunk's student logits)
 and each chunk adds its product to a float32 sum, which backward converts. The float32 sum
 costs a write and read of [Vs, Hs] float32 per chunk and a conversion (at the benchmark shape
-0.47 ms at T <= 2048, 0.85 ms at 8192: bench/probe_grad_weight.py).
+0.47 ms at T <= 2048, 0.85 ms at 8192: docs/design.md, "Chunks and G").
 After the loop, the label terms the row kernel kept out of G (where the one-hot dominates a
 16-bit G entry) are added exactly.
 
 The row work is one fused kernel where the backend has one for the vocabulary and the whole
-vocabulary is here; otherwise three phases (statistics, KL sums, results and G). Under vocab parallelism each rank
-holds a shard of the vocabulary, and the phases' per-row vectors are combined across ranks
-between the phases; grad_input is summed across ranks at the end.
+vocabulary is here; otherwise three phases (statistics, KL sums, results and G). Under vocab
+parallelism each rank holds a shard of the vocabulary, and the phases' per-row vectors are
+combined across ranks between the phases; grad_input is summed across ranks at the end.
 
 G is written without the 1/N of the mean: it stays O(1), which keeps float16 G clear of
 underflow, and 1/N goes into the matrix products' alpha.
 """
 
-import functools
-from dataclasses import dataclass
-
 import numpy as np
 
-# JSD variants of the row kernels (SPEC.md: beta == 0, 0 < beta < 1, beta == 1)
-FORWARD_KL, JSD, REVERSE_KL = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class LossOptions:
-    weight_hard_loss: float
-    weight_soft_loss: float
-    beta: float
-    temperature: float
-    ignore_index: int
-
-    @property
-    def mode(self):
-        return FORWARD_KL if self.beta == 0.0 else REVERSE_KL if self.beta == 1.0 else JSD
-
-
-@dataclass
-class Gradients:
-    """float32 sums of the gradient over the valid rows, before grad_output is applied."""
-    grad_input: object    # [Tv, Hs], the valid rows only
-    grad_weight: object   # [Vs, Hs], or None where weight_product makes it
-    grad_bias: object     # [Vs] or None
-    # weight_product(scale, dtype): grad_weight times norm and scale (None for 1) in dtype,
-    # from G held for all rows; None where grad_weight holds the sums
-    weight_product: object = None
+from .backend import Gradients
 
 
 # chunks of several are cut to a multiple of this many rows where the budget allows: cuBLAS's
@@ -75,8 +47,8 @@ def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, chunk_g_bytes, memory
     gradients, or where G is written over the logits). hold_g: G is held for all rows, which
     spares grad_weight's float32 sum over chunks; it is where G and the logits chunks fit the
     budget together and G takes no room that would cut the logits into more chunks (more chunks
-    cost as much as the sum spares, or more: bench/NOTES.md). chunk_size, where given, is the
-    chunk."""
+    cost as much as the sum spares, or more: docs/design.md, "Chunks and G"). chunk_size, where
+    given, is the chunk."""
     held = n_rows * g_bytes
     if chunk_size is not None:
         return int(chunk_size), 0 < held and held + chunk_size * logits_bytes <= memory_budget
@@ -102,7 +74,7 @@ def combine_stats(xp, comm, stats):
 
 def _row_work(backend, work, comm, target, opts, ce, jsd, G, label_terms):
     """The rows' results and, where G is not None, the gradient rows written into G."""
-    if work["fused"]:  # prepare gave the fused kernel only where there is no communicator
+    if work.fused:  # prepare gave the fused kernel only where there is no communicator
         backend.fused_rows(work, target, opts, ce, jsd, G, label_terms)
         return
     stats = backend.row_stats(work, target, opts)
@@ -125,7 +97,7 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
     or None); the losses are 0-d float32 backend arrays.
 
     Nothing here waits for the GPU (but a torch process group's all-reduces, parallel.py, and the
-    first product of each shape class in a process, _cublaslt). The caller's selection of the
+    first product of each shape class in a process, jsdgpu.cuda.products). The caller's selection of the
     valid rows (the backend's select_rows) was the last wait, and the GPU idles until the first
     product is queued, so that comes before the rest of the setup.
     """
@@ -135,7 +107,7 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
     if valid_rows is not None:
         xs, xt = backend.take_rows(valid_rows, xs, xt)
     n_rows, hs = xs.shape
-    norm = 1.0 / normalizer
+    inv_n = 1.0 / normalizer
     rows, hold_g = 0, False
     if n_rows:
         # every rank must cut the same chunks: size them by the largest shard
@@ -166,19 +138,18 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
             backend.logits(work, xs[start:stop], xt[start:stop])
         G = None
         if compute_grad:
-            G = work["G"][start:stop] if hold_g else work["G"][:stop - start]
+            G = work.G[start:stop] if hold_g else work.G[:stop - start]
         _row_work(backend, work, comm, target[start:stop], opts, ce[start:stop], jsd[start:stop],
                   G, None if label_terms is None else label_terms[start:stop])
         if compute_grad:
-            backend.grad_products(work, G, xs[start:stop], norm, grads, start, stop)
+            backend.grad_products(work, G, xs[start:stop], inv_n, grads, start, stop)
     if compute_grad and n_rows:
-        backend.add_label_terms(work, label_terms, target, xs, norm, grads)
+        backend.add_label_terms(work, label_terms, target, xs, inv_n, grads)
     if hold_g:  # work (the logits buffers) is not kept: only what the product needs
-        grads.weight_product = functools.partial(backend.weight_product, work["G"], vs, xs, norm,
-                                                 label_terms, target)
+        grads.held = backend.hold_g(work, xs, inv_n, label_terms, target)
     if compute_grad and comm is not None:
         comm.allreduce(grads.grad_input, "sum")
     # fixed-order sums: two runs on the same inputs give the same bits
-    hard = xp.asarray(ce.sum(dtype=np.float64) * norm, dtype=np.float32)
-    soft = xp.asarray(jsd.sum(dtype=np.float64) * norm, dtype=np.float32)
+    hard = xp.asarray(ce.sum(dtype=np.float64) * inv_n, dtype=np.float32)
+    soft = xp.asarray(jsd.sum(dtype=np.float64) * inv_n, dtype=np.float32)
     return hard, soft, grads

@@ -1,0 +1,101 @@
+"""Which shape and source of the fused row kernel is fastest, and how does its time grow with the
+rows of a chunk?
+
+Answer (H200, 2026-11-30; docs/design.md, "The fused row kernel"): the library's shape, clusters
+of 16 CTAs of 512 threads with 4 float4 groups a thread and two CTAs per SM, took 0.421 µs per
+row at 2048 rows against 0.457-0.635 for the other shapes (clusters of 8 CTAs of 1024 threads; 16
+of 256 with 8 groups; 16 of 512 at one CTA per SM); its time per row is flat from about 1024
+rows on (at fewer rows, fewer clusters than fit the GPU have rows to take).
+
+    python experiments/fused_row_kernel.py                               # the library's kernel
+    python experiments/fused_row_kernel.py --shapes 16,512,4,2 8,1024,4,1 16,256,8,2
+    python experiments/fused_row_kernel.py --sources jsdgpu/cuda/src /tmp/variant_src   # A/B
+    ncu --clock-control none -k regex:fused_rows -c 1 python experiments/fused_row_kernel.py --once
+
+Each kernel runs as the library launches it, on chunks of the benchmark's logits (bench/harness.py
+one_chunk), median of 20 launches, the kernels taking turns, two rounds, the best kept; its
+outputs (CE, JSD, G, poisoned before each run) compared with the first kernel's. A source is a
+directory holding fused_rows.cu and the headers it includes (a copy of jsdgpu/cuda/src, edited).
+"""
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+ROWS = (256, 1024, 2048)
+CONFIGS = {"jsd": (dict(beta=0.5), True), "jsd, loss only": (dict(beta=0.5), False),
+           "forward KL": (dict(beta=0.0), True), "reverse KL": (dict(beta=1.0), True),
+           "temperature 2": (dict(beta=0.3, weight_hard_loss=0.3, weight_soft_loss=0.7, temperature=2.0), True)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=[], metavar="C,T,G,M",
+                   help="cluster, threads, groups, CTAs per SM of other shapes to time")
+    p.add_argument("--sources", nargs="+", type=pathlib.Path, default=[],
+                   help="source directories to time (the first is the reference)")
+    p.add_argument("--once", action="store_true", help="one launch of the library's kernel (for ncu)")
+    a = p.parse_args()
+    import cupy  # needs the GPU: after --help
+
+    import harness
+    import jsdgpu
+    from jsdgpu.cuda import kernels, sources
+
+    device = cupy.cuda.Device().id
+    variants = {"library": None}
+    for text in a.shapes:
+        shape = sources.FusedShape(*map(int, text.split(",")))
+        variants[f"c{shape.cluster} t{shape.threads} g{shape.groups} m{shape.min_ctas}"] = (shape, None)
+    for root in a.sources:
+        variants[str(root)] = (sources.FUSED, sources.source("fused_rows", root))
+    if a.sources:
+        del variants["library"]
+    xs, ws, xt, wt, target, be, work = harness.one_chunk(max(ROWS), np.random.default_rng(0))
+    # the same chunk's buffers with each variant's kernel (the library's CudaWork, replaced field)
+    works = {name: work if v is None else dataclasses.replace(work, fused=kernels.fused_kernel(
+        device, ws.dtype, *v)) for name, v in variants.items()}
+    if a.once:
+        ce, jsd, terms = (cupy.empty(1024, np.float32) for _ in range(3))
+        be.fused_rows(work, target[:1024], jsdgpu.LossOptions(), ce, jsd, work.G[:1024], terms)
+        cupy.cuda.Device().synchronize()
+        return
+    names = list(works)
+    print("| options | rows | " + " | ".join(f"{n} µs per row" for n in names)
+          + " | max relative difference from the first: CE, JSD, G |")
+    print("| --- " * (len(names) + 3) + "|")
+    for config, (options, with_grad) in CONFIGS.items():
+        opts = jsdgpu.LossOptions(**options)
+        for rows in ROWS:
+            outputs, times = [], [[] for _ in names]
+            for round_ in range(2):
+                for i, name in enumerate(names):
+                    ce, jsd, terms = (cupy.full(rows, np.nan, np.float32) for _ in range(3))
+                    G = work.G[:rows] if with_grad else None
+                    if G is not None:
+                        G.fill(np.nan)  # poisoned: every entry must be written
+
+                    def run(_, w=works[name], ce=ce, jsd=jsd, terms=terms, G=G):
+                        be.fused_rows(w, target[:rows], opts, ce, jsd, G, terms)
+                    run(0)
+                    if round_ == 0:
+                        outputs.append((ce.copy(), jsd.copy(), None if G is None else G.astype(np.float32)))
+                    times[i].append(harness.time_ms(run, 1, 3, 20))
+            diffs = []
+            for out in outputs[1:]:
+                d = [float(cupy.max(cupy.abs(x - r)) / cupy.max(cupy.abs(r)))
+                     for x, r in zip(out, outputs[0]) if x is not None]
+                nan = sum(int(cupy.isnan(x).sum()) for x in out if x is not None)
+                diffs.append(", ".join(f"{x:.1e}" for x in d) + (f" ({nan} NaN)" if nan else ""))
+            print(f"| {config} | {rows} | " + " | ".join(f"{1e3 * min(t) / rows:.3f}" for t in times)
+                  + " | " + "; ".join(diffs) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""How long does the host work before a step's first matrix product, and how long is the whole
+step?
+
+The GPU idles from the moment it has run what was queued until the first product is queued, so
+the host time before that product is time the step loses. Answer (H200; docs/design.md, "The
+host before the first product"): measured by this script per release of the library there.
+
+    python experiments/host_time.py                 # T = 1024, all rows valid and half ignored
+    python experiments/host_time.py --tokens 1024 8192 --valid 1
+
+Each step starts from an idle GPU (the device synchronized), as bench.py's steps do. The first
+product is marked by jsdgpu.cuda.products.observing, a callback as each product is queued.
+"""
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+
+def host_before_first_product(step, repeats):
+    """Median host ms from the call to its first product's launch, over repeats steps."""
+    import cupy
+    from jsdgpu.cuda import products
+    times = []
+    for _ in range(repeats):
+        marks = []
+        cupy.cuda.Device().synchronize()
+        with products.observing(lambda m, n, k: marks.append(time.perf_counter())):
+            start = time.perf_counter()
+            step()
+        times.append(1e3 * (marks[0] - start))
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024])
+    p.add_argument("--valid", type=float, nargs="+", default=[1.0, 0.5], help="fractions of valid rows")
+    p.add_argument("--repeats", type=int, default=30)
+    a = p.parse_args()
+    import harness  # needs the GPU: after --help
+    import jsdgpu
+    options = {}
+    weights = harness.make_weights(1)
+    print("| T | valid rows | options | host ms before the first product | step ms |")
+    print("| --- | --- | --- | --- | --- |")
+    for T in a.tokens:
+        for valid in a.valid:
+            args = harness.make_sets(T, weights, np.random.default_rng(1), valid)[0]
+
+            def step():
+                jsdgpu.backward(jsdgpu.forward(*args, **options)[1])
+            for _ in range(3):
+                step()
+            host = host_before_first_product(step, a.repeats)
+            ms = harness.time_ms(lambda i: step(), 1, 3, a.repeats)
+            print(f"| {T} | {valid:.0%} | {options or 'default'} | {host:.3f} | {ms:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

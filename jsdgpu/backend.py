@@ -1,0 +1,89 @@
+"""The contract between the chunk loop (jsdgpu.chunks) and a backend (jsdgpu.cpu, jsdgpu.cuda),
+and the gradient sums that pass from forward to backward."""
+
+import dataclasses
+from typing import Any, ContextManager, Protocol
+
+
+@dataclasses.dataclass
+class HeldG:
+    """G held for all rows: what backward needs to form grad_weight = inv_n (G.T @ Xs + the
+    label terms) in one product, once it knows grad_output."""
+    G: Any            # [rows, >= vocab] in the inputs' dtype, without 1/N
+    vocab: int        # Vs: G's columns that are gradient
+    xs: Any           # [rows, Hs]: the rows' student inputs
+    inv_n: float      # 1/N
+    label_terms: Any  # [rows] float32: the label terms kept out of G
+    target: Any       # [rows] int32: the labels (-1: on another rank)
+
+
+@dataclasses.dataclass
+class Gradients:
+    """float32 sums of the gradient over the valid rows, before grad_output is applied."""
+    grad_input: Any         # [Tv, Hs], the valid rows only
+    grad_weight: Any        # [Vs, Hs], or None where held makes it
+    grad_bias: Any          # [Vs] or None
+    held: HeldG = None      # G of all rows, where grad_weight is None
+
+
+class Work(Protocol):
+    """A call's buffers, made by Backend.prepare: G is the gradient rows' memory (None without
+    gradients); fused is truthy where the backend's fused row kernel runs."""
+    G: Any
+    fused: Any
+
+
+class Backend(Protocol):
+    """The steps of the chunk loop on one kind of array (NumPy or CuPy). opts is a LossOptions;
+    target the rows' int32 labels (-1 where the label is on another rank); ce, jsd and
+    label_terms per-row float32 outputs; G the rows' gradient w.r.t. the student logits, without
+    the 1/N of the mean, or None for the loss alone."""
+    xp: Any                     # the array module
+    default_memory_budget: int  # bytes of per-chunk buffers where the caller gives none
+
+    def on_device(self, device) -> ContextManager: ...
+
+    def select_rows(self, target, vocab, ignore_index):
+        """(valid_rows or None where every row is, their int32 targets, their count); raises
+        ValueError for a target outside [0, vocab) that is not ignore_index."""
+
+    def take_rows(self, rows, a, b):
+        """The given rows of a and of b."""
+
+    def scale_cast(self, a, scale, dtype):
+        """a * scale (scale None for 1) in dtype."""
+
+    def bytes_per_row(self, vs, vt, dtype, compute_grad, fused):
+        """(logits, G held for all rows, G per chunk) bytes per row."""
+
+    def prepare(self, ws, wt, bs, bt, rows, g_rows, fused, own_g=False) -> Work:
+        """The buffers for chunks of `rows` rows and G of g_rows rows."""
+
+    def logits(self, work, xs, xt):
+        """The chunk's student and teacher logits into work."""
+
+    def fused_rows(self, work, target, opts, ce, jsd, G, label_terms):
+        """The whole row work in one kernel (where work.fused)."""
+
+    def row_stats(self, work, target, opts):
+        """Phase 1: stats [7, rows] (maxima and sums of exponentials of s, z and t; the label's
+        logit)."""
+
+    def row_kl(self, work, target, stats, opts):
+        """Phase 2: kl [2, rows], the KL sums."""
+
+    def row_finish(self, work, target, stats, kl, opts, ce, jsd, G, label_terms):
+        """Phase 3: the rows' results and G."""
+
+    def grad_products(self, work, G, xs, inv_n, grads, start, stop):
+        """grad_input rows [start, stop), and the chunk's part of the grad_weight and grad_bias
+        sums (the first chunk writes them, the others add)."""
+
+    def add_label_terms(self, work, label_terms, target, xs, inv_n, grads):
+        """The label terms the row kernel kept out of G, added exactly."""
+
+    def hold_g(self, work, xs, inv_n, label_terms, target) -> HeldG:
+        """What weight_product needs of G held for all rows."""
+
+    def weight_product(self, held, scale, dtype):
+        """grad_weight from held G, times scale (None for 1), in dtype."""

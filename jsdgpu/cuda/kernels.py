@@ -1,0 +1,225 @@
+"""Loading and launching the row kernels: each family of jsdgpu/cuda/src compiled by NVRTC
+(CuPy's RawModule, lazily, once per device and instantiation list), the fused kernel's cluster
+attributes and occupancy, and one launcher per kernel, which alone knows its argument order.
+Everything is queued on CuPy's current stream.
+"""
+
+import ctypes
+import functools
+import threading
+
+import cupy
+import numpy as np
+from cupy.cuda import driver
+
+from . import sources
+
+_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE = 15
+_CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING = 2
+_NULL = np.uint64(0)
+
+
+def _pointer(a):
+    """A kernel argument for an optional array: the array, or a null pointer."""
+    return _NULL if a is None else a
+
+
+@functools.lru_cache(maxsize=None)
+def _module(device_id, family, names, source=None):
+    """The family's RawModule for the device, with the instantiations `names`; source: the
+    family's text (sources.source), where a variant replaces the library's."""
+    return cupy.RawModule(code=sources.source(family) if source is None else source,
+                          options=sources.OPTIONS, name_expressions=names)
+
+
+def function(family, name):
+    """A kernel of the family, by its name expression (sources.FAMILIES), for the current device."""
+    return _module(cupy.cuda.Device().id, family, tuple(sources.FAMILIES[family])).get_function(name)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id):
+    # one attribute, once: Device().attributes queries every attribute on each call
+    return cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
+
+
+class _LaunchConfig(ctypes.Structure):
+    """The driver API's CUlaunchConfig."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+class FusedKernel:
+    """The fused row kernel of one dtype and shape on one device: its function, and how many of
+    its clusters fit the GPU at once (the most it is launched with)."""
+
+    def __init__(self, device_id, dtype, shape=sources.FUSED, source=None):
+        name = sources.fused_rows(dtype, shape)
+        self.shape = shape
+        self.function = _module(device_id, "fused_rows", (name,), source).get_function(name)
+        ptr = self.function.kernel.ptr
+        if shape.cluster > 8:  # beyond the portable cluster size: allowed on Hopper, asked for explicitly
+            driver.funcSetAttribute(ptr, _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        # By default the H200 fits 14 clusters of 16 CTAs (each on 16 SMs, two clusters' CTAs per
+        # SM: 116 SMs in use); load balancing lets one more in, on 8 SMs of its own. That one runs
+        # slower, and the kernel hands out rows as they are asked for, so it takes fewer:
+        # -10% time per row at 2048 rows (docs/design.md, "The fused row kernel").
+        driver.funcSetAttribute(ptr, _FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE,
+                                _CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING)
+        self.function.max_dynamic_shared_size_bytes = shape.shared_bytes
+        config = _LaunchConfig((shape.cluster, 1, 1), (shape.threads, 1, 1), shape.shared_bytes, None, None, 0)
+        n = ctypes.c_int()
+        # not wrapped by CuPy: the driver's own entry point (cluster dims are the kernel's own)
+        err = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters(
+            ctypes.byref(n), ctypes.c_void_p(ptr), ctypes.byref(config))
+        if err or n.value < 1:
+            raise RuntimeError(f"cuOccupancyMaxActiveClusters for {name} failed (CUresult {err}, {n.value})")
+        self.max_clusters = n.value
+
+    def slice(self, vt):
+        """Columns per CTA: a multiple of 4 (16-byte loads), cluster * slice >= vt."""
+        return -(-vt // (4 * self.shape.cluster)) * 4
+
+
+@functools.lru_cache(maxsize=None)
+def fused_kernel(device_id, dtype, shape=sources.FUSED, source=None):
+    """The FusedKernel, made once per device, dtype, shape and source."""
+    return FusedKernel(device_id, dtype, shape, source)
+
+
+# ---- the row kernels ----
+
+def _row_args(logits_s, logits_t, bias_s, bias_t, target, vs, vt):
+    """The arguments every row kernel begins with: both logits and their row pitches, both
+    biases (or null), the targets and both vocabulary sizes."""
+    return (logits_s, np.int64(logits_s.shape[1]), logits_t, np.int64(logits_t.shape[1]),
+            _pointer(bias_s), _pointer(bias_t), target, np.int32(vs), np.int32(vt))
+
+
+def launch_fused_rows(kernel, rows, logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts,
+                      ce, jsd, G, label_terms, row_counter):
+    """The fused row kernel over the first `rows` rows of the chunk's logits (G None: the loss
+    alone): as many clusters as fit the GPU at once, each taking rows until none is left."""
+    row_counter.fill(0)  # the kernel hands out rows past each cluster's first two from it
+    args = _row_args(logits_s, logits_t, bias_s, bias_t, target, vs, vt) + (
+        np.int32(kernel.slice(vt)), np.int32(rows), np.float32(1.0 / opts.temperature),
+        np.int32(opts.divergence), np.float32(opts.beta), np.float32(opts.weight_hard_loss),
+        np.float32(opts.w_soft_over_t), ce, jsd, _pointer(G), np.int64(0 if G is None else G.shape[1]),
+        _NULL if G is None else label_terms, row_counter)
+    shape = kernel.shape
+    kernel.function((shape.cluster * min(rows, kernel.max_clusters),), (shape.threads,), args,
+                    shared_mem=shape.shared_bytes)
+
+
+def launch_phase(phase, logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts, *more_args):
+    """A phase kernel ("stats", "kl" or "finish" of the dtype in more_args' place) over the
+    chunk's rows, one CTA per row."""
+    rows = len(target)
+    args = _row_args(logits_s, logits_t, bias_s, bias_t, target, vs, vt) + (
+        np.float32(1.0 / opts.temperature), np.int32(rows))
+    function("phase_rows", phase)((rows,), (sources.PHASE_THREADS,), args + more_args)
+
+
+def phase_stats(logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts):
+    """stats [7, rows] of this rank's columns (phase_rows.cu)."""
+    stats = cupy.empty((7, len(target)), np.float32)
+    launch_phase(sources.phase_stats(), logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts, stats)
+    return stats
+
+
+def phase_kl(logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts, stats):
+    """kl [2, rows]: this rank's part of the KL sums a and b."""
+    kl = cupy.empty((2, stats.shape[1]), np.float32)
+    launch_phase(sources.phase_kl(), logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts,
+                 np.int32(opts.divergence), np.float32(opts.beta), stats, kl)
+    return kl
+
+
+def phase_finish(dtype, logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts, stats, kl,
+                 ce, jsd, G, label_terms):
+    """The rows' CE and JSD values, and with G this rank's gradient columns."""
+    launch_phase(sources.phase_finish(dtype), logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts,
+                 np.int32(opts.divergence), np.float32(opts.beta), np.float32(opts.weight_hard_loss),
+                 np.float32(opts.w_soft_over_t), stats, kl, ce, jsd, _pointer(G),
+                 np.int64(0 if G is None else G.shape[1]), _NULL if G is None else label_terms)
+
+
+# ---- the gradient sums ----
+
+def scale_cast(a, scale, dtype):
+    """a * scale (float32; scale a 0-d float32 device array, or None for 1) in a 16-bit dtype,
+    in one pass."""
+    out = cupy.empty(a.shape, dtype)
+    n = a.size
+    blocks = max(1, min(-(-n // 1024), 8 * sm_count(cupy.cuda.Device().id)))
+    function("gradient_sums", sources.scale_cast(dtype))((blocks,), (256,), (a, out, np.int64(n), _pointer(scale)))
+    return out
+
+
+def label_rows(label_terms, target, ws, inv_n, grad_input):
+    """grad_input[i] += inv_n label_terms[i] ws[target[i]] where target[i] >= 0."""
+    n, hs = grad_input.shape
+    function("gradient_sums", sources.label_rows(ws.dtype))(
+        (n,), (256,), (label_terms, target, ws, np.int32(hs), np.float32(inv_n), grad_input))
+
+
+def label_scatter(label_terms, target, xs, inv_n, scale, grad_weight, grad_bias):
+    """The label terms into grad_weight (float32 sums, or the output in xs's dtype) and grad_bias
+    (either may be None), over the rows sorted by label (a stable sort: the same order, and
+    bits, every run)."""
+    order = cupy.argsort(target).astype(np.int32)
+    out = np.float32 if grad_weight is None else grad_weight.dtype
+    function("gradient_sums", sources.label_scatter(xs.dtype, out))(
+        (len(order),), (256,),
+        (label_terms, order, target[order], np.int32(len(order)), xs, np.int32(xs.shape[1]),
+         np.float32(inv_n), _pointer(scale), _pointer(grad_weight), _pointer(grad_bias)))
+
+
+# ---- the valid rows ----
+
+_per_thread = threading.local()
+
+
+def _select_out(device_id):
+    """(view, address) of select_rows's two results (the count and the first bad row): 8 bytes
+    of page-locked host memory, which the kernel writes straight into (with unified addressing,
+    CUDA maps it into the devices' address space at the same address). One per thread and
+    device, allocated once (an allocation a call took tens of µs inside a step)."""
+    buffers = getattr(_per_thread, "select_out", None)
+    if buffers is None:
+        buffers = _per_thread.select_out = {}
+    if device_id not in buffers:
+        view = np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.int32, 2)  # keeps it alive
+        buffers[device_id] = view, np.uint64(view.ctypes.data)
+    return buffers[device_id]
+
+
+def select_rows(targets, vocab, ignore_index):
+    """(rows, row_target, count, first_bad): the valid rows' indices and int32 targets (device
+    arrays of len(targets), their first `count` entries written), and the first row whose target
+    is neither ignore_index nor in [0, vocab) (len(targets) where none is). Waits for the GPU."""
+    n = len(targets)
+    selected = cupy.empty(2 * n, np.int32)  # one allocation: the rows, then their targets
+    out, out_address = _select_out(cupy.cuda.Device().id)
+    has_ignore = -2**63 <= ignore_index < 2**63  # else no int64 target equals it
+    function("targets", sources.select_rows(targets.dtype))(
+        (1,), (sources.SELECT_THREADS,),
+        (targets, np.int32(n), np.int64(ignore_index if has_ignore else 0), np.int32(has_ignore),
+         np.int64(vocab), selected[:n], selected[n:], out_address))
+    cupy.cuda.get_current_stream().synchronize()
+    count, first_bad = (int(x) for x in out)
+    return selected[:n], selected[n:], count, first_bad
+
+
+def gather_rows(rows, a, b):
+    """The given rows of a and of b (2-D, C-contiguous), by one launch."""
+    out_a = cupy.empty((len(rows), a.shape[1]), a.dtype)
+    out_b = cupy.empty((len(rows), b.shape[1]), b.dtype)
+    if len(rows):
+        row_bytes = (a.shape[1] * a.itemsize, b.shape[1] * b.itemsize)
+        word = 16 if all(n % 16 == 0 for n in row_bytes) else 2  # every dtype here is even-sized
+        function("targets", sources.gather_rows(word))(
+            (len(rows), 2), (256,), (rows, a, out_a, np.int64(row_bytes[0] // word), b, out_b,
+                                     np.int64(row_bytes[1] // word)))
+    return out_a, out_b

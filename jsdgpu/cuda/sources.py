@@ -1,0 +1,126 @@
+"""What NVRTC compiles: each kernel family's CUDA source (jsdgpu/cuda/src) with its headers
+inlined, and the instantiations of its templates. The kernels' shapes and codes are stated here,
+once, and passed to the templates; nothing here needs a GPU (CI compiles every family for sm_90).
+"""
+
+import dataclasses
+import pathlib
+import re
+
+import ml_dtypes
+import numpy as np
+
+from ..options import Divergence
+
+SRC = pathlib.Path(__file__).with_name("src")
+OPTIONS = ("-std=c++17",)
+
+# The format codes of the kernels' 16-bit and float32 arrays (their OUT and IN parameters)
+FORMATS = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(ml_dtypes.bfloat16): 2}
+_FORMAT_NAMES = ("OUT_F32", "OUT_F16", "OUT_BF16")
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedShape:
+    """The fused row kernel's shape: CTAs per cluster (one cluster per row), threads per CTA,
+    float4 groups of columns per thread (held in registers), and the CTAs per SM that its
+    register allocation must allow."""
+    cluster: int = 16
+    threads: int = 512
+    groups: int = 4
+    min_ctas: int = 2
+
+    @property
+    def max_vocab(self):
+        """The widest teacher vocabulary one cluster holds; wider rows take the phase kernels."""
+        return self.cluster * self.threads * self.groups * 4
+
+    @property
+    def shared_bytes(self):
+        """Dynamic shared memory: the next row's columns, a float4 per group, of s and of t."""
+        return 2 * self.groups * self.threads * 16
+
+
+# 16 CTAs of 512 threads, 4 groups each: up to 131072 columns, two CTAs per SM (64 registers a
+# thread); the other shapes measured slower (docs/design.md, "The fused row kernel")
+FUSED = FusedShape()
+PHASE_THREADS = 256  # one CTA of these per row in each phase kernel
+SELECT_THREADS, SELECT_ITEMS = 1024, 8  # select_rows: one CTA, tiles of 8192 targets
+
+
+def fused_rows(dtype, shape=FUSED):
+    return (f"fused_rows<{FORMATS[np.dtype(dtype)]}, {shape.cluster}, {shape.threads}, "
+            f"{shape.groups}, {shape.min_ctas}>")
+
+
+def phase_stats():
+    return f"phase_stats<{PHASE_THREADS}>"
+
+
+def phase_kl():
+    return f"phase_kl<{PHASE_THREADS}>"
+
+
+def phase_finish(dtype):
+    return f"phase_finish<{FORMATS[np.dtype(dtype)]}, {PHASE_THREADS}>"
+
+
+def scale_cast(dtype):
+    return f"scale_cast<{FORMATS[np.dtype(dtype)]}>"
+
+
+def label_rows(dtype):
+    return f"label_rows<{FORMATS[np.dtype(dtype)]}>"
+
+
+def label_scatter(input_dtype, output_dtype):
+    return f"label_scatter<{FORMATS[np.dtype(input_dtype)]}, {FORMATS[np.dtype(output_dtype)]}>"
+
+
+def select_rows(target_dtype):
+    index = "int" if np.dtype(target_dtype) == np.int32 else "long long"
+    return f"select_rows<{index}, {SELECT_THREADS}, {SELECT_ITEMS}>"
+
+
+def gather_rows(word_bytes):
+    return f"gather_rows<{'uint4' if word_bytes == 16 else 'unsigned short'}>"
+
+
+_ALL_DTYPES = tuple(FORMATS)
+_16BIT = _ALL_DTYPES[1:]
+# Every instantiation the library launches, by family (the source file's stem)
+FAMILIES = {
+    "fused_rows": [fused_rows(d) for d in _ALL_DTYPES],
+    "phase_rows": [phase_stats(), phase_kl()] + [phase_finish(d) for d in _ALL_DTYPES],
+    "gradient_sums": ([scale_cast(d) for d in _16BIT] + [label_rows(d) for d in _ALL_DTYPES]
+                      + [label_scatter(d, np.float32) for d in _ALL_DTYPES]
+                      + [label_scatter(d, d) for d in _16BIT]),
+    "targets": [select_rows(np.int32), select_rows(np.int64), gather_rows(16), gather_rows(2)],
+}
+
+
+def prelude():
+    """The codes the sources use, from Python's: the divergences and the formats."""
+    codes = [(d.name, int(d)) for d in Divergence] + list(zip(_FORMAT_NAMES, range(3)))
+    return "".join(f"#define {name} {value}\n" for name, value in codes)
+
+
+def source(family, root=SRC):
+    """The family's source with the codes defined and its headers inlined (each once), so that
+    the text alone decides the compiled code (CuPy caches compiled modules by their text)."""
+    seen = set()
+
+    def inline(path):
+        out = []
+        for line in path.read_text().splitlines(keepends=True):
+            include = re.match(r'#include "([\w.]+)"', line)
+            if include:
+                name = include.group(1)
+                if name not in seen:
+                    seen.add(name)
+                    out.append(inline(root / name))
+            elif not line.startswith("#pragma once"):
+                out.append(line)
+        return "".join(out)
+
+    return prelude() + inline(root / f"{family}.cu")

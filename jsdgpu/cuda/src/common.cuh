@@ -1,0 +1,101 @@
+// What every kernel family shares: float constants, the fast exp2 and log2, the 16-bit output
+// formats and float4 helpers. The mode codes (FORWARD_KL, JSD, REVERSE_KL) and the format codes
+// (OUT_F32, OUT_F16, OUT_BF16) are defined ahead of this header by the loader
+// (jsdgpu/cuda/sources.py), from the Python enums that the launchers use too.
+#pragma once
+
+#define NEG_INF __int_as_float(0xff800000)
+#define FLT_MIN_NORMAL 1.17549435e-38f
+#define FLT_MAX_FINITE 3.40282347e+38f
+#define LOG2E 1.44269504088896341f
+#define LN2 0.693147180559945309f
+
+// .ftz: a result below the smallest normal float (1.2e-38) is 0, and lg2 is only given normal
+// numbers; without it each one costs three more instructions (the profile counted them)
+__device__ __forceinline__ float ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float lg2(float x) {
+  float r;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// max(x, y), but NaN where either is NaN
+__device__ __forceinline__ float max_nan(float x, float y) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+  return r;
+}
+
+template <int OUT>
+__device__ __forceinline__ unsigned short to_16bit(float x) {
+  unsigned short r;
+  if (OUT == OUT_BF16)
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+
+// lo and hi in OUT's 16-bit format, lo in the low half (the lower address)
+template <int OUT>
+__device__ __forceinline__ unsigned pack_16bit(float lo, float hi) {
+  unsigned r;
+  if (OUT == OUT_BF16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// Four consecutive gradient values to G[k..k + n), n <= 4, in OUT's format; G + k is 16-byte
+// (f32) / 8-byte aligned.
+template <int OUT>
+__device__ __forceinline__ void store4(void* G, long long k, const float g[4], int n) {
+  if (OUT == OUT_F32) {
+    float* out = static_cast<float*>(G) + k;
+    if (n == 4) {
+      *reinterpret_cast<float4*>(out) = make_float4(g[0], g[1], g[2], g[3]);
+    } else {
+      for (int j = 0; j < n; ++j) out[j] = g[j];
+    }
+  } else {
+    unsigned short* out = static_cast<unsigned short*>(G) + k;
+    if (n == 4) {
+      *reinterpret_cast<uint2*>(out) = make_uint2(pack_16bit<OUT>(g[0], g[1]), pack_16bit<OUT>(g[2], g[3]));
+    } else {
+      for (int j = 0; j < n; ++j) out[j] = to_16bit<OUT>(g[j]);
+    }
+  }
+}
+
+// a value of x (of IN's format) as float32
+template <int IN>
+__device__ __forceinline__ float load_value(const void* x, long long k) {
+  if (IN == OUT_F32) return static_cast<const float*>(x)[k];
+  const unsigned short v = static_cast<const unsigned short*>(x)[k];
+  if (IN == OUT_BF16) return __uint_as_float((unsigned)v << 16);
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+}
+
+__device__ __forceinline__ float max4(float4 v) { return fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)); }
+
+__device__ __forceinline__ float4 add4(float4 a, float4 b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+// v with its values j in [from, to) replaced by x
+__device__ __forceinline__ float4 fill(float4 v, int from, int to, float x) {
+  const bool r[4] = {from <= 0 && 0 < to, from <= 1 && 1 < to, from <= 2 && 2 < to, from <= 3 && 3 < to};
+  return make_float4(r[0] ? x : v.x, r[1] ? x : v.y, r[2] ? x : v.z, r[3] ? x : v.w);
+}
+
+__device__ __forceinline__ float component(float4 v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}

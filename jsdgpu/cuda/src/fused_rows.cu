@@ -1,0 +1,394 @@
+// The fused row kernel: one thread-block cluster per token row, the row held in registers, all
+// of a row's work done with one read of its logits. Instantiated by jsdgpu/cuda/kernels.py as
+// fused_rows<OUT, CLUSTER, THREADS, GROUPS, MIN_CTAS> (the shape stated there, once).
+#include "ptx.cuh"
+#include "reduce.cuh"
+#include "row_math.cuh"
+
+// ---- the fused kernel ----
+//
+// A thread-block cluster of CLUSTER CTAs works on one token row at a time. CTA r holds the row's
+// columns r * slice + [0, slice) (slice: a multiple of 4), and its thread i holds GROUPS float4
+// groups of them in registers: group k is the CTA's columns 4 (i + k THREADS) + [0, 4). The
+// passes, (1) the row statistics, (2) the JSD sums, (3) the gradient row, work on registers
+// only; each logit crosses HBM once (8 bytes in, 2 or 4 bytes of gradient out).
+//
+// The grid holds only as many clusters as fit the GPU at once, and each takes rows until none
+// is left: while it works on one row, the next one's columns are on their way into shared memory
+// (one bulk copy per matrix and CTA). Rows are handed out as they are asked for, not in a
+// fixed stride (a cluster that runs slower, such as one whose CTAs share SMs with one another,
+// takes fewer rows; with a fixed stride the slowest cluster set the kernel's time): cluster c
+// takes rows c and c + clusters first; from then on, at the start of each row, rank 0 takes the
+// row after the next one from *row_counter (zero at launch) and pushes it with its statistics,
+// so every CTA knows the next row a whole row ahead, when its copy must start.
+// The CTAs exchange partial results by pushing them into one another's shared memory
+// (st.async, counted by an mbarrier), not through cluster barriers: in the profile of that
+// version a fifth of the stall samples were at those barriers.
+// Partial results are merged in a fixed order: lanes by xor trees (every lane gets the same
+// bits), warps by one warp (a warp per statistic, warp 0 for the KL sums), then the cluster's
+// CTAs by rank (the statistics by those warps, the KL sums by every warp that needs them). So
+// every CTA holds the same bits, on every run.
+//
+// S [rows, lds], Tl [rows, ldt]: float32 logits without bias (lds, ldt multiples of 4: a row's
+// float4 at a column below round4(v) is inside its padded row). bias_s, bias_t: float32 biases
+// padded with zeros to a multiple of 4, or null. G [rows, ldg] in OUT's format, or null for the
+// loss alone: the gradient with respect to the student logits, without the 1/N of the mean. Where
+// softmax(s)[y] < 1/2 the label's one-hot term -w_hard dominates G[y] and would be rounded with
+// it to 16 bits: it is left out of G and written to label_terms[row] instead (else 0), for the
+// caller to add exactly (label_scatter). CLUSTER * slice >= vt, slice <= 4 * THREADS * GROUPS.
+// G may be S's own memory (so S and G are not __restrict__): a row's gradient goes over its
+// student logits, which every CTA of the cluster has read by then (each pushed its KL sums after
+// reading its part of the row, and pass 3 comes after every CTA's sums are in).
+//
+// Columns past the CTA's part of the row hold -inf in s and t (2^-inf = 0: no bounds checks in
+// the passes); student columns past vs (the teacher's pad) hold -inf for the statistics, then 0
+// (z = 0) for the JSD sums.
+
+
+template <int OUT, int CLUSTER, int THREADS, int GROUPS>
+struct FusedRow {
+  static constexpr int WARPS = THREADS / 32;
+  float4 s[GROUPS], t[GROUPS];  // student logits (later p where softmax(s) == p), teacher (later h)
+  int n, ns, lo, label_column;  // label_column: the label's column in the slice if its one-hot
+                                // term goes into G, else -1
+  long long row;
+  unsigned rank;
+  RowMath rm;
+  bool label_apart, softmax_is_p;
+  float *ce_out, *jsd_out, *label_terms;
+  void* G;
+  long long ldg;
+  float4* inbox_sums;  // the cluster's CTAs' (a, b), by rank (pushed there)
+  unsigned sums_bar, parity;  // their mbarrier, and the parity of this row's phase
+  float target_logit;         // the row's logit at its label (for the CE)
+
+  __device__ __forceinline__ int column(int k) const { return 4 * (threadIdx.x + k * THREADS); }
+
+  template <int MODE, bool SOFTMAX_IS_P>
+  __device__ __forceinline__ void passes() {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // 2. a and b; t becomes h, and s becomes p where softmax(s) == p (no temperature, no pad),
+    //    so that pass 3 needs no exp
+    float a = 0.0f, b = 0.0f;
+#pragma unroll
+    for (int k = 0; k < GROUPS; ++k) {
+      if (column(k) >= n) continue;
+      const float sv[4] = {s[k].x, s[k].y, s[k].z, s[k].w}, tv[4] = {t[k].x, t[k].y, t[k].z, t[k].w};
+      float pv[4], hv[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const KlTerms kt = kl_terms<MODE>(sv[j], tv[j], rm);
+        a += kt.a;
+        b += kt.b;
+        pv[j] = kt.p;
+        hv[j] = kt.h;
+      }
+      t[k] = make_float4(hv[0], hv[1], hv[2], hv[3]);
+      if (SOFTMAX_IS_P) s[k] = make_float4(pv[0], pv[1], pv[2], pv[3]);
+    }
+    const float2 mine = block_merge<THREADS>(make_float2(a, b), make_float2(0.0f, 0.0f), sums_warp_merge<32>,
+                                             sums_warp_merge<tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER)>);
+    // this CTA's sums, pushed to every CTA (lane r to rank r)
+    if (warp == 0 && lane < CLUSTER)
+      push4(smem_addr(inbox_sums + rank), make_float4(mine.x, mine.y, 0.0f, 0.0f), sums_bar, lane);
+    // The cluster's sums: every warp that needs them waits for them and merges them itself (the
+    // same tree, so the same bits), with no block barrier behind one warp's merge. Without G only
+    // warp 0 needs them (for the row's results); the others go on to the next row.
+    if (G == nullptr && warp != 0) return;
+    mbar_wait(sums_bar, parity);
+    float2 r = make_float2(0.0f, 0.0f);
+    if (lane < CLUSTER) {
+      const float4 v = ld_shared4(smem_addr(inbox_sums) + 16 * lane_id());
+      r = make_float2(v.x, v.y);
+    }
+    r = sums_warp_merge<32>(r);  // the other lanes hold zeros: every lane gets the CLUSTER lanes' tree's bits
+    if (warp == 0 && lane == 0 && rank == 0)
+      write_row_results<MODE>(row, target_logit, r.x, r.y, label_apart, rm, G != nullptr, ce_out, jsd_out,
+                              label_terms);
+    // 3. the gradient row: the loop writes the groups of 4 student columns, without the
+    //    label's one-hot term; after it, the thread that holds them writes the group that ends
+    //    inside a float4 (where ns % 4 != 0) and, where the one-hot term goes into G, the label's
+    //    value over its group's. So the loop holds one check per group. Group k's values go to
+    //    g0 + 4 k THREADS: offsets the stores take as immediates.
+    if (G != nullptr) {
+      const float kl = r.x;
+      const long long g0 = row * ldg + lo + column(0);
+      const int ns4 = ns & ~3;
+#pragma unroll
+      for (int k = 0; k < GROUPS; ++k) {
+        if (column(k) >= ns4) continue;
+        float out[4];
+        gradient<MODE, SOFTMAX_IS_P>(k, kl, -1, out);
+        store4<OUT>(G, g0 + 4 * k * THREADS, out, 4);
+      }
+      if (label_column >= 0 || ns4 != ns) {
+#pragma unroll
+        for (int k = 0; k < GROUPS; ++k) {
+          const int c = column(k);
+          const bool tail = c == ns4 && ns4 != ns, label = (label_column & ~3) == c;
+          if (!tail && !label) continue;
+          float out[4];
+          gradient<MODE, SOFTMAX_IS_P>(k, kl, label ? label_column - c : -1, out);
+          if (tail) {
+            store4<OUT>(G, g0 + 4 * k * THREADS, out, ns & 3);  // the columns c + [0, ns - c)
+          } else {
+            const float value = component(make_float4(out[0], out[1], out[2], out[3]), label_column - c);
+            store4<OUT>(G, g0 + 4 * k * THREADS + (label_column - c), &value, 1);
+          }
+        }
+      }
+    }
+  }
+
+  // The gradient values of group k; its value j_label (if 0..3) with the label's one-hot term.
+  template <int MODE, bool SOFTMAX_IS_P>
+  __device__ __forceinline__ void gradient(int k, float kl, int j_label, float out[4]) const {
+    const float sv[4] = {s[k].x, s[k].y, s[k].z, s[k].w}, hv[4] = {t[k].x, t[k].y, t[k].z, t[k].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float p = SOFTMAX_IS_P ? sv[j] : ex2(fmaf(sv[j], rm.scale2, -rm.lse_z2));
+      const float softmax = SOFTMAX_IS_P ? p : softmax_of(sv[j], rm);
+      out[j] = grad_value<MODE, SOFTMAX_IS_P>(softmax, p, hv[j], j == j_label, kl, rm);
+    }
+  }
+};
+
+template <int MODE, int OUT, int CLUSTER, int THREADS, int GROUPS>
+__device__ __forceinline__ void fused_rows_body(const float* S, long long lds, const float* __restrict__ Tl,
+                                         long long ldt, const float* __restrict__ bias_s,
+                                         const float* __restrict__ bias_t, const int* __restrict__ target, int vs,
+                                         int vt, int slice, int rows, float inv_temp, float beta,
+                                         float w_hard, float w_soft_over_t, float* __restrict__ ce_out,
+                                         float* __restrict__ jsd_out, void* G, long long ldg,
+                                         float* __restrict__ label_terms, int* __restrict__ row_counter) {
+  static_assert(CLUSTER < 32, "lane CLUSTER of warp 2 holds the pad columns' part of z");
+  static_assert(THREADS >= 128, "warps 0, 1 and 2 merge one statistic each; a thread of warp 3 copies");
+  constexpr int WARPS = THREADS / 32;
+  constexpr int COPIER = 96;  // the thread that starts the copies: in warp 3, which merges nothing
+  // The next row's part of this CTA, copied ahead while this row is worked on: the student's
+  // GROUPS * THREADS float4s, then the teacher's, each in the order of its columns, so that float4
+  // k * THREADS + i is thread i's group k.
+  extern __shared__ float4 next_row[];
+  __shared__ Lse warp_lse[3][WARPS];
+  __shared__ float target_logit;  // in the CTA that holds the label's column
+  // The cluster's CTAs push their partial results here: the statistics by statistic (s, t with
+  // the label's logit, z where it is apart), then rank; then the KL sums, by rank. Row i + 1's
+  // pushes cannot come before this CTA has read row i's: a CTA pushes its statistics of row i + 1
+  // only after it has all sums of row i, this CTA's among them, pushed after it read the
+  // statistics of row i; likewise for the sums.
+  __shared__ float4 inbox_stats[3 * CLUSTER], inbox_sums[CLUSTER];
+  __shared__ unsigned long long bars[3];  // their mbarriers, and the copies': one phase per row
+  __shared__ float row_values[4];  // the cluster's statistics, for every thread
+  __shared__ int row_after;        // the row after the next one (from rank 0), for every thread
+  // vt - vs, read from here by the one lane that needs it: held in a register through the loop,
+  // it was spilled in jsd_rows_f32
+  __shared__ float pad_columns;
+
+  FusedRow<OUT, CLUSTER, THREADS, GROUPS> f;
+  const unsigned rank = cluster_ctarank();
+  const int lo = rank * slice;
+  const int n = max(0, min(slice, vt - lo));  // this CTA's columns: lo + [0, n)
+  const int ns = max(0, min(n, vs - lo));     // of which student columns: lo + [0, ns)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool tempered = inv_temp != 1.0f;
+  const bool z_apart = tempered || vt > vs;  // z = s / T is not s: it has a temperature or pad columns
+  const float scale2 = inv_temp * LOG2E;
+  // shared-memory addresses of this thread's group 0 there; group k is k * THREADS float4s on
+  const unsigned next_s = smem_addr(next_row + threadIdx.x), next_t = next_s + 16 * GROUPS * THREADS;
+  f.n = n;
+  f.ns = ns;
+  f.lo = lo;
+  f.rank = rank;
+  f.softmax_is_p = !tempered && vt == vs;
+  f.ce_out = ce_out;
+  f.jsd_out = jsd_out;
+  f.label_terms = label_terms;
+  f.G = G;
+  f.ldg = ldg;
+  f.inbox_sums = inbox_sums;
+  f.sums_bar = smem_addr(bars + 1);
+  const unsigned stats_bar = smem_addr(bars), copy_bar = smem_addr(bars + 2);
+  if (threadIdx.x == 0) {
+    mbar_init(stats_bar, 1);
+    mbar_init(f.sums_bar, 1);
+    mbar_init(copy_bar, 1);
+    pad_columns = vt - vs;
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // The copies fill only the slots of next_row that hold the CTA's columns; the others hold -inf
+  // from here on, so that the loads below need no bounds checks.
+  const float4 none4 = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+#pragma unroll
+  for (int k = 0; k < GROUPS; ++k) {
+    if (f.column(k) >= ns) next_row[k * THREADS + threadIdx.x] = none4;
+    if (f.column(k) >= n) next_row[(GROUPS + k) * THREADS + threadIdx.x] = none4;
+  }
+  cluster_sync();  // every CTA's mbarriers are ready before any push
+  // One bulk copy per matrix (the Tensor Memory Accelerator's, by COPIER, once every thread has
+  // read the previous row from next_row), completed on copy_bar: per thread, a copy of its own
+  // columns took 7 instructions per float4 in address arithmetic. A part that ends inside a float4
+  // is copied to the float4's end (inside the padded row); the load below sets the rest to -inf.
+  const unsigned t_bytes = 16 * ((n + 3) / 4), s_bytes = 16 * ((ns + 3) / 4);
+  auto copy_ahead = [&](int row) {
+    fence_proxy_async();  // the CTA's reads of next_row (before a barrier) come before the copies
+    mbar_expect_bytes(copy_bar, t_bytes + s_bytes);
+    if (s_bytes != 0) bulk_copy(smem_addr(next_row), S + row * lds + lo, s_bytes, copy_bar);
+    if (t_bytes != 0) bulk_copy(smem_addr(next_row + GROUPS * THREADS), Tl + row * ldt + lo, t_bytes, copy_bar);
+  };
+  // Rare, and the same in every row: biases, or a slice that ends inside a float4 of columns
+  // (whose values past the end must be -inf).
+  const bool adjust = bias_s != nullptr || bias_t != nullptr || n % 4 != 0 || ns % 4 != 0;
+
+  // This cluster's row and the next one: the first two by its index, then from row_counter.
+  const int clusters = gridDim.x / CLUSTER;
+  int row = blockIdx.x / CLUSTER, next = row + clusters;
+  if (threadIdx.x == COPIER && row < rows) copy_ahead(row);
+  for (unsigned parity = 0; row < rows; parity ^= 1) {
+    int after = 0;  // the row after next: thread 0 of rank 0 takes it; every CTA gets it below
+    if (threadIdx.x == 0) {  // the one arrival of this row's phases; the pushes bring the bytes
+      mbar_expect_bytes(stats_bar, (z_apart ? 3 : 2) * CLUSTER * sizeof(float4));
+      mbar_expect_bytes(f.sums_bar, sizeof(inbox_sums));
+      // 2 * clusters, from gridDim.x read again here (kept from above, ptxas spilled it)
+      if (rank == 0) after = 2 * (grid_ctas() / CLUSTER) + atomicAdd(row_counter, 1);
+    }
+    const int y = target[row];
+    mbar_wait(copy_bar, parity);
+    // 0. the thread's columns into registers (-inf past the ends), with their biases
+#pragma unroll
+    for (int k = 0; k < GROUPS; ++k) {
+      f.s[k] = ld_shared4(next_s + 16 * k * THREADS);
+      f.t[k] = ld_shared4(next_t + 16 * k * THREADS);
+    }
+    if (adjust) {
+#pragma unroll
+      for (int k = 0; k < GROUPS; ++k) {
+        const int c = f.column(k);
+        if (c < n) {
+          if (bias_t) f.t[k] = add4(f.t[k], *reinterpret_cast<const float4*>(bias_t + lo + c));
+          if (c + 4 > n) f.t[k] = fill(f.t[k], n - c, 4, NEG_INF);
+        }
+        if (c < ns) {
+          if (bias_s) f.s[k] = add4(f.s[k], *reinterpret_cast<const float4*>(bias_s + lo + c));
+          if (c + 4 > ns) f.s[k] = fill(f.s[k], ns - c, 4, NEG_INF);
+        }
+      }
+    }
+    // 1. the row statistics: the warp's max, then the sum of 2^(x - max) (no data-dependent
+    //    branch). inv_temp > 0, so the max of x * scale2 is max(x) * scale2.
+    float max_s = NEG_INF, max_t = NEG_INF;
+#pragma unroll
+    for (int k = 0; k < GROUPS; ++k) {
+      max_s = fmaxf(max_s, max4(f.s[k]));
+      max_t = fmaxf(max_t, max4(f.t[k]));
+    }
+    max_s = warp_max(max_s);
+    max_t = warp_max(max_t);
+    Lse ls = {max_s * LOG2E, 0.0f}, lz = {max_s * scale2, 0.0f}, lt = {max_t * scale2, 0.0f};
+    // a warp with no column of s or t sums nothing (2^(-inf - -inf) would be NaN)
+    if (max_t != NEG_INF) {
+#pragma unroll
+      for (int k = 0; k < GROUPS; ++k) lt.s += sum_ex2_4(f.t[k], scale2, lt.m);
+      lt.s = warp_sum(lt.s);
+    }
+    if (max_s != NEG_INF) {
+#pragma unroll
+      for (int k = 0; k < GROUPS; ++k) ls.s += sum_ex2_4(f.s[k], LOG2E, ls.m);
+      ls.s = warp_sum(ls.s);
+      if (tempered) {
+#pragma unroll
+        for (int k = 0; k < GROUPS; ++k) lz.s += sum_ex2_4(f.s[k], scale2, lz.m);
+        lz.s = warp_sum(lz.s);
+      }
+    }
+    const bool holds_label = y >= lo && y < lo + ns;
+    if (holds_label) {  // the label's (biased) logit, from the thread that holds it
+#pragma unroll
+      for (int k = 0; k < GROUPS; ++k)
+        if (f.column(k) == ((y - lo) & ~3)) target_logit = component(f.s[k], (y - lo) & 3);
+    }
+    if (lane == 0) {
+      warp_lse[0][warp] = ls;
+      warp_lse[1][warp] = lz;  // read only where tempered
+      warp_lse[2][warp] = lt;
+    }
+    __syncthreads();  // after it every thread's reads of next_row are done: the next row's copies start
+    if (threadIdx.x == COPIER && next < rows) copy_ahead(next);
+    // The three statistics merged at once by three warps: s by warp 0, t by warp 1, and z by
+    // warp 2 where it is not s; each warp's total pushed to every CTA (lane r to rank r), then
+    // every CTA's merged.
+    if (warp < (z_apart ? 3 : 2)) {
+      const int stat = warp;  // inbox_stats[stat][rank]
+      const Lse none = {NEG_INF, 0.0f};
+      // over the warps' lanes, and lanes enough for the pushes below
+      constexpr int LANES = tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER);
+      // warp_lse rows: 0 s, 1 z (where tempered; else z's parts are s's), 2 t
+      const int from = stat == 0 ? 0 : stat == 1 ? 2 : tempered ? 1 : 0;
+      const Lse mine = lse_lanes<LANES>(lane < WARPS ? warp_lse[from][lane] : none);
+      const int after_of_rank = __shfl_sync(0xffffffffu, after, 0);  // warp 0's is thread 0's
+      if (lane < CLUSTER)
+        push4(smem_addr(inbox_stats + stat * CLUSTER + rank),
+              make_float4(mine.m, mine.s, stat == 1 && holds_label ? target_logit : 0.0f,
+                          __int_as_float(after_of_rank)), stats_bar, lane);
+      mbar_wait(stats_bar, parity);
+      float4 u = make_float4(NEG_INF, 0.0f, 0.0f, 0.0f);
+      if (lane < CLUSTER) u = inbox_stats[stat * CLUSTER + lane];
+      if (stat == 0 && lane == 0) row_after = __float_as_int(u.w);  // rank 0's statistic s
+      if (stat == 2 && lane == CLUSTER && vt > vs) u = make_float4(0.0f, pad_columns, 0.0f, 0.0f);  // the pad: z = 0
+      // z's tree spans lane CLUSTER, which holds the pad's part
+      const Lse total = stat == 2 ? lse_lanes(Lse{u.x, u.y}) : lse_lanes<tree_lanes(CLUSTER)>(Lse{u.x, u.y});
+      const float label_logit = stat == 1 ? warp_sum<tree_lanes(CLUSTER)>(u.z) : 0.0f;  // one CTA's is not 0
+      if (lane == 0) {
+        // each sum is >= 1 (its max's own term) or NaN: lg2.approx's error is absolute (about
+        // 2^-22 by the PTX ISA), small beside the log
+        const float bits = total.m + lg2(total.s);
+        if (stat == 0) {
+          row_values[0] = bits * LN2;
+          if (!z_apart) row_values[1] = bits;
+        } else if (stat == 1) {
+          row_values[2] = bits;
+          row_values[3] = label_logit;
+        } else {
+          row_values[1] = bits;
+        }
+      }
+    }
+    __syncthreads();
+    if (n > ns) {  // the statistics are read: the pad columns become z = 0 for pass 2
+#pragma unroll
+      for (int k = 0; k < GROUPS; ++k) {
+        const int c = f.column(k);
+        if (c + 4 > ns && c < n) f.s[k] = fill(f.s[k], ns - c, n - c, 0.0f);
+      }
+    }
+
+    f.row = row;
+    const int after_row = row_after;  // read before the next row's statistics overwrite it
+    f.rm = RowMath{scale2, row_values[0], row_values[1], row_values[2], beta, w_hard, w_soft_over_t};
+    f.target_logit = row_values[3];
+    f.label_apart = G != nullptr && label_dominates(f.target_logit, row_values[0]);
+    f.label_column = holds_label && !f.label_apart ? y - lo : -1;
+    f.parity = parity;
+    if (f.softmax_is_p)
+      f.template passes<MODE, true>();
+    else
+      f.template passes<MODE, false>();
+    row = next;
+    next = after_row;
+  }
+  cluster_sync();  // no CTA leaves while its pushes may still be on the way
+}
+
+#define JSD_ROWS_ARGS                                                                                   \
+  const float *S, long long lds, const float *Tl, long long ldt, const float *bias_s, const float *bias_t, \
+      const int *target, int vs, int vt, int slice, int rows, float inv_temp, int mode, float beta,       \
+      float w_hard, float w_soft_over_t, float *ce_out, float *jsd_out, void *G, long long ldg, float *label_terms, \
+      int *row_counter
+#define JSD_ROWS_CALL                                                                                      \
+  S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, slice, rows, inv_temp, beta, w_hard, w_soft_over_t, ce_out, \
+      jsd_out, G, ldg, label_terms, row_counter
+
+// MIN_CTAS: CTAs per SM that the register allocation must allow
+template <int OUT, int CLUSTER, int THREADS, int GROUPS, int MIN_CTAS>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MIN_CTAS) fused_rows(JSD_ROWS_ARGS) {
+  mode_dispatch(mode, [=](auto m) { fused_rows_body<decltype(m)::value, OUT, CLUSTER, THREADS, GROUPS>(JSD_ROWS_CALL); });
+}

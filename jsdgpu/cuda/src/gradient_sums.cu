@@ -1,0 +1,91 @@
+// The gradient sums' kernels: float32 sums to 16-bit gradients (scale_cast), and the label
+// terms that the row kernels keep out of 16-bit G, added exactly (label_rows for grad_input,
+// label_scatter for grad_weight and grad_bias). Instantiated by jsdgpu/cuda/kernels.py.
+#include "common.cuh"
+
+// float32 sums to 16-bit gradients, times grad_output (scale null: 1)
+template <int OUT>
+__device__ __forceinline__ void scale_cast_body(const float* __restrict__ in, unsigned short* __restrict__ out,
+                                           long long n, const float* __restrict__ scale) {
+  const float k = scale ? *scale : 1.0f;
+  const long long stride = 4LL * gridDim.x * blockDim.x;
+  for (long long i = 4LL * (blockIdx.x * (long long)blockDim.x + threadIdx.x); i < n; i += stride) {
+    float g[4];
+    const int count = n - i < 4 ? (int)(n - i) : 4;
+    if (count == 4) {
+      const float4 v = *reinterpret_cast<const float4*>(in + i);
+      g[0] = v.x * k; g[1] = v.y * k; g[2] = v.z * k; g[3] = v.w * k;
+    } else {
+      for (int c = 0; c < count; ++c) g[c] = in[i + c] * k;
+    }
+    store4<OUT>(out, i, g, count);
+  }
+}
+
+template <int OUT>
+__global__ void scale_cast(const float* in, unsigned short* out, long long n, const float* scale) {
+  scale_cast_body<OUT>(in, out, n, scale);
+}
+
+// label_rows: grad_input[i] += inv_n * label_terms[i] * ws[target[i]] for the rows whose label this
+// rank owns (target[i] >= 0); grad_input float32 [rows, hs], one block per row.
+template <int IN>
+__device__ __forceinline__ void label_rows_body(const float* __restrict__ label_terms, const int* __restrict__ target,
+                                           const void* __restrict__ ws, int hs, float inv_n,
+                                           float* __restrict__ grad_input) {
+  const int i = blockIdx.x;
+  const long long label = target[i];
+  if (label < 0) return;
+  const float k = label_terms[i] * inv_n;
+  for (int h = threadIdx.x; h < hs; h += blockDim.x)
+    grad_input[(long long)i * hs + h] += k * load_value<IN>(ws, label * hs + h);
+}
+
+#define LABEL_ROWS_ARGS \
+  const float *label_terms, const int *target, const void *ws, int hs, float inv_n, float *grad_input
+template <int IN>
+__global__ void label_rows(LABEL_ROWS_ARGS) { label_rows_body<IN>(label_terms, target, ws, hs, inv_n, grad_input); }
+
+// grad_weight[label] += k * sum over the rows i with that label of label_terms[i] * x[i], and
+// grad_bias[label] likewise, with k = inv_n (times *scale where scale is not null). order: the
+// rows sorted by label, stably; sorted_target: their labels (-1: a label on another rank).
+// grad_weight (or grad_bias) null: left alone. grad_weight is the float32 sums (OUT = OUT_F32) or
+// the finished gradient in the inputs' dtype (OUT = IN); grad_bias is always float32 sums.
+// Block b works only where a label's rows start, and adds them in order: no atomics, so the
+// results have the same bits on every run.
+
+template <int IN, int OUT>
+__device__ __forceinline__ void label_scatter_body(const float* __restrict__ label_terms, const int* __restrict__ order,
+                                              const int* __restrict__ sorted_target, int n_rows,
+                                              const void* __restrict__ x, int hs, float inv_n,
+                                              const float* __restrict__ scale, void* __restrict__ grad_weight,
+                                              float* __restrict__ grad_bias) {
+  const int begin = blockIdx.x;
+  const long long label = sorted_target[begin];
+  if (label < 0 || (begin > 0 && sorted_target[begin - 1] == label)) return;
+  int end = begin + 1;
+  while (end < n_rows && sorted_target[end] == label) ++end;
+  const float k = scale ? inv_n * *scale : inv_n;
+  for (int h = threadIdx.x; grad_weight != nullptr && h < hs; h += blockDim.x) {
+    float acc = 0.0f;
+    for (int r = begin; r < end; ++r) {
+      const int i = order[r];
+      acc += label_terms[i] * load_value<IN>(x, (long long)i * hs + h);
+    }
+    const float sum = load_value<OUT>(grad_weight, label * hs + h) + k * acc;
+    store4<OUT>(grad_weight, label * hs + h, &sum, 1);
+  }
+  if (grad_bias != nullptr && threadIdx.x == 0) {
+    float acc = 0.0f;
+    for (int r = begin; r < end; ++r) acc += label_terms[order[r]];
+    grad_bias[label] += k * acc;
+  }
+}
+
+#define LABEL_SCATTER_ARGS                                                                                \
+  const float *label_terms, const int *order, const int *sorted_target, int n_rows, const void *x, int hs, \
+      float inv_n, const float *scale, void *grad_weight, float *grad_bias
+#define LABEL_SCATTER_CALL label_terms, order, sorted_target, n_rows, x, hs, inv_n, scale, grad_weight, grad_bias
+// IN: the inputs' format; OUT: grad_weight's
+template <int IN, int OUT>
+__global__ void label_scatter(LABEL_SCATTER_ARGS) { label_scatter_body<IN, OUT>(LABEL_SCATTER_CALL); }

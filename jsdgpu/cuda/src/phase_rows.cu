@@ -1,0 +1,172 @@
+// The row work in three streaming kernels: the row statistics, the KL sums, then the row's
+// results and its gradient columns. They run where the fused kernel cannot: under vocab
+// parallelism (each rank holds columns [v0, v0 + vt) of every row, student columns
+// [v0, v0 + vs), and the driver combines the ranks' statistics and KL sums over NCCL between the
+// phases), and on one GPU where the teacher's vocabulary is wider than a cluster holds. One CTA
+// of THREADS per row, 16-byte loads, partial sums merged in a fixed order. Instantiated by
+// jsdgpu/cuda/kernels.py (THREADS stated there).
+//
+// stats [7, rows]: the maxima of s, z and t; the sums of exp(x - max) of s, z (with this
+// rank's pad columns) and t; the target logit where this rank owns the label (else 0).
+// kl [2, rows]: a and b. target: the label's column in this rank's shard, -1 where not owned.
+#include "reduce.cuh"
+#include "row_math.cuh"
+
+// Columns i..i+3 of the row: the biased student (NEG_INF past ns) and teacher logits. i < n and
+// i is a multiple of 4; the rows and biases are padded to a multiple of 4, so a float4 at i < ns
+// (i < n) stays inside the student (teacher) row.
+__device__ __forceinline__ void load_columns(const float* srow, const float* trow, const float* bias_s,
+                                             const float* bias_t, int i, int ns, float s[4], float t[4]) {
+  float4 t4 = *reinterpret_cast<const float4*>(trow + i);
+  if (bias_t) {
+    t4 = add4(t4, *reinterpret_cast<const float4*>(bias_t + i));
+  }
+  t[0] = t4.x; t[1] = t4.y; t[2] = t4.z; t[3] = t4.w;
+  float4 s4 = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+  if (i < ns) {
+    s4 = *reinterpret_cast<const float4*>(srow + i);
+    if (bias_s) {
+      s4 = add4(s4, *reinterpret_cast<const float4*>(bias_s + i));
+    }
+  }
+  s[0] = s4.x; s[1] = s4.y; s[2] = s4.z; s[3] = s4.w;
+}
+
+// The logsumexp parts of x[k] * scale over the first count of four values
+__device__ __forceinline__ Lse lse_of4(const float x[4], float scale, int count) {
+  float m = NEG_INF;
+  for (int k = 0; k < 4; ++k)
+    if (k < count) m = fmaxf(m, x[k] * scale);
+  float s = 0.0f;
+  for (int k = 0; k < 4; ++k)
+    if (k < count) s += __expf(x[k] * scale - m);
+  Lse r = {m, s};
+  return r;
+}
+
+#define PHASE_ROW_ARGS                                                                                    \
+  const float *S, long long lds, const float *Tl, long long ldt, const float *bias_s, const float *bias_t, \
+      const int *target, int vs, int vt, float inv_temp, int rows
+
+// Phase 1: this rank's part of the row statistics.
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) phase_stats(PHASE_ROW_ARGS, float* stats) {
+  const long long row = blockIdx.x;
+  const float *srow = S + row * lds, *trow = Tl + row * ldt;
+  const int y = target[row];
+  const bool tempered = inv_temp != 1.0f;
+  Stats st = stats_empty();
+  for (int i = 4 * threadIdx.x; i < vt; i += 4 * THREADS) {
+    float s[4], t[4];
+    load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
+    const int cs = max(0, min(4, vs - i)), ct = min(4, vt - i);
+    st.s = lse_merge(st.s, lse_of4(s, 1.0f, cs));
+    if (tempered) st.z = lse_merge(st.z, lse_of4(s, inv_temp, cs));
+    st.t = lse_merge(st.t, lse_of4(t, inv_temp, ct));
+    if (y >= i && y < i + cs) st.target_logit = s[y - i];
+  }
+  Stats r = block_merge<THREADS>(st, stats_empty(), stats_warp_merge, stats_warp_merge);
+  if (threadIdx.x == 0) {
+    if (!tempered) r.z = r.s;
+    if (vt > vs) {  // this rank's pad columns: z = 0, vt - vs of them
+      Lse pad = {0.0f, (float)(vt - vs)};
+      r.z = lse_merge(r.z, pad);
+    }
+    const float v[7] = {r.s.m, r.z.m, r.t.m, r.s.s, r.z.s, r.t.s, r.target_logit};
+    for (int k = 0; k < 7; ++k) stats[k * (long long)rows + row] = v[k];
+  }
+}
+
+// The row's RowMath from the statistics combined over all ranks
+__device__ __forceinline__ RowMath phase_row_math(const float* stats, long long row, int rows, float inv_temp,
+                                               float beta, float w_hard, float w_soft_over_t) {
+  const float* st = stats + row;
+  RowMath r = {inv_temp * LOG2E,
+               st[0] + logf(st[3 * (long long)rows]),
+               (st[(long long)rows] + logf(st[4 * (long long)rows])) * LOG2E,
+               (st[2 * (long long)rows] + logf(st[5 * (long long)rows])) * LOG2E,
+               beta, w_hard, w_soft_over_t};
+  return r;
+}
+
+// Phase 2: this thread's part of the row's KL sums a and b.
+template <int THREADS>
+struct KlSums {
+  const float *srow, *trow, *bias_s, *bias_t;
+  int vs, vt;
+  RowMath rm;
+  float2 ab;
+
+  template <int MODE>
+  __device__ __forceinline__ void operator()(Mode<MODE>) {
+    for (int i = 4 * threadIdx.x; i < vt; i += 4 * THREADS) {
+      float s[4], t[4];
+      load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
+      for (int k = 0; k < 4 && i + k < vt; ++k) {
+        const KlTerms terms = kl_terms<MODE>(i + k < vs ? s[k] : 0.0f, t[k], rm);
+        ab.x += terms.a;
+        ab.y += terms.b;
+      }
+    }
+  }
+};
+
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) phase_kl(PHASE_ROW_ARGS, int mode, float beta, const float* stats, float* kl) {
+  const long long row = blockIdx.x;
+  KlSums<THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, vt,
+                phase_row_math(stats, row, rows, inv_temp, beta, 0.0f, 0.0f), make_float2(0.0f, 0.0f)};
+  mode_dispatch(mode, f);
+  const float2 ab = block_merge<THREADS>(f.ab, make_float2(0.0f, 0.0f), sums_warp_merge<32>,
+                                              sums_warp_merge<tree_lanes(THREADS / 32)>);
+  if (threadIdx.x == 0) {
+    kl[row] = ab.x;
+    kl[rows + row] = ab.y;
+  }
+}
+
+// Phase 3: the row's CE and JSD values (every rank the same), and this rank's gradient columns.
+template <int OUT, int THREADS>
+struct Finish {
+  const float *srow, *trow, *bias_s, *bias_t;
+  int vs, y;
+  long long row;
+  RowMath rm;
+  float target_logit, a, b;
+  float *ce_out, *jsd_out, *label_terms;
+  void* G;
+  long long ldg;
+
+  template <int MODE>
+  __device__ __forceinline__ void operator()(Mode<MODE>) {
+    const bool label_apart = G != nullptr && y >= 0 && label_dominates(target_logit, rm.lse_s);
+    if (threadIdx.x == 0)
+      write_row_results<MODE>(row, target_logit, a, b, label_apart, rm, G != nullptr, ce_out, jsd_out,
+                              label_terms);
+    if (G == nullptr) return;
+    for (int i = 4 * threadIdx.x; i < vs; i += 4 * THREADS) {
+      float s[4], t[4], g[4];
+      load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const KlTerms terms = kl_terms<MODE>(s[k], t[k], rm);
+        // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns
+        g[k] = grad_value<MODE, false>(softmax_of(s[k], rm), terms.p, terms.h, i + k == y && !label_apart, a, rm);
+      }
+      const int count = min(4, vs - i);
+      store4<OUT>(G, row * ldg + i, g, count);
+    }
+  }
+};
+
+template <int OUT, int THREADS>
+__global__ void __launch_bounds__(THREADS)
+    phase_finish(PHASE_ROW_ARGS, int mode, float beta, float w_hard, float w_soft_over_t, const float* stats,
+                 const float* kl, float* ce_out, float* jsd_out, void* G, long long ldg, float* label_terms) {
+  const long long row = blockIdx.x;
+  Finish<OUT, THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, target[row], row,
+                            phase_row_math(stats, row, rows, inv_temp, beta, w_hard, w_soft_over_t),
+                            stats[6 * (long long)rows + row], kl[row], kl[rows + row],
+                            ce_out, jsd_out, label_terms, G, ldg};
+  mode_dispatch(mode, f);
+}

@@ -1,0 +1,95 @@
+// Which token rows count, and their rows gathered: select_rows and gather_rows, instantiated by
+// jsdgpu/cuda/kernels.py.
+#include "reduce.cuh"
+
+// The valid rows: which token rows count, and their targets.
+//
+// One CTA scans the targets in order, in tiles of THREADS * ITEMS: rows gets the
+// indices of the rows whose target is not ignore_index (has_ignore: ignore_index is an int64), in
+// order, and row_target their targets as int32; out[0] = their count, out[1] = the first row
+// whose target is neither ignore_index nor in [0, vocab) (n where there is none). One CTA keeps
+// the order with no second kernel; the targets of T = 8192 rows are one tile.
+template <typename T, int THREADS, int ITEMS>
+__device__ __forceinline__ void select_rows_body(const T* __restrict__ target, int n, long long ignore_index,
+                                            int has_ignore, long long vocab, int* __restrict__ rows,
+                                            int* __restrict__ row_target, int* __restrict__ out) {
+  constexpr int WARPS = THREADS / 32;
+  __shared__ int warp_total[WARPS];
+  __shared__ int done, first_bad;  // rows selected by the tiles before; the first bad row
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) {
+    done = 0;
+    first_bad = n;
+  }
+  __syncthreads();
+  for (int tile = 0; tile < n; tile += THREADS * ITEMS) {
+    const int i0 = tile + threadIdx.x * ITEMS;
+    int v[ITEMS];  // the targets as int32 (where they are not bad, they fit)
+    unsigned valid = 0;   // bit j: row i0 + j is selected
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) {
+      const long long t = i0 + j < n ? (long long)target[i0 + j] : 0;
+      v[j] = (int)t;
+      if (i0 + j < n && !(has_ignore && t == ignore_index)) {
+        valid |= 1u << j;
+        // as unsigned, a negative target is >= vocab too
+        if ((unsigned long long)t >= (unsigned long long)vocab) atomicMin(&first_bad, i0 + j);
+      }
+    }
+    // where this thread's rows go: an exclusive scan of the counts over the block
+    const int mine = __popc(valid);
+    int before = warp_inclusive_sum(mine);  // then made exclusive
+    if (lane == 31) warp_total[warp] = before;
+    before -= mine;
+    __syncthreads();
+    if (warp == 0) warp_total[lane] = warp_inclusive_sum(warp_total[lane]);  // the warps' totals, inclusive
+    __syncthreads();
+    int at = done + (warp ? warp_total[warp - 1] : 0) + before;
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) {
+      if (valid >> j & 1) {
+        rows[at] = i0 + j;
+        row_target[at] = v[j];
+        ++at;
+      }
+    }
+    __syncthreads();  // every thread has read done and warp_total
+    if (threadIdx.x == 0) done += warp_total[WARPS - 1];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    out[0] = done;
+    out[1] = first_bad;
+  }
+}
+
+#define SELECT_ROWS_ARGS \
+  int n, long long ignore_index, int has_ignore, long long vocab, int *rows, int *row_target, int *out
+// T: the targets' type (int or long long)
+template <typename T, int THREADS, int ITEMS>
+__global__ void __launch_bounds__(THREADS) select_rows(const T* target, SELECT_ROWS_ARGS) {
+  select_rows_body<T, THREADS, ITEMS>(target, n, ignore_index, has_ignore, vocab, rows, row_target, out);
+}
+
+// Rows of two matrices, gathered.
+//
+// out_a[i] = a[rows[i]] and out_b[i] = b[rows[i]] for i < count (blockIdx.y: 0 for a, 1 for b),
+// in words of W: rows of a_words and b_words words each (W = uint4 where every row is 16-byte
+// aligned, else unsigned short: every dtype here has an even size). One CTA per output row.
+template <typename W>
+__device__ __forceinline__ void gather_rows_body(const int* __restrict__ rows, const W* __restrict__ a, W* __restrict__ out_a,
+                                            long long a_words, const W* __restrict__ b, W* __restrict__ out_b,
+                                            long long b_words) {
+  const bool is_a = blockIdx.y == 0;
+  const long long words = is_a ? a_words : b_words;
+  const W* src = (is_a ? a : b) + rows[blockIdx.x] * words;
+  W* dst = (is_a ? out_a : out_b) + blockIdx.x * words;
+  for (long long k = threadIdx.x; k < words; k += blockDim.x) dst[k] = src[k];
+}
+
+// W: uint4 or unsigned short
+template <typename W>
+__global__ void gather_rows(const int* rows, const W* a, W* out_a, long long a_words, const W* b, W* out_b,
+                            long long b_words) {
+  gather_rows_body(rows, a, out_a, a_words, b, out_b, b_words);
+}

@@ -1,0 +1,122 @@
+"""The options of a call, each stated once with its default and its check.
+
+LossOptions holds what the loss computes (docs/contract.md, "Forward"); RunOptions how a call
+runs it (chunking, memory, gradients, the normaliser, vocab parallelism). The API, the front ends,
+the reference and the benchmark all build from these two.
+"""
+
+import dataclasses
+import enum
+import math
+import numbers
+
+
+class Divergence(enum.IntEnum):
+    """The soft part's form, by beta; the codes are the row kernels' mode argument."""
+    FORWARD_KL = 0  # beta == 0: KL(q || p)
+    JSD = 1         # 0 < beta < 1: the generalized Jensen-Shannon divergence
+    REVERSE_KL = 2  # beta == 1: KL(p || q)
+
+
+def _real(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _integer(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """loss = weight_hard_loss * hard_loss + weight_soft_loss * soft_loss; the soft part's
+    divergence by beta, on logits divided by temperature; rows whose target is ignore_index count
+    for nothing. Checked on construction (TypeError or ValueError naming the option)."""
+    weight_hard_loss: float = 0.5
+    weight_soft_loss: float = 0.5
+    beta: float = 0.5
+    temperature: float = 1.0
+    ignore_index: int = -100
+
+    def __post_init__(self):
+        for name in ("weight_hard_loss", "weight_soft_loss", "beta", "temperature"):
+            object.__setattr__(self, name, _real(name, getattr(self, name)))
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must lie in [0, 1], got {self.beta}")
+        if self.temperature <= 0.0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        object.__setattr__(self, "ignore_index", _integer("ignore_index", self.ignore_index))
+
+    @property
+    def divergence(self):
+        if self.beta == 0.0:
+            return Divergence.FORWARD_KL
+        return Divergence.REVERSE_KL if self.beta == 1.0 else Divergence.JSD
+
+    @property
+    def w_soft_over_t(self):
+        """weight_soft_loss / temperature: the soft part's factor in the gradient (its logits
+        are divided by the temperature)."""
+        return self.weight_soft_loss / self.temperature
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How a call runs.
+
+    chunk_size: token rows per chunk; None picks the most that fit memory_budget bytes of
+    per-chunk buffers (the backend's default budget where memory_budget is None).
+    compute_grad=False computes the loss only. grad_weight_float32: backward returns grad_weight
+    (and grad_bias) in float32, as accumulated, instead of the student's dtype.
+    num_valid_tokens: the N that the summed row losses are divided by, in place of this call's
+    count of valid rows (give every part of a batch the whole batch's count, and the parts add
+    up to the whole). vocab_parallel: a communicator over ranks that each hold a shard of the
+    vocabulary (jsdgpu.parallel).
+    """
+    chunk_size: int = None
+    memory_budget: int = None
+    compute_grad: bool = True
+    grad_weight_float32: bool = False
+    num_valid_tokens: float = None
+    vocab_parallel: object = None
+
+    def __post_init__(self):
+        if self.chunk_size is not None:
+            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, numbers.Integral):
+                raise TypeError(f"chunk_size must be a positive integer or None, got {self.chunk_size!r}")
+            if self.chunk_size < 1:
+                raise ValueError(f"chunk_size must be a positive integer or None, got {self.chunk_size}")
+            object.__setattr__(self, "chunk_size", int(self.chunk_size))
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", _integer("memory_budget", self.memory_budget))
+        if self.num_valid_tokens is not None:
+            n = _real("num_valid_tokens", self.num_valid_tokens)
+            if n <= 0.0:
+                raise ValueError(f"num_valid_tokens must be > 0, got {n}")
+            object.__setattr__(self, "num_valid_tokens", n)
+        object.__setattr__(self, "compute_grad", bool(self.compute_grad))
+        object.__setattr__(self, "grad_weight_float32", bool(self.grad_weight_float32))
+
+    def normalizer(self, n_valid):
+        """N, the divisor of the summed row losses: num_valid_tokens, else max(1, n_valid)."""
+        return float(max(1, n_valid)) if self.num_valid_tokens is None else self.num_valid_tokens
+
+
+LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossOptions))
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunOptions))
+DEFAULTS = LossOptions()  # the defaults, for signatures that must spell them out (Liger's)
+
+
+def split_options(options):
+    """(LossOptions, RunOptions) from keyword options; TypeError for an unknown one."""
+    unknown = set(options) - set(LOSS_FIELDS) - set(RUN_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown options: {', '.join(sorted(unknown))}")
+    return (LossOptions(**{k: v for k, v in options.items() if k in LOSS_FIELDS}),
+            RunOptions(**{k: v for k, v in options.items() if k in RUN_FIELDS}))

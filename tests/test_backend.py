@@ -1,0 +1,53 @@
+"""The steps both backends implement (jsdgpu.backend.Backend), tested alike on each: the
+selection of the valid rows."""
+
+import numpy as np
+import pytest
+
+from conftest import to_numpy
+from jsdgpu.api import backend_for
+
+
+def _select_rows(xp, target, vocab, ignore_index):
+    return backend_for("numpy" if xp is np else "cupy").select_rows(xp.asarray(target), vocab,
+                                                                     ignore_index)
+
+
+# T: one tile of the GPU's select_rows kernel (8192 rows), a row past it, several tiles
+@pytest.mark.parametrize("T", [1, 7, 8192, 8193, 20000])
+@pytest.mark.parametrize("dtype", [np.int8, np.uint16, np.int32, np.int64, np.uint64])
+def test_select_rows(xp, rng, T, dtype):
+    """The valid rows, in order, their targets as int32 and their count, for every integer
+    dtype of the targets; None for the rows where every row is valid."""
+    vocab, ignore_index = 100, 7  # an ignore_index inside [0, vocab)
+    target = rng.integers(0, vocab, T).astype(dtype)
+    target[rng.random(T) < rng.choice([0.0, 0.5])] = ignore_index
+    rows, row_target, count = _select_rows(xp, target, vocab, ignore_index)
+    want = np.flatnonzero(target != ignore_index)
+    assert count == len(want)
+    if len(want) == T:
+        assert rows is None
+    else:
+        assert np.array_equal(to_numpy(rows), want)
+    assert row_target.dtype == np.int32 and np.array_equal(to_numpy(row_target), target[want])
+
+
+@pytest.mark.parametrize("T", [7, 8193, 20000])
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64, np.uint64])
+def test_select_rows_names_the_first_bad_target(xp, rng, T, dtype):
+    vocab = 100
+    target = rng.integers(0, vocab, T).astype(dtype)
+    first, second = np.sort(rng.choice(T, 2, replace=False))
+    bad = [np.iinfo(dtype).max, vocab] if np.iinfo(dtype).min == 0 else [-1, vocab]
+    rng.shuffle(bad)
+    target[first], target[second] = bad
+    with pytest.raises(ValueError, match=rf"target\[{first}\] = {target[first]} is outside"):
+        _select_rows(xp, target, vocab, -100)
+
+
+def test_ignore_index_beyond_int64(xp):
+    """An ignore_index that no int64 target can equal: every row is valid, and -100 is bad."""
+    rows, _, count = _select_rows(xp, np.arange(5), 10, 2**70)
+    assert rows is None and count == 5
+    with pytest.raises(ValueError, match=r"target\[1\] = -100"):
+        _select_rows(xp, np.array([3, -100, 4]), 10, 2**70)
