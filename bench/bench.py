@@ -64,6 +64,8 @@ def main(argv=None):
                 plan.append((T, impl, "fwd", 1.0, None))
             if impl == "jsdgpu":
                 plan.append((T, impl, "fwd_bwd", 0.5, None))
+                # the capturable mode (no host synchronization, every row computed), dense and half ignored
+                plan += [(T, "jsdgpu_capturable", "fwd_bwd", valid, None) for valid in (1.0, 0.5)]
     plan += [(max(a.tokens), "jsdgpu", "fwd_bwd", 1.0, int(g * 2**30)) for g in a.budgets_gib]
     try:
         from tqdm import tqdm
@@ -85,7 +87,9 @@ def main(argv=None):
             cupy.get_default_memory_pool().free_all_blocks()
             cache[key] = make_sets(T, weights, rng, valid)
         sets = cache[key]
-        fn = {"jsdgpu": lambda: impl_jsdgpu(sets, mode, memory_budget=budget), "gemm_floor": lambda: impl_gemm_floor(sets, mode),
+        fn = {"jsdgpu": lambda: impl_jsdgpu(sets, mode, memory_budget=budget),
+              "jsdgpu_capturable": lambda: impl_jsdgpu(sets, mode, capturable=True),
+              "gemm_floor": lambda: impl_gemm_floor(sets, mode),
               "liger": lambda: impl_liger(sets, mode), "torch": lambda: impl_torch(sets, mode)}[impl]()
         torch_based = impl in ("liger", "torch")
         try:

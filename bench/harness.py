@@ -16,7 +16,7 @@ import numpy as np
 
 import jsdgpu
 from jsdgpu.backend import Gradients
-from jsdgpu.cuda import products
+from jsdgpu.cuda import kernels, products
 from jsdgpu.cuda.backend import CudaBackend
 
 V, HS, HT = 128256, 2048, 4096
@@ -181,13 +181,21 @@ def impl_torch(sets, mode):
 
 def one_chunk(T, rng):
     """One all-valid chunk of T rows as the library runs it, its logits computed: (xs, ws, xt, wt,
-    the int32 targets, the backend, its CudaWork). G has memory of its own (not the logits'), so
-    the row kernel can run again and again on the same logits."""
+    the int32 targets, the backend, its CudaWork, G). G has memory of its own (not the logits'),
+    so the row kernel can run again and again on the same logits."""
     xs, ws, xt, wt, target = make_sets(T, make_weights(1), rng)[0]
     be = CudaBackend()
-    work = be.prepare(ws, wt, None, None, T, T, fused=True, own_g=True)
+    work = be.prepare(ws, wt, None, None, T, fused=True)
     be.logits(work, xs, xt)
-    return xs, ws, xt, wt, target.astype(np.int32), be, work
+    return xs, ws, xt, wt, target.astype(np.int32), be, work, be.gradient_rows(work, T, own_g=True)
+
+
+def fused_kernel_alone(work, target, opts, ce, jsd, G, label_terms):
+    """The fused row kernel alone, as the library launches it (without the phase kernels that
+    redo the rows it leaves to them: none, on the benchmark's logits)."""
+    kernels.launch_fused_rows(work.fused, len(target), work.logits_s, work.logits_t, work.bias_s, work.bias_t,
+                              target, work.ws.shape[0], work.wt.shape[0], opts, ce, jsd, G, label_terms,
+                              work.row_counter, work.redo_rows)
 
 
 # Launches of a row kernel before it is timed alone: after the products its clocks take a while
@@ -213,16 +221,16 @@ def stage_breakdown(T, rng, copy_bytes_per_s, row_kernel_rows=(1024, 2048)):
     chunks = {rows: one_chunk(rows, rng) for rows in sorted({T, *row_kernel_rows})}
 
     def fused(rows):
-        *_, tgt, be, work = chunks[rows]
+        *_, tgt, be, work, G = chunks[rows]
         ce, jsd, terms = (cupy.empty(rows, np.float32) for _ in range(3))
-        return row_kernel_record("fused", lambda i: be.fused_rows(work, tgt, opts, ce, jsd, work.G, terms),
+        return row_kernel_record("fused", lambda i: fused_kernel_alone(work, tgt, opts, ce, jsd, G, terms),
                                  rows, 4 + 4 + 2, copy_bytes_per_s)
     fused_records = {rows: fused(rows) for rows in chunks}
     row_kernel = [fused_records[rows] for rows in row_kernel_rows]
 
-    xs, ws, xt, wt, tgt, be, work = chunks[T]
+    xs, ws, xt, wt, tgt, be, work, G = chunks[T]
     ce, jsd, terms = (cupy.empty(T, np.float32) for _ in range(3))
-    G = work.G  # written by the fused kernel above (one_chunk's G is not the logits')
+    # G: written by the fused kernel above (one_chunk's G is not the logits')
     grads = Gradients(cupy.empty((T, HS), np.float32), None, None)  # G held: grad_weight apart
 
     # the vocab-parallel path's three phase kernels on one GPU (no communicator): they read the
@@ -240,7 +248,7 @@ def stage_breakdown(T, rng, copy_bytes_per_s, row_kernel_rows=(1024, 2048)):
              "row kernel": fused_records[T]["ms"],
              "grad_input (G @ Ws)": timed(lambda: be.grad_products(work, G, xs, 1.0 / T, grads, 0, T)),
              "backward: grad_weight (G.T @ Xs, bf16)": timed(lambda: be.weight_product(
-                 be.hold_g(work, xs, 1.0 / T, terms, tgt), None, BF16))}
+                 be.hold_g(work, G, xs, 1.0 / T, terms, tgt), None, BF16))}
     return times, row_kernel
 
 

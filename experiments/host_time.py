@@ -6,7 +6,7 @@ the host time before that product is time the step loses. Answer (H200; docs/des
 host before the first product"): measured by this script per release of the library there.
 
     python experiments/host_time.py                 # T = 1024, all rows valid and half ignored
-    python experiments/host_time.py --tokens 1024 8192 --valid 1
+    python experiments/host_time.py --tokens 1024 8192 --valid 1 --capturable
 
 Each step starts from an idle GPU (the device synchronized), as bench.py's steps do. The first
 product is marked by jsdgpu.cuda.products.observing, a callback as each product is queued.
@@ -44,10 +44,12 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[1024])
     p.add_argument("--valid", type=float, nargs="+", default=[1.0, 0.5], help="fractions of valid rows")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--capturable", action="store_true", help="the capturable mode (no host synchronization)")
+    p.add_argument("--profile", action="store_true", help="also the host's time by function (cProfile)")
     a = p.parse_args()
     import harness  # needs the GPU: after --help
     import jsdgpu
-    options = {}
+    options = dict(capturable=True) if a.capturable else {}
     weights = harness.make_weights(1)
     print("| T | valid rows | options | host ms before the first product | step ms |")
     print("| --- | --- | --- | --- | --- |")
@@ -62,6 +64,12 @@ def main():
             host = host_before_first_product(step, a.repeats)
             ms = harness.time_ms(lambda i: step(), 1, 3, a.repeats)
             print(f"| {T} | {valid:.0%} | {options or 'default'} | {host:.3f} | {ms:.3f} |")
+            if a.profile:
+                import cProfile
+                import pstats
+                profile = cProfile.Profile()
+                profile.runcall(lambda: [jsdgpu.forward(*args, **options) for _ in range(a.repeats)])
+                pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

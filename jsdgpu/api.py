@@ -41,12 +41,16 @@ def backend_for(kind):
 
 class Context:
     """What forward hands to backward: the loss parts (hard_loss, soft_loss), and the float32
-    gradient sums (or G held for grad_weight's product)."""
+    gradient sums (or G held for grad_weight's product). bad_target_row, in a capturable call:
+    a 0-d int32 array of the first row whose target is neither ignore_index nor in [0, Vs), T
+    where there is none (the loss and gradients are NaN where there is one); None in a default
+    call, which raises ValueError for a bad target instead."""
 
     def __init__(self, hard_loss, soft_loss, grads, valid_rows, n_rows, dtype, backend,
-                 grad_weight_float32, device):
+                 grad_weight_float32, device, bad_target_row=None):
         self.hard_loss = hard_loss
         self.soft_loss = soft_loss
+        self.bad_target_row = bad_target_row
         self._grads = grads
         self._valid_rows = valid_rows
         self._n_rows = n_rows
@@ -91,33 +95,55 @@ def forward_with(student_input, student_weight, teacher_input, teacher_weight, t
         return bridge.from_native(loss), ctx
 
 
+def _capturable(run_opts, kind):
+    """Whether the call runs capturable: as asked, else while CuPy's current stream is capturing.
+    During a capture the memory must come from an allocator of the caller's (a pool of its own,
+    or torch's through jsdgpu.torch), not CuPy's default pool, whose blocks freed during the
+    capture would be handed to other work that the graph's replays then overwrite."""
+    if kind != "cupy":
+        return bool(run_opts.capturable)  # on the CPU: the GPU's masked rows, on request
+    import cupy
+    capturing = cupy.cuda.get_current_stream().is_capturing()
+    if capturing and cupy.cuda.get_allocator() == cupy.get_default_memory_pool().malloc:
+        raise RuntimeError(
+            "jsdgpu.forward inside a CUDA-graph capture needs memory that outlives the capture and "
+            "is not reused by other work: capture under cupy.cuda.using_allocator(pool.malloc) with "
+            "a cupy.cuda.MemoryPool() of the graph's own (kept as long as the graph), or through "
+            "jsdgpu.torch, whose memory comes from torch's graph pool")
+    return capturing if run_opts.capturable is None else run_opts.capturable
+
+
 def _forward(arrays, opts, run_opts):
     comm = parallel.communicator(run_opts.vocab_parallel)
     kind = checks.check_arrays(arrays)
     backend = backend_for(kind)
+    capturable = _capturable(run_opts, kind)
+    if capturable and comm is not None:
+        raise NotImplementedError("vocab_parallel in a capturable call: the shard layout is read on the "
+                                  "host; run vocab parallel with capturable=False, outside a capture")
     xp = backend.xp
     xs, ws, xt, wt = (arrays[k] for k in ("student_input", "student_weight", "teacher_input",
                                           "teacher_weight"))
     bs, bt = arrays["student_bias"], arrays["teacher_bias"]
     device = xs.device.id if kind == "cupy" else None
     with backend.on_device(device):
-        # all that needs no target values comes first: selecting the valid rows waits for the
-        # GPU, which then idles until the first product is queued
         xs, ws, xt, wt = (xp.ascontiguousarray(a) for a in (xs, ws, xt, wt))
         budget = backend.default_memory_budget if run_opts.memory_budget is None else run_opts.memory_budget
         # the shard sizes cross the ranks first: the targets index the whole vocabulary
         shard = None if comm is None else parallel.shard_layout(comm, xp, ws.shape[0], wt.shape[0])
-        valid_rows, target, n_valid = backend.select_rows(
-            arrays["target"], ws.shape[0] if shard is None else shard.vs_total, opts.ignore_index)
-        n_rows = xs.shape[0]
-        hard, soft, grads = run(backend, xs, ws, xt, wt, target, bs, bt, opts, valid_rows=valid_rows,
-                                normalizer=run_opts.normalizer(n_valid), chunk_size=run_opts.chunk_size,
-                                memory_budget=budget, compute_grad=run_opts.compute_grad, shard=shard)
+        vocab = ws.shape[0] if shard is None else shard.vs_total
+        if capturable:  # every row computed, the ignored ones masked: nothing read on the host
+            selection = backend.mark_rows(arrays["target"], vocab, opts.ignore_index, run_opts.num_valid_tokens)
+        else:  # the valid rows, gathered: the call's one wait for the GPU
+            selection = backend.select_rows(arrays["target"], vocab, opts.ignore_index)
+        hard, soft, grads, rows = run(backend, xs, ws, xt, wt, bs, bt, opts, selection=selection,
+                                      normalizer=run_opts.normalizer, chunk_size=run_opts.chunk_size,
+                                      memory_budget=budget, compute_grad=run_opts.compute_grad, shard=shard)
         loss = (opts.weight_hard_loss * hard.astype(np.float64)
                 + opts.weight_soft_loss * soft.astype(np.float64)).astype(np.float32)
         loss = xp.asarray(loss, dtype=np.float32)
-    ctx = Context(hard, soft, grads, valid_rows, n_rows, xs.dtype, backend, run_opts.grad_weight_float32,
-                  device)
+    ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend,
+                  run_opts.grad_weight_float32, device, None if rows.status is None else rows.status[1])
     return loss, ctx
 
 
@@ -147,8 +173,9 @@ def _backward(ctx, grad_output):
     backend = ctx._backend
     xp = backend.xp
     with backend.on_device(ctx._device):
-        if isinstance(grad_output, (int, float)) and grad_output == 1:
-            scale = None  # the common case: a cast, no product
+        if isinstance(grad_output, (int, float)):
+            # a fill, not a copy from the host: a capture may not copy
+            scale = None if grad_output == 1 else xp.full((), grad_output, np.float32)
         else:
             scale = xp.asarray(grad_output, dtype=np.float32)
             if scale.ndim != 0:

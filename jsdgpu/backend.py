@@ -18,6 +18,20 @@ class HeldG:
 
 
 @dataclasses.dataclass
+class Rows:
+    """The rows a call computes, once known. Default: the valid rows (valid_rows their indices,
+    None where every row is), gathered before the products, with their count; masked (a
+    capturable call): every row, the ignored ones computed and then masked, nothing known on the
+    host (count None, status: a device array of the valid rows' count and the first bad row)."""
+    valid_rows: Any       # indices of the computed rows among the call's, or None: all of them
+    target: Any           # [computed rows] int32; -1: no label here (on another rank, or ignored where masked)
+    inv_n: Any            # 1/N: a float, or a 0-d float32 device array (masked)
+    count: Any            # the valid rows' count, None where masked
+    masked: bool = False
+    status: Any = None
+
+
+@dataclasses.dataclass
 class Gradients:
     """float32 sums of the gradient over the valid rows, before grad_output is applied."""
     grad_input: Any         # [Tv, Hs], the valid rows only
@@ -26,10 +40,18 @@ class Gradients:
     held: HeldG = None      # G of all rows, where grad_weight is None
 
 
+class Selection(Protocol):
+    """The valid rows being selected (Backend.select_rows): rows, the valid rows' indices first
+    (any prefix of which can be taken before wait()); wait(normalizer) gives the Rows, with
+    1/N = 1 / normalizer(count), or raises the ValueError of a bad target."""
+    rows: Any
+
+    def wait(self, normalizer) -> Rows: ...
+
+
 class Work(Protocol):
-    """A call's buffers, made by Backend.prepare: G is the gradient rows' memory (None without
-    gradients); fused is truthy where the backend's fused row kernel runs."""
-    G: Any
+    """A call's buffers, made by Backend.prepare; fused is truthy where the backend's fused row
+    kernel runs."""
     fused: Any
 
 
@@ -37,15 +59,19 @@ class Backend(Protocol):
     """The steps of the chunk loop on one kind of array (NumPy or CuPy). opts is a LossOptions;
     target the rows' int32 labels (-1 where the label is on another rank); ce, jsd and
     label_terms per-row float32 outputs; G the rows' gradient w.r.t. the student logits, without
-    the 1/N of the mean, or None for the loss alone."""
+    the 1/N of the mean, or None for the loss alone; inv_n 1/N, a float or a 0-d device array."""
     xp: Any                     # the array module
     default_memory_budget: int  # bytes of per-chunk buffers where the caller gives none
 
     def on_device(self, device) -> ContextManager: ...
 
-    def select_rows(self, target, vocab, ignore_index):
-        """(valid_rows or None where every row is, their int32 targets, their count); raises
-        ValueError for a target outside [0, vocab) that is not ignore_index."""
+    def select_rows(self, target, vocab, ignore_index) -> Selection:
+        """The rows whose target is not ignore_index, being selected; a target outside [0, vocab)
+        that is not ignore_index makes wait() raise ValueError."""
+
+    def mark_rows(self, target, vocab, ignore_index, num_valid_tokens) -> Rows:
+        """Every row, masked where ignored, with no host wait (a capturable call); a bad target
+        makes 1/N NaN."""
 
     def take_rows(self, rows, a, b):
         """The given rows of a and of b."""
@@ -56,11 +82,14 @@ class Backend(Protocol):
     def bytes_per_row(self, vs, vt, dtype, compute_grad, fused):
         """(logits, G held for all rows, G per chunk) bytes per row."""
 
-    def prepare(self, ws, wt, bs, bt, rows, g_rows, fused, own_g=False) -> Work:
-        """The buffers for chunks of `rows` rows and G of g_rows rows."""
+    def prepare(self, ws, wt, bs, bt, rows, fused) -> Work:
+        """The buffers for chunks of `rows` rows."""
 
-    def logits(self, work, xs, xt):
-        """The chunk's student and teacher logits into work."""
+    def gradient_rows(self, work, g_rows, own_g):
+        """G's memory for g_rows rows (own_g: apart from the logits, as G held for all rows)."""
+
+    def logits(self, work, xs, xt, at=0):
+        """The student and teacher logits of the chunk's rows [at, at + len(xs)) into work."""
 
     def fused_rows(self, work, target, opts, ce, jsd, G, label_terms):
         """The whole row work in one kernel (where work.fused)."""
@@ -79,10 +108,13 @@ class Backend(Protocol):
         """grad_input rows [start, stop), and the chunk's part of the grad_weight and grad_bias
         sums (the first chunk writes them, the others add)."""
 
+    def zero_masked_rows(self, G, target):
+        """G's rows whose target is -1 zeroed (masked rows)."""
+
     def add_label_terms(self, work, label_terms, target, xs, inv_n, grads):
         """The label terms the row kernel kept out of G, added exactly."""
 
-    def hold_g(self, work, xs, inv_n, label_terms, target) -> HeldG:
+    def hold_g(self, work, G, xs, inv_n, label_terms, target) -> HeldG:
         """What weight_product needs of G held for all rows."""
 
     def weight_product(self, held, scale, dtype):

@@ -24,7 +24,7 @@ underflow, and 1/N goes into the matrix products' alpha.
 
 import numpy as np
 
-from .backend import Gradients
+from .backend import Gradients, Rows
 
 
 # chunks of several are cut to a multiple of this many rows where the budget allows: cuBLAS's
@@ -86,38 +86,49 @@ def _row_work(backend, work, comm, target, opts, ce, jsd, G, label_terms):
     backend.row_finish(work, target, stats, kl, opts, ce, jsd, G, label_terms)
 
 
-def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer, chunk_size,
-        memory_budget, compute_grad, shard=None):
+def run(backend, xs, ws, xt, wt, bs, bt, opts, *, selection, normalizer, chunk_size, memory_budget,
+        compute_grad, shard=None):
     """Compute the per-row losses and, with compute_grad, the gradient sums.
 
-    target: a backend int32 array of the valid rows' targets. valid_rows: a backend index array
-    of the valid rows, or None when every row is valid. normalizer: N, the divisor of the summed row
-    losses. shard: under vocab parallelism, this rank's parallel.Shard (its weights and biases
-    are then its shards of the vocabulary), else None. Returns (hard_loss, soft_loss, Gradients
-    or None); the losses are 0-d float32 backend arrays.
+    selection: the backend's select_rows (the valid rows, known once waited for) or, for a
+    capturable call, the Rows of its mark_rows (every row computed, the ignored ones masked).
+    normalizer(count): N, the divisor of the summed row losses. shard: under vocab parallelism,
+    this rank's parallel.Shard (its weights and biases are then its shards of the vocabulary),
+    else None. Returns (hard_loss, soft_loss, Gradients or None, Rows); the losses are 0-d
+    float32 backend arrays.
 
-    Nothing here waits for the GPU (but a torch process group's all-reduces, parallel.py, and the
-    first product of each shape class in a process, jsdgpu.cuda.products). The caller's selection of the
-    valid rows (the backend's select_rows) was the last wait, and the GPU idles until the first
-    product is queued, so that comes before the rest of the setup.
+    Nothing here waits for the GPU but the selection (and a torch process group's all-reduces,
+    parallel.py, and the first product of each shape class in a process, jsdgpu.cuda.products).
+    So that the GPU does not idle while the host reads the selection and sets up the chunks, the
+    products of the first ROW_ALIGN selected rows are queued before that read: the buffers are
+    made for the most rows the call can have, the chunks cut once their count is known.
     """
     xp = backend.xp
     comm = None if shard is None else shard.comm
     vs, vt = ws.shape[0], wt.shape[0]
-    if valid_rows is not None:
-        xs, xt = backend.take_rows(valid_rows, xs, xt)
-    n_rows, hs = xs.shape
-    inv_n = 1.0 / normalizer
-    rows, hold_g = 0, False
-    if n_rows:
-        # every rank must cut the same chunks: size them by the largest shard
-        widest = (vs, vt) if shard is None else (shard.max_vs, shard.max_vt)
-        per_row = backend.bytes_per_row(*widest, ws.dtype, compute_grad, fused=comm is None)
-        rows, hold_g = plan_chunks(n_rows, chunk_size, *per_row, memory_budget)
-        rows = min(rows, n_rows)
-        g_rows = (n_rows if hold_g else rows) if compute_grad else 0
-        work = backend.prepare(ws, wt, bs, bt, rows, g_rows, fused=comm is None, own_g=hold_g)
-        backend.logits(work, xs[:rows], xt[:rows])
+    n_all, hs = xs.shape
+    # every rank must cut the same chunks: size them by the largest shard
+    widest = (vs, vt) if shard is None else (shard.max_vs, shard.max_vt)
+    per_row = backend.bytes_per_row(*widest, ws.dtype, compute_grad, fused=comm is None)
+    most = min(plan_chunks(n_all, chunk_size, *per_row, memory_budget)[0], n_all) if n_all else 0
+    work = backend.prepare(ws, wt, bs, bt, most, fused=comm is None) if n_all else None
+    head = 0
+    if isinstance(selection, Rows):
+        rows = selection
+    else:
+        if n_all:  # the head's products, queued before the selection is read
+            head = min(ROW_ALIGN, most)
+            backend.logits(work, *backend.take_rows(selection.rows[:head], xs, xt))
+        rows = selection.wait(normalizer)
+    if rows.valid_rows is not None:
+        xs, xt = backend.take_rows(rows.valid_rows, xs, xt)
+    target, inv_n = rows.target, rows.inv_n
+    n_rows = xs.shape[0]
+    chunk, hold_g = plan_chunks(n_rows, chunk_size, *per_row, memory_budget) if n_rows else (0, False)
+    chunk = min(chunk, most)  # the buffers' rows (the plan for fewer rows may cut longer chunks)
+    G_all = None
+    if compute_grad and n_rows:
+        G_all = backend.gradient_rows(work, n_rows if hold_g else chunk, own_g=hold_g)
 
     if shard is not None:  # the labels as columns of this rank's shard, -1 where not owned
         owned = (target >= shard.v0) & (target < shard.v0 + vs)
@@ -132,24 +143,29 @@ def run(backend, xs, ws, xt, wt, target, bs, bt, opts, *, valid_rows, normalizer
         grads = Gradients(new((n_rows, hs), np.float32),
                           None if hold_g else new((vs, hs), np.float32),
                           None if bs is None else new(vs, np.float32))
-    for start in range(0, n_rows, rows or 1):
-        stop = min(start + rows, n_rows)
-        if start:  # the first chunk's logits were queued above
-            backend.logits(work, xs[start:stop], xt[start:stop])
+    for start in range(0, n_rows, chunk or 1):
+        stop = min(start + chunk, n_rows)
+        done = min(head, stop) if start == 0 else 0  # the head's logits, queued above
+        if start + done < stop:
+            backend.logits(work, xs[start + done:stop], xt[start + done:stop], at=done)
         G = None
         if compute_grad:
-            G = work.G[start:stop] if hold_g else work.G[:stop - start]
+            G = G_all[start:stop] if hold_g else G_all[:stop - start]
         _row_work(backend, work, comm, target[start:stop], opts, ce[start:stop], jsd[start:stop],
                   G, None if label_terms is None else label_terms[start:stop])
         if compute_grad:
+            if rows.masked:
+                backend.zero_masked_rows(G, target[start:stop])
             backend.grad_products(work, G, xs[start:stop], inv_n, grads, start, stop)
     if compute_grad and n_rows:
         backend.add_label_terms(work, label_terms, target, xs, inv_n, grads)
     if hold_g:  # work (the logits buffers) is not kept: only what the product needs
-        grads.held = backend.hold_g(work, xs, inv_n, label_terms, target)
+        grads.held = backend.hold_g(work, G_all, xs, inv_n, label_terms, target)
     if compute_grad and comm is not None:
         comm.allreduce(grads.grad_input, "sum")
+    if rows.masked:  # the ignored rows' results are whatever their rows gave: they count for nothing
+        ce, jsd = xp.where(target >= 0, ce, 0.0), xp.where(target >= 0, jsd, 0.0)
     # fixed-order sums: two runs on the same inputs give the same bits
     hard = xp.asarray(ce.sum(dtype=np.float64) * inv_n, dtype=np.float32)
     soft = xp.asarray(jsd.sum(dtype=np.float64) * inv_n, dtype=np.float32)
-    return hard, soft, grads
+    return hard, soft, grads, rows

@@ -60,6 +60,12 @@ class LossOptions:
         return Divergence.REVERSE_KL if self.beta == 1.0 else Divergence.JSD
 
     @property
+    def one_minus_beta(self):
+        """1 - beta in float64 (the kernels take it apart from beta: float32 holds a beta near 1
+        only to about 3e-8, a few percent of 1 - beta at beta = 1 - 1e-6)."""
+        return 1.0 - self.beta
+
+    @property
     def w_soft_over_t(self):
         """weight_soft_loss / temperature: the soft part's factor in the gradient (its logits
         are divided by the temperature)."""
@@ -77,7 +83,10 @@ class RunOptions:
     num_valid_tokens: the N that the summed row losses are divided by, in place of this call's
     count of valid rows (give every part of a batch the whole batch's count, and the parts add
     up to the whole). vocab_parallel: a communicator over ranks that each hold a shard of the
-    vocabulary (jsdgpu.parallel).
+    vocabulary (jsdgpu.parallel). capturable: no host synchronization anywhere in forward and
+    backward, so that a CUDA graph can capture them (every row computed, the ignored ones masked;
+    a bad target gives a NaN loss and ctx.bad_target_row, not ValueError); None: while the
+    current stream is capturing.
     """
     chunk_size: int = None
     memory_budget: int = None
@@ -85,6 +94,7 @@ class RunOptions:
     grad_weight_float32: bool = False
     num_valid_tokens: float = None
     vocab_parallel: object = None
+    capturable: bool = None
 
     def __post_init__(self):
         if self.chunk_size is not None:
@@ -102,6 +112,8 @@ class RunOptions:
             object.__setattr__(self, "num_valid_tokens", n)
         object.__setattr__(self, "compute_grad", bool(self.compute_grad))
         object.__setattr__(self, "grad_weight_float32", bool(self.grad_weight_float32))
+        if self.capturable is not None:
+            object.__setattr__(self, "capturable", bool(self.capturable))
 
     def normalizer(self, n_valid):
         """N, the divisor of the summed row losses: num_valid_tokens, else max(1, n_valid)."""

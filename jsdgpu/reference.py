@@ -33,22 +33,34 @@ def reference(student_input, student_weight, teacher_input, teacher_weight, targ
     options: those of jsdgpu.LossOptions. grad_bias is None when student_bias is None.
     Gradients are those of `loss` (grad_output = 1).
     """
+    xp = _array_module(student_input)
+    f = lambda a: None if a is None else xp.asarray(a).astype(xp.float64)  # noqa: E731
+    xs, ws, xt, wt = f(student_input), f(student_weight), f(teacher_input), f(teacher_weight)
+    bs, bt = f(student_bias), f(teacher_bias)
+    s = xs @ ws.T + (0.0 if bs is None else bs)
+    t = xt @ wt.T + (0.0 if bt is None else bt)
+    loss, hard, soft, G = reference_logits(s, t, target, **options)
+    grad_bias = None if bs is None else G.sum(axis=0)
+    return loss, hard, soft, G @ ws, G.T @ xs, grad_bias
+
+
+def _array_module(a):
+    return sys.modules["cupy"] if type(a).__module__.startswith("cupy") else np
+
+
+def reference_logits(s, t, target, **options):
+    """The loss from the logits: (loss, hard_loss, soft_loss, G), G [T, Vs] the gradient of the
+    loss with respect to the student logits s [T, Vs]; t [T, Vt] the teacher's; float64."""
     opts = LossOptions(**options)
     beta, temperature, ignore_index = opts.beta, opts.temperature, opts.ignore_index
     weight_hard_loss, weight_soft_loss = opts.weight_hard_loss, opts.weight_soft_loss
-    xp = sys.modules["cupy"] if type(student_input).__module__.startswith("cupy") else np
-    f = lambda a: None if a is None else xp.asarray(a).astype(xp.float64)
-    xs, ws, xt, wt = f(student_input), f(student_weight), f(teacher_input), f(teacher_weight)
-    bs, bt = f(student_bias), f(teacher_bias)
+    xp = _array_module(s)
+    s, t = xp.asarray(s).astype(xp.float64), xp.asarray(t).astype(xp.float64)
     target = xp.asarray(target).astype(xp.int64)
-    T, Vs, Vt = xs.shape[0], ws.shape[0], wt.shape[0]
-
-    s = xs @ ws.T + (0.0 if bs is None else bs)
-    t = xt @ wt.T + (0.0 if bt is None else bt)
+    T, Vs, Vt = s.shape[0], s.shape[1], t.shape[1]
     valid = target != ignore_index
     n = max(1, int(valid.sum()))
     safe_target = xp.where(valid, target, 0)
-
     # hard part: cross-entropy on the untempered student logits
     log_sm = _log_softmax(xp, s)
     ce = -log_sm[xp.arange(T), safe_target]
@@ -69,7 +81,8 @@ def reference(student_input, student_weight, teacher_input, teacher_weight, targ
         jsd = kl
         dz = p * ((logp - logq) - kl[:, None])
     else:
-        logm = xp.log((1 - beta) * p + beta * q)
+        # log m in log space: finite where p and q both underflow (low temperatures, large logits)
+        logm = xp.logaddexp(np.log1p(-beta) + logp, np.log(beta) + logq)
         kl_pm = _xlogy_diff(xp, p, logp, logm)
         jsd = beta * _xlogy_diff(xp, q, logq, logm) + (1 - beta) * kl_pm
         g = (1 - beta) * (logp - logm)
@@ -82,5 +95,4 @@ def reference(student_input, student_weight, teacher_input, teacher_weight, targ
 
     G = (weight_hard_loss * d_hard + (weight_soft_loss / temperature) * dz) / n
     G[~valid] = 0.0
-    grad_bias = None if bs is None else G.sum(axis=0)
-    return loss, hard, soft, G @ ws, G.T @ xs, grad_bias
+    return loss, hard, soft, G

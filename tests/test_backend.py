@@ -9,8 +9,9 @@ from jsdgpu.api import backend_for
 
 
 def _select_rows(xp, target, vocab, ignore_index):
-    return backend_for("numpy" if xp is np else "cupy").select_rows(xp.asarray(target), vocab,
-                                                                     ignore_index)
+    rows = backend_for("numpy" if xp is np else "cupy").select_rows(xp.asarray(target), vocab,
+                                                                     ignore_index).wait(lambda count: 1.0)
+    return rows.valid_rows, rows.target, rows.count
 
 
 # T: one tile of the GPU's select_rows kernel (8192 rows), a row past it, several tiles
@@ -51,3 +52,25 @@ def test_ignore_index_beyond_int64(xp):
     assert rows is None and count == 5
     with pytest.raises(ValueError, match=r"target\[1\] = -100"):
         _select_rows(xp, np.array([3, -100, 4]), 10, 2**70)
+
+
+@pytest.mark.parametrize("T", [1, 7, 1500])
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64, np.uint64])
+def test_mark_rows(xp, rng, T, dtype):
+    """A capturable call's rows: every row's target, -1 where ignored or bad; the valid rows'
+    count and the first bad row; 1/N, NaN where a target is bad."""
+    vocab, ignore_index = 100, 7
+    target = rng.integers(0, vocab, T).astype(dtype)
+    target[rng.random(T) < 0.4] = ignore_index
+    valid = target != ignore_index
+    rows = backend_for("numpy" if xp is np else "cupy").mark_rows(xp.asarray(target), vocab, ignore_index, None)
+    assert rows.masked and rows.valid_rows is None and rows.count is None
+    assert np.array_equal(to_numpy(rows.target), np.where(valid, target.astype(np.int64), -1))
+    assert to_numpy(rows.status).tolist() == [int(valid.sum()), T]
+    assert float(rows.inv_n) == np.float32(1.0 / max(1, valid.sum()))
+    if T > 1:
+        first = int(rng.integers(0, T))
+        target[first:] = np.iinfo(dtype).max if np.iinfo(dtype).min == 0 else -1
+        bad = backend_for("numpy" if xp is np else "cupy").mark_rows(xp.asarray(target), vocab, ignore_index, 5.0)
+        assert to_numpy(bad.status)[1] == first and np.isnan(float(bad.inv_n))
+        assert (to_numpy(bad.target)[first:] == -1).all()

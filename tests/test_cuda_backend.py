@@ -76,7 +76,7 @@ def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, beta, tempera
     assert FUSED_MAX_VOCAB == FUSED_MAX
     case = gpu_case(rng, T=33, hs=64, ht=96, vs=vs, vt=vt, dtype=np.float32, bias=True,
                     logit_std=8.0, ignored=0.3)
-    work = CudaBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1, 0,
+    work = CudaBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1,
                                fused=True)
     assert (work.fused is not None) == (vt <= FUSED_MAX)
     ref = jsdgpu.reference(**case, beta=beta, temperature=temperature)
@@ -94,7 +94,7 @@ def test_rows_handed_out_to_the_clusters(rng):
     import cupy
     from jsdgpu.cuda.backend import CudaBackend
     case = gpu_case(rng, vs=1031, vt=1040)
-    clusters = CudaBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1, 0,
+    clusters = CudaBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1,
                                    fused=True).fused.max_clusters
     for T in (1, clusters - 1, clusters, clusters + 1, 2 * clusters - 1, 2 * clusters, 2 * clusters + 1,
               5 * clusters + 3):

@@ -7,25 +7,45 @@ import dataclasses
 import numpy as np
 
 from .. import checks
-from ..backend import HeldG
+from ..backend import HeldG, Rows
 from .rows import finish_kernel, kl_kernel, stats_kernel
 
 
 @dataclasses.dataclass
 class CpuWork:
-    """One call's buffers: both heads in float32, G, and the chunk's logits (s, t)."""
+    """One call's buffers: both heads in float32, and a chunk's logits (s, t)."""
     ws: object
     wt: object
     bs: object
     bt: object
-    G: object
+    s: object
+    t: object
     fused: object = None  # no fused kernel here: the chunk loop runs the three phases
-    s: object = None
-    t: object = None
 
 
 def _f32(a):
     return None if a is None else a.astype(np.float32, copy=False)
+
+
+# what the finish kernel takes for G and label_terms without gradients: arrays of the types Numba
+# compiled it for (one compiled kernel), which it does not touch
+_NO_G, _NO_TERMS = np.empty((0, 0), np.float32), np.empty(0, np.float32)
+
+
+class Selection:
+    """The valid rows, selected on the host at once (nothing to overlap): rows as the GPU's."""
+
+    def __init__(self, target, vocab, ignore_index):
+        self._valid = checks.check_target(target, vocab, ignore_index)
+        self._target = target
+        self.rows = np.zeros(len(target), np.intp)
+        self.rows[:len(self._valid)] = self._valid
+
+    def wait(self, normalizer):
+        n, valid = len(self._target), self._valid
+        count = len(valid)
+        return Rows(None if count == n else valid, self._target[valid].astype(np.int32), 1.0 / normalizer(count),
+                    count)
 
 
 class CpuBackend:
@@ -38,13 +58,25 @@ class CpuBackend:
 
     @staticmethod
     def select_rows(target, vocab, ignore_index):
-        """(valid_rows, row_target, count): the indices of the rows whose target is not
-        ignore_index (None where that is every row), their targets as int32, and their count.
-        Raises checks.target_error's ValueError for a bad target."""
-        valid = checks.check_target(target, vocab, ignore_index)
-        if len(valid) == len(target):
-            return None, target.astype(np.int32), len(target)
-        return valid, target[valid].astype(np.int32), len(valid)
+        """The rows whose target is not ignore_index; checks.target_error's ValueError for a bad
+        target."""
+        return Selection(target, vocab, ignore_index)
+
+    @staticmethod
+    def mark_rows(target, vocab, ignore_index, num_valid_tokens):
+        """Every row, the ignored ones (and any bad one) masked with target -1, as a capturable
+        call on the GPU computes them: a bad target makes 1/N NaN (status: the count, the first
+        bad row, len(target) where none)."""
+        t = np.asarray(target, dtype=np.int64)
+        ignored = t == ignore_index
+        bad = ~ignored & ((t < 0) | (t >= vocab))
+        valid = ~ignored & ~bad
+        first_bad = int(np.flatnonzero(bad)[0]) if bad.any() else len(t)
+        count = int(valid.sum())
+        n = num_valid_tokens if num_valid_tokens is not None else float(max(1, count))
+        inv_n = float("nan") if bad.any() else 1.0 / n
+        return Rows(None, np.where(valid, t, -1).astype(np.int32), inv_n, None, masked=True,
+                    status=np.array([count, first_bad], np.int32))
 
     @staticmethod
     def take_rows(rows, a, b):
@@ -66,39 +98,50 @@ class CpuBackend:
         return 4 * (vs + vt), grad, grad
 
     @staticmethod
-    def prepare(ws, wt, bs, bt, rows, g_rows, fused, own_g=False):
-        return CpuWork(_f32(ws), _f32(wt), _f32(bs), _f32(bt), np.empty((g_rows, ws.shape[0]), np.float32))
+    def prepare(ws, wt, bs, bt, rows, fused):
+        return CpuWork(_f32(ws), _f32(wt), _f32(bs), _f32(bt), np.empty((rows, ws.shape[0]), np.float32),
+                       np.empty((rows, wt.shape[0]), np.float32))
 
     @staticmethod
-    def logits(work, xs, xt):
-        s = xs.astype(np.float32) @ work.ws.T
-        t = xt.astype(np.float32) @ work.wt.T
+    def gradient_rows(work, g_rows, own_g):
+        return np.empty((g_rows, work.ws.shape[0]), np.float32)
+
+    @staticmethod
+    def logits(work, xs, xt, at=0):
+        """The logits of rows [at, at + len(xs)) of the chunk."""
+        rows = slice(at, at + xs.shape[0])
+        np.matmul(xs.astype(np.float32), work.ws.T, out=work.s[rows])
+        np.matmul(xt.astype(np.float32), work.wt.T, out=work.t[rows])
         if work.bs is not None:
-            s += work.bs
+            work.s[rows] += work.bs
         if work.bt is not None:
-            t += work.bt
-        work.s, work.t = s, t
+            work.t[rows] += work.bt
 
     @staticmethod
     def row_stats(work, target, opts):
-        stats = np.empty((7, len(target)))
-        stats_kernel(work.s, work.t, target, 1.0 / opts.temperature, stats)
+        n = len(target)
+        stats = np.empty((7, n))
+        stats_kernel(work.s[:n], work.t[:n], target, 1.0 / opts.temperature, stats)
         return stats
 
     @staticmethod
     def row_kl(work, target, stats, opts):
-        kl = np.empty((2, stats.shape[1]))
-        kl_kernel(work.s, work.t, 1.0 / opts.temperature, int(opts.divergence), opts.beta, stats, kl)
+        n = len(target)
+        kl = np.empty((2, n))
+        kl_kernel(work.s[:n], work.t[:n], 1.0 / opts.temperature, int(opts.divergence), opts.beta, stats, kl)
         return kl
 
     @staticmethod
     def row_finish(work, target, stats, kl, opts, ce, jsd, G, label_terms):
+        n = len(target)
         compute_grad = G is not None
-        # without gradients, G and label_terms are placeholders of the types Numba compiled
-        # for (one compiled kernel); the kernel does not touch them
-        finish_kernel(work.s, work.t, target, 1.0 / opts.temperature, int(opts.divergence), opts.beta,
+        finish_kernel(work.s[:n], work.t[:n], target, 1.0 / opts.temperature, int(opts.divergence), opts.beta,
                       opts.weight_hard_loss, opts.w_soft_over_t, stats, kl, ce, jsd,
-                      G if compute_grad else work.G, label_terms if compute_grad else ce, compute_grad)
+                      G if compute_grad else _NO_G, label_terms if compute_grad else _NO_TERMS, compute_grad)
+
+    @staticmethod
+    def zero_masked_rows(G, target):
+        G[target < 0] = 0.0
 
     @staticmethod
     def grad_products(work, G, xs, inv_n, grads, start, stop):
@@ -127,8 +170,8 @@ class CpuBackend:
             np.add.at(grads.grad_bias, labels, terms)
 
     @staticmethod
-    def hold_g(work, xs, inv_n, label_terms, target):
-        return HeldG(work.G, work.ws.shape[0], xs, inv_n, label_terms, target)
+    def hold_g(work, G, xs, inv_n, label_terms, target):
+        return HeldG(G, work.ws.shape[0], xs, inv_n, label_terms, target)
 
     @staticmethod
     def weight_product(held, scale, dtype):

@@ -63,7 +63,8 @@ def _kl_terms(z, tt, lse_z, lse_t, mode, beta):
         lm = lp
         h = q
     elif mode == JSD:
-        lm = math.log((1.0 - beta) * p + beta * q)
+        # log m in log space: finite where p and q both underflow, or where (1 - beta) p does
+        lm = np.logaddexp(math.log1p(-beta) + lp, math.log(beta) + lq)
         h = lp - lm
     else:
         lm = lq

@@ -9,7 +9,7 @@ import cupy
 import numpy as np
 
 from .. import checks
-from ..backend import HeldG
+from ..backend import HeldG, Rows
 from . import kernels, products
 from .sources import FUSED
 
@@ -24,17 +24,44 @@ def leading_dim(n):
 @dataclasses.dataclass
 class CudaWork:
     """One call's buffers: both models' float32 logits for a chunk (rows padded to leading_dim),
-    the biases as float32 padded with zeros, G (or None), and the fused kernel where it runs."""
+    the biases as float32 padded with zeros, and the fused kernel where it runs."""
     ws: object
     wt: object
     bias_s: object
     bias_t: object
     logits_s: object
     logits_t: object
-    G: object
     ones: object         # [rows] of ones, for grad_bias's product (None without a student bias)
     fused: object        # the kernels.FusedKernel, or None: the three phase kernels run
     row_counter: object  # the fused kernel's counter of rows handed out
+    redo_rows: object    # [rows] int32: the rows the fused kernel left to the phase kernels
+
+
+class Selection:
+    """The valid rows of a default call: select_rows launched (kernels.PendingSelection); rows:
+    their indices, any prefix of which can be gathered before wait(), the call's one wait for the
+    GPU, gives the Rows."""
+
+    def __init__(self, target, vocab, ignore_index):
+        self._target, self._vocab, self._ignore_index = target, vocab, ignore_index
+        targets = target if target.dtype in (np.int32, np.int64) else target.astype(np.int64)
+        self._pending = kernels.PendingSelection(cupy.ascontiguousarray(targets), vocab, ignore_index)
+        self.rows = self._pending.rows
+
+    def wait(self, normalizer):
+        """The Rows (normalizer(count): N); raises checks.target_error's ValueError for a bad
+        target."""
+        n = len(self._target)
+        count, first_bad = self._pending.wait()
+        if first_bad < n:
+            raise checks.target_error(first_bad, int(self._target[first_bad]), self._vocab, self._ignore_index)
+        valid_rows = None if count == n else self.rows[:count]
+        return Rows(valid_rows, self._pending.row_target[:count], 1.0 / normalizer(count), count)
+
+
+def _device_scalar(x):
+    """x (a float, or a 0-d float32 device array) as a 0-d float32 device array."""
+    return x if isinstance(x, cupy.ndarray) else cupy.full((), x, np.float32)
 
 
 def _padded_bias(b, v):
@@ -55,22 +82,21 @@ class CudaBackend:
 
     @staticmethod
     def select_rows(target, vocab, ignore_index):
-        """(valid_rows, row_target, count): the indices of the rows whose target is not
-        ignore_index (None where that is every row), their targets as int32, and their count, by
-        one kernel (kernels.select_rows). Raises checks.target_error's ValueError for a bad
-        target. Its wait for the kernel is the step's one wait for the GPU. (Reading all the
-        targets, checking and selecting them on the host, copying the selection back and
-        gathering the rows by CuPy took 0.15-0.25 ms more a step at T = 1024 with half of the
-        rows ignored: docs/design.md, "Ignored rows".)"""
-        n = len(target)
+        """The valid rows, by one kernel whose results the host reads once it has run (Selection).
+        (Reading all the targets, checking and selecting them on the host, copying the selection
+        back and gathering the rows by CuPy took 0.15-0.25 ms more a step at T = 1024 with half of
+        the rows ignored: docs/design.md, "Ignored rows".)"""
+        return Selection(target, vocab, ignore_index)
+
+    @staticmethod
+    def mark_rows(target, vocab, ignore_index, num_valid_tokens):
+        """Every row, the ignored ones masked, with nothing read by the host (a capturable call):
+        the Rows, with 1/N on the device (NaN where a target is bad) and the status of
+        kernels.mark_rows."""
         targets = target if target.dtype in (np.int32, np.int64) else target.astype(np.int64)
-        rows, row_target, count, first_bad = kernels.select_rows(cupy.ascontiguousarray(targets), vocab,
-                                                                 ignore_index)
-        if first_bad < n:
-            raise checks.target_error(first_bad, int(target[first_bad]), vocab, ignore_index)
-        if count == n:
-            return None, row_target, n
-        return rows[:count], row_target[:count], count
+        row_target, status, inv_n = kernels.mark_rows(cupy.ascontiguousarray(targets), vocab, ignore_index,
+                                                      num_valid_tokens)
+        return Rows(None, row_target, inv_n, None, masked=True, status=status)
 
     take_rows = staticmethod(kernels.gather_rows)
 
@@ -92,33 +118,36 @@ class CudaBackend:
         return 4 * (leading_dim(vs) + leading_dim(vt)), grad, 0 if fused else grad
 
     @staticmethod
-    def prepare(ws, wt, bs, bt, rows, g_rows, fused, own_g=False):
-        """The buffers: logits for chunks of rows, G for g_rows (0: no G); with fused (and a
-        teacher vocabulary of at most FUSED_MAX_VOCAB), the fused row kernel. There G is the
-        student logits' memory (the kernel writes a row's gradient over the row once every CTA of
-        its cluster has read it; a 16-bit row takes the first half of the float32 one) unless
-        own_g: G held for all rows, or kept apart so that the logits can be used again."""
+    def prepare(ws, wt, bs, bt, rows, fused):
+        """The buffers for chunks of `rows` rows; with fused (and a teacher vocabulary of at most
+        FUSED_MAX_VOCAB), the fused row kernel."""
         vs, vt = ws.shape[0], wt.shape[0]
         fused = fused and vt <= FUSED_MAX_VOCAB
-        logits_s = cupy.empty((rows, leading_dim(vs)), np.float32)
-        if not g_rows:
-            G = None
-        elif fused and not own_g:
-            G = logits_s.view(ws.dtype)[:g_rows]
-        else:
-            G = cupy.empty((g_rows, leading_dim(vs)), ws.dtype)
         return CudaWork(
-            ws=ws, wt=wt, bias_s=_padded_bias(bs, vs), bias_t=_padded_bias(bt, vt), logits_s=logits_s,
-            logits_t=cupy.empty((rows, leading_dim(vt)), np.float32), G=G,
+            ws=ws, wt=wt, bias_s=_padded_bias(bs, vs), bias_t=_padded_bias(bt, vt),
+            logits_s=cupy.empty((rows, leading_dim(vs)), np.float32),
+            logits_t=cupy.empty((rows, leading_dim(vt)), np.float32),
             ones=cupy.ones(rows, ws.dtype) if bs is not None else None,
             fused=kernels.fused_kernel(cupy.cuda.Device().id, ws.dtype) if fused else None,
-            row_counter=cupy.empty(1, np.int32) if fused else None)  # zeroed by each launch
+            row_counter=cupy.empty(1, np.int32) if fused else None,  # zeroed by each launch
+            redo_rows=cupy.empty(rows, np.int32) if fused else None)
 
     @staticmethod
-    def logits(work, xs, xt):
-        c = xs.shape[0]
-        products.logits(xs, work.ws, work.logits_s[:c])
-        products.logits(xt, work.wt, work.logits_t[:c])
+    def gradient_rows(work, g_rows, own_g):
+        """G for g_rows rows. With the fused kernel it is the student logits' memory (the kernel
+        writes a row's gradient over the row once every CTA of its cluster has read it; a 16-bit
+        row takes the first half of the float32 one) unless own_g: G held for all rows, or kept
+        apart so that the logits can be used again."""
+        if work.fused is not None and not own_g:
+            return work.logits_s.view(work.ws.dtype)[:g_rows]
+        return cupy.empty((g_rows, leading_dim(work.ws.shape[0])), work.ws.dtype)
+
+    @staticmethod
+    def logits(work, xs, xt, at=0):
+        """The logits of rows [at, at + len(xs)) of the chunk."""
+        stop = at + xs.shape[0]
+        products.logits(xs, work.ws, work.logits_s[at:stop])
+        products.logits(xt, work.wt, work.logits_t[at:stop])
 
     @staticmethod
     def _row_inputs(work, target):
@@ -127,28 +156,41 @@ class CudaBackend:
 
     @staticmethod
     def fused_rows(work, target, opts, ce, jsd, G, label_terms):
-        """The fused row kernel over the chunk's logits (G None: the loss alone)."""
-        kernels.launch_fused_rows(work.fused, len(target), *CudaBackend._row_inputs(work, target), opts,
-                                  ce, jsd, G, label_terms, work.row_counter)
+        """The fused row kernel over the chunk's logits (G None: the loss alone), then the phase
+        kernels over the rows it left to them (kernels.PRECISE_BELOW): every other row returns
+        from them at once."""
+        rows = len(target)
+        inputs = CudaBackend._row_inputs(work, target)
+        redo = work.redo_rows[:rows]
+        kernels.launch_fused_rows(work.fused, rows, *inputs, opts, ce, jsd, G, label_terms, work.row_counter, redo)
+        stats = kernels.phase_stats(inputs, opts, redo)
+        kl = kernels.phase_kl(inputs, opts, stats, redo)
+        kernels.phase_finish(work.ws.dtype, inputs, opts, stats, kl, ce, jsd, G, label_terms, redo)
 
     @staticmethod
     def row_stats(work, target, opts):
-        return kernels.phase_stats(*CudaBackend._row_inputs(work, target), opts)
+        return kernels.phase_stats(CudaBackend._row_inputs(work, target), opts)
 
     @staticmethod
     def row_kl(work, target, stats, opts):
-        return kernels.phase_kl(*CudaBackend._row_inputs(work, target), opts, stats)
+        return kernels.phase_kl(CudaBackend._row_inputs(work, target), opts, stats)
 
     @staticmethod
     def row_finish(work, target, stats, kl, opts, ce, jsd, G, label_terms):
-        kernels.phase_finish(work.ws.dtype, *CudaBackend._row_inputs(work, target), opts, stats, kl,
+        kernels.phase_finish(work.ws.dtype, CudaBackend._row_inputs(work, target), opts, stats, kl,
                              ce, jsd, G, label_terms)
+
+    @staticmethod
+    def zero_masked_rows(G, target):
+        """G's rows whose target is -1 zeroed (a capturable call's ignored rows)."""
+        kernels.zero_rows(target, G)
 
     @staticmethod
     def add_label_terms(work, label_terms, target, xs, inv_n, grads):
         """The label terms the row kernel left out of G, added exactly in float32 for the rows
         whose label this rank owns (target >= 0; label_terms is 0 elsewhere): to grad_input, and
         to the grad_weight sums (where there are) and grad_bias."""
+        inv_n = _device_scalar(inv_n)
         kernels.label_rows(label_terms, target, work.ws, inv_n, grads.grad_input)
         if grads.grad_weight is not None or grads.grad_bias is not None:
             kernels.label_scatter(label_terms, target, xs, inv_n, None, grads.grad_weight, grads.grad_bias)
@@ -166,9 +208,9 @@ class CudaBackend:
             products.bias_gradient(G, vs, work.ones[:stop - start], inv_n, accumulate, grads.grad_bias)
 
     @staticmethod
-    def hold_g(work, xs, inv_n, label_terms, target):
+    def hold_g(work, G, xs, inv_n, label_terms, target):
         """What weight_product needs of G held for all rows (work's logits are not kept)."""
-        return HeldG(work.G, work.ws.shape[0], xs, inv_n, label_terms, target)
+        return HeldG(G, work.ws.shape[0], xs, inv_n, label_terms, target)
 
     @staticmethod
     def weight_product(held, scale, dtype):
@@ -177,7 +219,8 @@ class CudaBackend:
         bits, the rows of labels kept out of G are rounded twice (the product, then with the
         label terms added), the others once."""
         out = cupy.empty((held.vocab, held.xs.shape[1]), dtype)
-        alpha = held.inv_n if scale is None else scale * np.float32(held.inv_n)
+        inv_n = _device_scalar(held.inv_n)
+        alpha = held.inv_n if scale is None else scale * inv_n
         products.weight_gradient(held.G, held.vocab, held.xs, alpha, 0.0, out)
-        kernels.label_scatter(held.label_terms, held.target, held.xs, held.inv_n, scale, out, None)
+        kernels.label_scatter(held.label_terms, held.target, held.xs, inv_n, scale, out, None)
         return out

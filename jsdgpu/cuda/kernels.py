@@ -97,50 +97,59 @@ def _row_args(logits_s, logits_t, bias_s, bias_t, target, vs, vt):
             _pointer(bias_s), _pointer(bias_t), target, np.int32(vs), np.int32(vt))
 
 
+# The soft part below which the fused kernel leaves a row to the phase kernels, whose KL sums do
+# not cancel (row_math.cuh, precise_kl_terms): the fused sums' error (the logs of probabilities
+# near 1/V, and lg2.approx's, about 2^-22 bits in the row's logsumexps) came to 3e-7 nats at
+# V = 523 and temperature 50, which is 1e-5 of the divergence only above 0.03. In bits, as the
+# kernel's sums are.
+PRECISE_BELOW = 0.1 / np.log(2.0)
+
+
 def launch_fused_rows(kernel, rows, logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts,
-                      ce, jsd, G, label_terms, row_counter):
+                      ce, jsd, G, label_terms, row_counter, redo_rows):
     """The fused row kernel over the first `rows` rows of the chunk's logits (G None: the loss
-    alone): as many clusters as fit the GPU at once, each taking rows until none is left."""
+    alone): as many clusters as fit the GPU at once, each taking rows until none is left. The rows
+    it leaves to the phase kernels are flagged in redo_rows (their results and G not written)."""
     row_counter.fill(0)  # the kernel hands out rows past each cluster's first two from it
     args = _row_args(logits_s, logits_t, bias_s, bias_t, target, vs, vt) + (
         np.int32(kernel.slice(vt)), np.int32(rows), np.float32(1.0 / opts.temperature),
-        np.int32(opts.divergence), np.float32(opts.beta), np.float32(opts.weight_hard_loss),
-        np.float32(opts.w_soft_over_t), ce, jsd, _pointer(G), np.int64(0 if G is None else G.shape[1]),
-        _NULL if G is None else label_terms, row_counter)
+        np.int32(opts.divergence), np.float32(opts.beta), np.float32(opts.one_minus_beta),
+        np.float32(opts.weight_hard_loss), np.float32(opts.w_soft_over_t), ce, jsd, _pointer(G),
+        np.int64(0 if G is None else G.shape[1]), _NULL if G is None else label_terms, row_counter,
+        np.float32(PRECISE_BELOW), redo_rows)
     shape = kernel.shape
     kernel.function((shape.cluster * min(rows, kernel.max_clusters),), (shape.threads,), args,
                     shared_mem=shape.shared_bytes)
 
 
-def launch_phase(phase, logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts, *more_args):
-    """A phase kernel ("stats", "kl" or "finish" of the dtype in more_args' place) over the
-    chunk's rows, one CTA per row."""
-    rows = len(target)
-    args = _row_args(logits_s, logits_t, bias_s, bias_t, target, vs, vt) + (
-        np.float32(1.0 / opts.temperature), np.int32(rows))
-    function("phase_rows", phase)((rows,), (sources.PHASE_THREADS,), args + more_args)
+def launch_phase(phase, row_inputs, opts, only, *more_args):
+    """A phase kernel over the chunk's rows, one CTA per row; only: None, or the rows to work on
+    (int32 flags, as the fused kernel's redo_rows)."""
+    target = row_inputs[4]
+    args = _row_args(*row_inputs) + (np.float32(1.0 / opts.temperature), np.int32(len(target)), _pointer(only))
+    function("phase_rows", phase)((len(target),), (sources.PHASE_THREADS,), args + more_args)
 
 
-def phase_stats(logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts):
-    """stats [7, rows] of this rank's columns (phase_rows.cu)."""
-    stats = cupy.empty((7, len(target)), np.float32)
-    launch_phase(sources.phase_stats(), logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts, stats)
+def phase_stats(row_inputs, opts, only=None):
+    """stats [7, rows] of this rank's columns (phase_rows.cu); row_inputs: _row_args' arrays."""
+    stats = cupy.empty((7, len(row_inputs[4])), np.float32)
+    launch_phase(sources.phase_stats(), row_inputs, opts, only, stats)
     return stats
 
 
-def phase_kl(logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts, stats):
-    """kl [2, rows]: this rank's part of the KL sums a and b."""
-    kl = cupy.empty((2, stats.shape[1]), np.float32)
-    launch_phase(sources.phase_kl(), logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts,
-                 np.int32(opts.divergence), np.float32(opts.beta), stats, kl)
+def phase_kl(row_inputs, opts, stats, only=None):
+    """kl [5, rows]: this rank's part of the KL sums a and b, the sums of p and q, and the fast a
+    (phase_rows.cu)."""
+    kl = cupy.empty((5, stats.shape[1]), np.float32)
+    launch_phase(sources.phase_kl(), row_inputs, opts, only, np.int32(opts.divergence), np.float32(opts.beta),
+                 np.float32(opts.one_minus_beta), stats, kl)
     return kl
 
 
-def phase_finish(dtype, logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts, stats, kl,
-                 ce, jsd, G, label_terms):
+def phase_finish(dtype, row_inputs, opts, stats, kl, ce, jsd, G, label_terms, only=None):
     """The rows' CE and JSD values, and with G this rank's gradient columns."""
-    launch_phase(sources.phase_finish(dtype), logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts,
-                 np.int32(opts.divergence), np.float32(opts.beta), np.float32(opts.weight_hard_loss),
+    launch_phase(sources.phase_finish(dtype), row_inputs, opts, only, np.int32(opts.divergence),
+                 np.float32(opts.beta), np.float32(opts.one_minus_beta), np.float32(opts.weight_hard_loss),
                  np.float32(opts.w_soft_over_t), stats, kl, ce, jsd, _pointer(G),
                  np.int64(0 if G is None else G.shape[1]), _NULL if G is None else label_terms)
 
@@ -158,58 +167,108 @@ def scale_cast(a, scale, dtype):
 
 
 def label_rows(label_terms, target, ws, inv_n, grad_input):
-    """grad_input[i] += inv_n label_terms[i] ws[target[i]] where target[i] >= 0."""
+    """grad_input[i] += inv_n label_terms[i] ws[target[i]] where target[i] >= 0; inv_n: a 0-d
+    float32 device array."""
     n, hs = grad_input.shape
     function("gradient_sums", sources.label_rows(ws.dtype))(
-        (n,), (256,), (label_terms, target, ws, np.int32(hs), np.float32(inv_n), grad_input))
+        (n,), (256,), (label_terms, target, ws, np.int32(hs), inv_n, grad_input))
+
+
+def label_order(target):
+    """The rows in the order of their labels, stably: as a stable argsort, with no host wait."""
+    n = len(target)
+    order = cupy.empty(n, np.int32)
+    if n:
+        blocks = -(-n // sources.ORDER_THREADS)
+        function("gradient_sums", sources.label_order())((blocks,), (sources.ORDER_THREADS,), (target, np.int32(n), order))
+    return order
 
 
 def label_scatter(label_terms, target, xs, inv_n, scale, grad_weight, grad_bias):
     """The label terms into grad_weight (float32 sums, or the output in xs's dtype) and grad_bias
-    (either may be None), over the rows sorted by label (a stable sort: the same order, and
-    bits, every run)."""
-    order = cupy.argsort(target).astype(np.int32)
+    (either may be None), over the rows in the order of their labels (label_order: the same
+    order, and bits, every run). inv_n: a 0-d float32 device array."""
+    order = label_order(target)
     out = np.float32 if grad_weight is None else grad_weight.dtype
-    function("gradient_sums", sources.label_scatter(xs.dtype, out))(
-        (len(order),), (256,),
-        (label_terms, order, target[order], np.int32(len(order)), xs, np.int32(xs.shape[1]),
-         np.float32(inv_n), _pointer(scale), _pointer(grad_weight), _pointer(grad_bias)))
+    if len(order):
+        function("gradient_sums", sources.label_scatter(xs.dtype, out))(
+            (len(order),), (256,),
+            (label_terms, order, target[order], np.int32(len(order)), xs, np.int32(xs.shape[1]),
+             inv_n, _pointer(scale), _pointer(grad_weight), _pointer(grad_bias)))
 
 
 # ---- the valid rows ----
 
+class _SelectionOutput:
+    """select_rows's two results (the count and the first bad row) in 8 bytes of page-locked host
+    memory, which the kernel writes straight into (with unified addressing, CUDA maps it into the
+    devices' address space at the same address), and an event recorded after the kernel, which
+    the host waits on (not on the stream: the products queued after the kernel run on). One per
+    thread and device, made once (an allocation a call took tens of µs inside a step)."""
+
+    def __init__(self):
+        self.view = np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.int32, 2)  # keeps it alive
+        self.address = np.uint64(self.view.ctypes.data)
+        self.done = cupy.cuda.Event(block=False, disable_timing=True)
+
+
 _per_thread = threading.local()
 
 
-def _select_out(device_id):
-    """(view, address) of select_rows's two results (the count and the first bad row): 8 bytes
-    of page-locked host memory, which the kernel writes straight into (with unified addressing,
-    CUDA maps it into the devices' address space at the same address). One per thread and
-    device, allocated once (an allocation a call took tens of µs inside a step)."""
-    buffers = getattr(_per_thread, "select_out", None)
-    if buffers is None:
-        buffers = _per_thread.select_out = {}
-    if device_id not in buffers:
-        view = np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.int32, 2)  # keeps it alive
-        buffers[device_id] = view, np.uint64(view.ctypes.data)
-    return buffers[device_id]
+def _selection_output(device_id):
+    outputs = getattr(_per_thread, "selection_outputs", None)
+    if outputs is None:
+        outputs = _per_thread.selection_outputs = {}
+    if device_id not in outputs:
+        outputs[device_id] = _SelectionOutput()
+    return outputs[device_id]
 
 
-def select_rows(targets, vocab, ignore_index):
-    """(rows, row_target, count, first_bad): the valid rows' indices and int32 targets (device
-    arrays of len(targets), their first `count` entries written), and the first row whose target
-    is neither ignore_index nor in [0, vocab) (len(targets) where none is). Waits for the GPU."""
-    n = len(targets)
-    selected = cupy.empty(2 * n, np.int32)  # one allocation: the rows, then their targets
-    out, out_address = _select_out(cupy.cuda.Device().id)
+def _ignore_args(ignore_index):
     has_ignore = -2**63 <= ignore_index < 2**63  # else no int64 target equals it
-    function("targets", sources.select_rows(targets.dtype))(
-        (1,), (sources.SELECT_THREADS,),
-        (targets, np.int32(n), np.int64(ignore_index if has_ignore else 0), np.int32(has_ignore),
-         np.int64(vocab), selected[:n], selected[n:], out_address))
-    cupy.cuda.get_current_stream().synchronize()
-    count, first_bad = (int(x) for x in out)
-    return selected[:n], selected[n:], count, first_bad
+    return np.int64(ignore_index if has_ignore else 0), np.int32(has_ignore)
+
+
+class PendingSelection:
+    """select_rows launched: rows [n] (the valid rows' indices first, in order; 0 past their count,
+    so any prefix can be gathered before the count is known) and row_target [n] (their int32
+    targets). wait() waits for the kernel alone and returns (count, first bad row, n where none)."""
+
+    def __init__(self, targets, vocab, ignore_index):
+        n = len(targets)
+        selected = cupy.zeros(2 * n, np.int32)  # one allocation: the rows, then their targets
+        self.rows, self.row_target = selected[:n], selected[n:]
+        self._out = _selection_output(cupy.cuda.Device().id)
+        function("targets", sources.select_rows(targets.dtype))(
+            (1,), (sources.SELECT_THREADS,),
+            (targets, np.int32(n), *_ignore_args(ignore_index), np.int64(vocab), self.rows, self.row_target,
+             self._out.address))
+        self._out.done.record()
+
+    def wait(self):
+        self._out.done.synchronize()
+        return tuple(int(x) for x in self._out.view)
+
+
+def mark_rows(targets, vocab, ignore_index, normalizer):
+    """A capturable call's rows, with no host wait: (row_target [n]: the target where valid, else
+    -1; status [2]: the valid rows' count and the first bad row, n where none; inv_n: a 0-d
+    float32 device array, 1 / N, NaN where a target is bad). normalizer: N, or None for the
+    count."""
+    n = len(targets)
+    row_target, status, inv_n = cupy.empty(n, np.int32), cupy.empty(2, np.int32), cupy.empty((), np.float32)
+    function("targets", sources.mark_rows(targets.dtype))(
+        (1,), (sources.MARK_THREADS,),
+        (targets, np.int32(n), *_ignore_args(ignore_index), np.int64(vocab),
+         np.float32(0.0 if normalizer is None else normalizer), row_target, status, inv_n))
+    return row_target, status, inv_n
+
+
+def zero_rows(row_target, G):
+    """G's rows whose row_target is -1, zeroed (G's rows 16-byte aligned)."""
+    if len(row_target):
+        function("targets", "zero_rows")((len(row_target),), (256,),
+                                         (row_target, G, np.int64(G.shape[1] * G.itemsize // 16)))
 
 
 def gather_rows(rows, a, b):

@@ -1,21 +1,25 @@
-"""The matrix products: cuBLAS through CuPy's handle, and cuBLASLt with the fastest of cuBLAS's
-candidate algorithms for each shape class.
+"""The matrix products, through cuBLASLt with the fastest of its heuristic's candidate
+algorithms for each shape class.
 
 For the products of the benchmark (bf16 in, float32 logits and grad_input, V = 128256) the
 algorithm cuBLAS picks by default ran 5-17% slower on the H200 than the best of the other
 candidates its heuristic offers (docs/design.md, "Products"). So the first product of each shape
-class times cuBLAS's default and the candidates once, on its own operands, and the fastest is
-kept for the process. A class is the transposes, data types and leading dimensions, with each of m, n, k
-rounded up to a power of 2: a row count that changes from call to call (ignored rows) does not
-tune again. The timing waits for the GPU, once per class; a product that adds to its output
-(beta != 0) is not timed (that would add to it again and again): it takes its class's choice
-where there is one (the first chunk's product, beta = 0, made it), else cuBLAS's default.
+class times the candidates once, on its own operands, and the fastest is kept for the process.
+A class is the transposes, data types and leading dimensions, with each of m, n, k rounded up to
+a power of 2: a row count that changes from call to call (ignored rows) does not tune again. The
+timing waits for the GPU, once per class; a product that adds to its output (beta != 0) is not
+timed (that would add to it again and again), nor one inside a CUDA-graph capture: it takes its
+class's choice where there is one (the first chunk's product, beta = 0, made it), else the
+heuristic's first candidate.
 
-JSDGPU_GEMM_TUNING=0 in the environment keeps cuBLAS's default algorithm: no timing, and the same
-algorithm (and bits) in every process. With tuning, two processes may pick different algorithms,
-whose float32 results differ in the last bits.
+JSDGPU_GEMM_TUNING=0 in the environment keeps the heuristic's first candidate: no timing, and the
+same algorithm (and bits) in every process. With tuning, two processes may pick different
+algorithms, whose float32 results differ in the last bits.
 
-cuBLASLt is called through ctypes: CuPy does not wrap it, and CuPy's cuBLAS has loaded it.
+cuBLASLt is called through ctypes (CuPy does not wrap it, and CuPy's cuBLAS has loaded it) on a
+handle of its own, with no workspace: so the products can be captured in a CUDA graph, which
+CuPy's cuBLAS refuses. cublasGemmEx (CuPy's) serves only a shape for which the heuristic offers
+no candidate.
 """
 
 import contextlib
@@ -169,7 +173,7 @@ def _fastest(runs):
 
 
 _product = functools.lru_cache(maxsize=64)(_Product)
-_tuned = {}  # shape class -> the algorithm that ran fastest, None for cuBLAS's default
+_tuned = {}  # shape class -> the algorithm that ran fastest, None where there is no candidate
 
 
 def _bucket(n):
@@ -202,38 +206,45 @@ def observing(callback):
         _observed.callback = before
 
 
+def _choose(product, key, run, timed):
+    """The algorithm for the product's shape (None: no cuBLASLt candidate), kept for the shape
+    once its class has a choice: the class's, the fastest candidate (run(algo) runs the product
+    by it), or, not timed, the first candidate for this call alone."""
+    if key not in _tuned:
+        candidates = product.candidates()
+        if candidates and TUNING and not timed:
+            return candidates[0]
+        _tuned[key] = None if not candidates else candidates[_fastest([functools.partial(run, c) for c in candidates])
+                                                             if TUNING else 0]
+    algo = _tuned[key]
+    if algo is not None and not product.supports(algo):  # its class's choice, which this shape cannot run
+        candidates = product.candidates()
+        algo = candidates[0] if candidates else None
+    product.algo = algo
+    return algo
+
+
 def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd):
     """d [m, n] = alpha op(a) op(b) + beta d, column-major, float32 accumulation; a, b, d CuPy
     arrays (views allowed) whose dtypes give the cuBLAS data types. alpha: a float, or a 0-d
     float32 device array (read by cuBLAS when the product runs: no wait for the GPU); beta: a
-    float. By the cuBLASLt algorithm that ran fastest for the shape class (above), else cuBLAS's
-    default."""
+    float. By the cuBLASLt algorithm that ran fastest for the shape class (above)."""
     callback = getattr(_observed, "callback", None)
     if callback is not None:
         callback(m, n, k)
     types = (_CUDA_TYPE[a.dtype], _CUDA_TYPE[b.dtype], _CUDA_TYPE[d.dtype])
-    args = (trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd)
-    if not TUNING:
-        return _gemm_default(*args)
     device = cupy.cuda.Device().id
     device_scalars = isinstance(alpha, cupy.ndarray)
     product = _product(device, trans_a, trans_b, m, n, k, lda, ldb, ldd, *types, device_scalars)
-    if product.algo is _UNSET:
-        key = (device, trans_a, trans_b, _bucket(m), _bucket(n), _bucket(k), lda, ldb, ldd, types)
-        if key not in _tuned:
-            if beta != 0.0:  # not timed: each run would add to d
-                return _gemm_default(*args)
-            candidates = product.candidates()
-            zero = _device_constant(0.0) if device_scalars else 0.0
-            runs = [functools.partial(_gemm_default, *args)] + [
-                functools.partial(product.run, algo, a, b, d, alpha, zero) for algo in candidates]
-            best = _fastest(runs)
-            _tuned[key] = None if best == 0 else candidates[best - 1]
-        algo = _tuned[key]
-        product.algo = algo if algo is None or product.supports(algo) else None
-    if product.algo is None:
-        return _gemm_default(*args)
-    product.run(product.algo, a, b, d, alpha, _device_constant(beta) if device_scalars else beta)
+    algo = product.algo
+    if algo is _UNSET:
+        algo = _choose(product, (device, trans_a, trans_b, _bucket(m), _bucket(n), _bucket(k), lda, ldb, ldd, types),
+                       functools.partial(product.run, a=a, b=b, d=d, alpha=alpha,
+                                         beta=_device_constant(0.0) if device_scalars else 0.0),
+                       timed=beta == 0.0 and not cupy.cuda.get_current_stream().is_capturing())
+    if algo is None:  # no cuBLASLt candidate for the shape
+        return _gemm_default(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd)
+    product.run(algo, a, b, d, alpha, _device_constant(beta) if device_scalars else beta)
 
 
 def _gemm_default(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):

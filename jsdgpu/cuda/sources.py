@@ -46,6 +46,8 @@ class FusedShape:
 FUSED = FusedShape()
 PHASE_THREADS = 256  # one CTA of these per row in each phase kernel
 SELECT_THREADS, SELECT_ITEMS = 1024, 8  # select_rows: one CTA, tiles of 8192 targets
+MARK_THREADS = 1024  # mark_rows: one CTA
+ORDER_THREADS = 128  # label_order: one thread per row, so that small T spreads over many SMs
 
 
 def fused_rows(dtype, shape=FUSED):
@@ -82,6 +84,15 @@ def select_rows(target_dtype):
     return f"select_rows<{index}, {SELECT_THREADS}, {SELECT_ITEMS}>"
 
 
+def mark_rows(target_dtype):
+    index = "int" if np.dtype(target_dtype) == np.int32 else "long long"
+    return f"mark_rows<{index}, {MARK_THREADS}>"
+
+
+def label_order():
+    return f"label_order<{ORDER_THREADS}>"
+
+
 def gather_rows(word_bytes):
     return f"gather_rows<{'uint4' if word_bytes == 16 else 'unsigned short'}>"
 
@@ -94,8 +105,9 @@ FAMILIES = {
     "phase_rows": [phase_stats(), phase_kl()] + [phase_finish(d) for d in _ALL_DTYPES],
     "gradient_sums": ([scale_cast(d) for d in _16BIT] + [label_rows(d) for d in _ALL_DTYPES]
                       + [label_scatter(d, np.float32) for d in _ALL_DTYPES]
-                      + [label_scatter(d, d) for d in _16BIT]),
-    "targets": [select_rows(np.int32), select_rows(np.int64), gather_rows(16), gather_rows(2)],
+                      + [label_scatter(d, d) for d in _16BIT] + [label_order()]),
+    "targets": [select_rows(np.int32), select_rows(np.int64), gather_rows(16), gather_rows(2),
+                mark_rows(np.int32), mark_rows(np.int64), "zero_rows"],
 }
 
 

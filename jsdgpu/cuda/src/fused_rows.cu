@@ -58,9 +58,13 @@ struct FusedRow {
   float *ce_out, *jsd_out, *label_terms;
   void* G;
   long long ldg;
-  float4* inbox_sums;  // the cluster's CTAs' (a, b), by rank (pushed there)
+  float4* inbox_sums;  // the cluster's CTAs' (a, b), by rank (pushed there); then this row's eps_z, eps_t
   unsigned sums_bar, parity;  // their mbarrier, and the parity of this row's phase
   float target_logit;         // the row's logit at its label (for the CE)
+  // rows whose soft part comes out below precise_below (bits) are left to the phase kernels,
+  // whose sums do not cancel (row_math.cuh): redo_rows[row] = 1 there and nothing is written
+  float precise_below;
+  int* redo_rows;
 
   __device__ __forceinline__ int column(int k) const { return 4 * (threadIdx.x + k * THREADS); }
 
@@ -96,15 +100,23 @@ struct FusedRow {
     // warp 0 needs them (for the row's results); the others go on to the next row.
     if (G == nullptr && warp != 0) return;
     mbar_wait(sums_bar, parity);
-    float2 r = make_float2(0.0f, 0.0f);
+    float2 sums = make_float2(0.0f, 0.0f);
     if (lane < CLUSTER) {
       const float4 v = ld_shared4(smem_addr(inbox_sums) + 16 * lane_id());
-      r = make_float2(v.x, v.y);
+      sums = make_float2(v.x, v.y);
     }
-    r = sums_warp_merge<32>(r);  // the other lanes hold zeros: every lane gets the CLUSTER lanes' tree's bits
-    if (warp == 0 && lane == 0 && rank == 0)
-      write_row_results<MODE>(row, target_logit, r.x, r.y, label_apart, rm, G != nullptr, ce_out, jsd_out,
-                              label_terms);
+    sums = sums_warp_merge<32>(sums);  // the other lanes hold zeros: every lane gets the CLUSTER lanes' tree's bits
+    const float4 eps = inbox_sums[CLUSTER];  // the logsumexps' roundings (row_math.cuh, unrounded_sums)
+    const float2 r = unrounded_sums<MODE>(sums.x, sums.y, eps.x, eps.y);
+    // the same bits in every CTA, so every CTA takes the same branch (a NaN keeps the row here)
+    const float soft = unrounded_soft_bits<MODE>(r, eps.x, eps.y, rm);
+    const bool redo = soft < precise_below;
+    if (warp == 0 && lane == 0 && rank == 0) {
+      redo_rows[row] = redo;
+      if (!redo)
+        write_row_results(row, target_logit, soft, label_apart, rm, G != nullptr, ce_out, jsd_out, label_terms);
+    }
+    if (redo) return;
     // 3. the gradient row: the loop writes the groups of 4 student columns, without the
     //    label's one-hot term; after it, the thread that holds them writes the group that ends
     //    inside a float4 (where ns % 4 != 0) and, where the one-hot term goes into G, the label's
@@ -158,9 +170,11 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
                                          long long ldt, const float* __restrict__ bias_s,
                                          const float* __restrict__ bias_t, const int* __restrict__ target, int vs,
                                          int vt, int slice, int rows, float inv_temp, float beta,
+                                         float one_minus_beta,
                                          float w_hard, float w_soft_over_t, float* __restrict__ ce_out,
                                          float* __restrict__ jsd_out, void* G, long long ldg,
-                                         float* __restrict__ label_terms, int* __restrict__ row_counter) {
+                                         float* __restrict__ label_terms, int* __restrict__ row_counter,
+                                         float precise_below, int* __restrict__ redo_rows) {
   static_assert(CLUSTER < 32, "lane CLUSTER of warp 2 holds the pad columns' part of z");
   static_assert(THREADS >= 128, "warps 0, 1 and 2 merge one statistic each; a thread of warp 3 copies");
   constexpr int WARPS = THREADS / 32;
@@ -176,7 +190,10 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   // pushes cannot come before this CTA has read row i's: a CTA pushes its statistics of row i + 1
   // only after it has all sums of row i, this CTA's among them, pushed after it read the
   // statistics of row i; likewise for the sums.
-  __shared__ float4 inbox_stats[3 * CLUSTER], inbox_sums[CLUSTER];
+  // inbox_sums[CLUSTER]: this CTA's own slot, of the row's logsumexps' rounding errors (eps_z, eps_t),
+  // written before the barrier after the statistics' merge, read after the sums' exchange: the
+  // next row's comes after that row's first barrier, which every warp reaches after this row
+  __shared__ float4 inbox_stats[3 * CLUSTER], inbox_sums[CLUSTER + 1];
   __shared__ unsigned long long bars[3];  // their mbarriers, and the copies': one phase per row
   __shared__ float row_values[4];  // the cluster's statistics, for every thread
   __shared__ int row_after;        // the row after the next one (from rank 0), for every thread
@@ -203,6 +220,8 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   f.ce_out = ce_out;
   f.jsd_out = jsd_out;
   f.label_terms = label_terms;
+  f.precise_below = precise_below;
+  f.redo_rows = redo_rows;
   f.G = G;
   f.ldg = ldg;
   f.inbox_sums = inbox_sums;
@@ -247,7 +266,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     int after = 0;  // the row after next: thread 0 of rank 0 takes it; every CTA gets it below
     if (threadIdx.x == 0) {  // the one arrival of this row's phases; the pushes bring the bytes
       mbar_expect_bytes(stats_bar, (z_apart ? 3 : 2) * CLUSTER * sizeof(float4));
-      mbar_expect_bytes(f.sums_bar, sizeof(inbox_sums));
+      mbar_expect_bytes(f.sums_bar, CLUSTER * sizeof(float4));
       // 2 * clusters, from gridDim.x read again here (kept from above, ptxas spilled it)
       if (rank == 0) after = 2 * (grid_ctas() / CLUSTER) + atomicAdd(row_counter, 1);
     }
@@ -340,15 +359,21 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
       if (lane == 0) {
         // each sum is >= 1 (its max's own term) or NaN: lg2.approx's error is absolute (about
         // 2^-22 by the PTX ISA), small beside the log
-        const float bits = total.m + lg2(total.s);
+        const float log_s = lg2(total.s), bits = total.m + log_s;
+        const float eps = rounding_error(bits, total.m, log_s);
         if (stat == 0) {
           row_values[0] = bits * LN2;
-          if (!z_apart) row_values[1] = bits;
+          if (!z_apart) {
+            row_values[1] = bits;
+            inbox_sums[CLUSTER].x = eps;
+          }
         } else if (stat == 1) {
           row_values[2] = bits;
           row_values[3] = label_logit;
+          inbox_sums[CLUSTER].y = eps;
         } else {
           row_values[1] = bits;
+          inbox_sums[CLUSTER].x = eps;
         }
       }
     }
@@ -363,7 +388,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
 
     f.row = row;
     const int after_row = row_after;  // read before the next row's statistics overwrite it
-    f.rm = RowMath{scale2, row_values[0], row_values[1], row_values[2], beta, w_hard, w_soft_over_t};
+    f.rm = RowMath{scale2, row_values[0], row_values[1], row_values[2], beta, one_minus_beta, w_hard, w_soft_over_t};
     f.target_logit = row_values[3];
     f.label_apart = G != nullptr && label_dominates(f.target_logit, row_values[0]);
     f.label_column = holds_label && !f.label_apart ? y - lo : -1;
@@ -381,11 +406,12 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
 #define JSD_ROWS_ARGS                                                                                   \
   const float *S, long long lds, const float *Tl, long long ldt, const float *bias_s, const float *bias_t, \
       const int *target, int vs, int vt, int slice, int rows, float inv_temp, int mode, float beta,       \
+      float one_minus_beta,                                                                              \
       float w_hard, float w_soft_over_t, float *ce_out, float *jsd_out, void *G, long long ldg, float *label_terms, \
-      int *row_counter
+      int *row_counter, float precise_below, int *redo_rows
 #define JSD_ROWS_CALL                                                                                      \
-  S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, slice, rows, inv_temp, beta, w_hard, w_soft_over_t, ce_out, \
-      jsd_out, G, ldg, label_terms, row_counter
+  S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, slice, rows, inv_temp, beta, one_minus_beta, w_hard,     \
+      w_soft_over_t, ce_out, jsd_out, G, ldg, label_terms, row_counter, precise_below, redo_rows
 
 // MIN_CTAS: CTAs per SM that the register allocation must allow
 template <int OUT, int CLUSTER, int THREADS, int GROUPS, int MIN_CTAS>

@@ -1,6 +1,8 @@
 // The gradient sums' kernels: float32 sums to 16-bit gradients (scale_cast), and the label
 // terms that the row kernels keep out of 16-bit G, added exactly (label_rows for grad_input,
-// label_scatter for grad_weight and grad_bias). Instantiated by jsdgpu/cuda/kernels.py.
+// label_scatter for grad_weight and grad_bias, over the rows in the order label_order gives).
+// 1/N comes as a device pointer: in a capturable call it is known on the device only.
+// Instantiated by jsdgpu/cuda/kernels.py.
 #include "common.cuh"
 
 // float32 sums to 16-bit gradients, times grad_output (scale null: 1)
@@ -27,27 +29,27 @@ __global__ void scale_cast(const float* in, unsigned short* out, long long n, co
   scale_cast_body<OUT>(in, out, n, scale);
 }
 
-// label_rows: grad_input[i] += inv_n * label_terms[i] * ws[target[i]] for the rows whose label this
+// label_rows: grad_input[i] += *inv_n * label_terms[i] * ws[target[i]] for the rows whose label this
 // rank owns (target[i] >= 0); grad_input float32 [rows, hs], one block per row.
 template <int IN>
 __device__ __forceinline__ void label_rows_body(const float* __restrict__ label_terms, const int* __restrict__ target,
-                                           const void* __restrict__ ws, int hs, float inv_n,
+                                           const void* __restrict__ ws, int hs, const float* __restrict__ inv_n,
                                            float* __restrict__ grad_input) {
   const int i = blockIdx.x;
   const long long label = target[i];
   if (label < 0) return;
-  const float k = label_terms[i] * inv_n;
+  const float k = label_terms[i] * *inv_n;
   for (int h = threadIdx.x; h < hs; h += blockDim.x)
     grad_input[(long long)i * hs + h] += k * load_value<IN>(ws, label * hs + h);
 }
 
 #define LABEL_ROWS_ARGS \
-  const float *label_terms, const int *target, const void *ws, int hs, float inv_n, float *grad_input
+  const float *label_terms, const int *target, const void *ws, int hs, const float *inv_n, float *grad_input
 template <int IN>
 __global__ void label_rows(LABEL_ROWS_ARGS) { label_rows_body<IN>(label_terms, target, ws, hs, inv_n, grad_input); }
 
 // grad_weight[label] += k * sum over the rows i with that label of label_terms[i] * x[i], and
-// grad_bias[label] likewise, with k = inv_n (times *scale where scale is not null). order: the
+// grad_bias[label] likewise, with k = *inv_n (times *scale where scale is not null). order: the
 // rows sorted by label, stably; sorted_target: their labels (-1: a label on another rank).
 // grad_weight (or grad_bias) null: left alone. grad_weight is the float32 sums (OUT = OUT_F32) or
 // the finished gradient in the inputs' dtype (OUT = IN); grad_bias is always float32 sums.
@@ -57,7 +59,7 @@ __global__ void label_rows(LABEL_ROWS_ARGS) { label_rows_body<IN>(label_terms, t
 template <int IN, int OUT>
 __device__ __forceinline__ void label_scatter_body(const float* __restrict__ label_terms, const int* __restrict__ order,
                                               const int* __restrict__ sorted_target, int n_rows,
-                                              const void* __restrict__ x, int hs, float inv_n,
+                                              const void* __restrict__ x, int hs, const float* __restrict__ inv_n,
                                               const float* __restrict__ scale, void* __restrict__ grad_weight,
                                               float* __restrict__ grad_bias) {
   const int begin = blockIdx.x;
@@ -65,7 +67,7 @@ __device__ __forceinline__ void label_scatter_body(const float* __restrict__ lab
   if (label < 0 || (begin > 0 && sorted_target[begin - 1] == label)) return;
   int end = begin + 1;
   while (end < n_rows && sorted_target[end] == label) ++end;
-  const float k = scale ? inv_n * *scale : inv_n;
+  const float k = scale ? *inv_n * *scale : *inv_n;
   for (int h = threadIdx.x; grad_weight != nullptr && h < hs; h += blockDim.x) {
     float acc = 0.0f;
     for (int r = begin; r < end; ++r) {
@@ -84,8 +86,31 @@ __device__ __forceinline__ void label_scatter_body(const float* __restrict__ lab
 
 #define LABEL_SCATTER_ARGS                                                                                \
   const float *label_terms, const int *order, const int *sorted_target, int n_rows, const void *x, int hs, \
-      float inv_n, const float *scale, void *grad_weight, float *grad_bias
+      const float *inv_n, const float *scale, void *grad_weight, float *grad_bias
 #define LABEL_SCATTER_CALL label_terms, order, sorted_target, n_rows, x, hs, inv_n, scale, grad_weight, grad_bias
 // IN: the inputs' format; OUT: grad_weight's
 template <int IN, int OUT>
 __global__ void label_scatter(LABEL_SCATTER_ARGS) { label_scatter_body<IN, OUT>(LABEL_SCATTER_CALL); }
+
+// order[rank] = i, rank = the number of rows j with label[j] < label[i], or label[j] == label[i]
+// and j < i: the rows sorted by label, stably (so label_scatter adds each label's rows in row
+// order, and the bits repeat), without a sort's host synchronization. One thread per row, the
+// labels read in tiles through shared memory: n^2 comparisons, 67 M at n = 8192.
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) label_order(const int* __restrict__ label, int n, int* __restrict__ order) {
+  __shared__ int tile[THREADS];
+  const int i = blockIdx.x * THREADS + threadIdx.x;
+  const int mine = i < n ? label[i] : 0;
+  int rank = 0;
+  for (int start = 0; start < n; start += THREADS) {
+    __syncthreads();
+    if (start + threadIdx.x < n) tile[threadIdx.x] = label[start + threadIdx.x];
+    __syncthreads();
+    const int count = min(THREADS, n - start);
+    for (int k = 0; k < count; ++k) {
+      const int other = tile[k];
+      rank += other < mine || (other == mine && start + k < i);
+    }
+  }
+  if (i < n) order[rank] = i;
+}

@@ -8,7 +8,10 @@
 //
 // stats [7, rows]: the maxima of s, z and t; the sums of exp(x - max) of s, z (with this
 // rank's pad columns) and t; the target logit where this rank owns the label (else 0).
-// kl [2, rows]: a and b. target: the label's column in this rank's shard, -1 where not owned.
+// kl [5, rows]: a, b (by precise_kl_terms: no cancellation), the sums of p and of q, and the fast
+// form of a (the gradient's: precise_kl_terms). target: the label's column in this
+// rank's shard, -1 where not owned (or none). only: null, or the rows to work on (only[row] != 0),
+// the others left as they are: the rows the fused kernel left to these (redo_rows).
 #include "reduce.cuh"
 #include "row_math.cuh"
 
@@ -46,12 +49,13 @@ __device__ __forceinline__ Lse lse_of4(const float x[4], float scale, int count)
 
 #define PHASE_ROW_ARGS                                                                                    \
   const float *S, long long lds, const float *Tl, long long ldt, const float *bias_s, const float *bias_t, \
-      const int *target, int vs, int vt, float inv_temp, int rows
+      const int *target, int vs, int vt, float inv_temp, int rows, const int *only
 
 // Phase 1: this rank's part of the row statistics.
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) phase_stats(PHASE_ROW_ARGS, float* stats) {
   const long long row = blockIdx.x;
+  if (only != nullptr && !only[row]) return;
   const float *srow = S + row * lds, *trow = Tl + row * ldt;
   const int y = target[row];
   const bool tempered = inv_temp != 1.0f;
@@ -79,13 +83,14 @@ __global__ void __launch_bounds__(THREADS) phase_stats(PHASE_ROW_ARGS, float* st
 
 // The row's RowMath from the statistics combined over all ranks
 __device__ __forceinline__ RowMath phase_row_math(const float* stats, long long row, int rows, float inv_temp,
-                                               float beta, float w_hard, float w_soft_over_t) {
+                                                  float beta, float one_minus_beta, float w_hard,
+                                                  float w_soft_over_t) {
   const float* st = stats + row;
   RowMath r = {inv_temp * LOG2E,
                st[0] + logf(st[3 * (long long)rows]),
                (st[(long long)rows] + logf(st[4 * (long long)rows])) * LOG2E,
                (st[2 * (long long)rows] + logf(st[5 * (long long)rows])) * LOG2E,
-               beta, w_hard, w_soft_over_t};
+               beta, one_minus_beta, w_hard, w_soft_over_t};
   return r;
 }
 
@@ -95,7 +100,8 @@ struct KlSums {
   const float *srow, *trow, *bias_s, *bias_t;
   int vs, vt;
   RowMath rm;
-  float2 ab;
+  float4 sums;  // a, b, and the sums of p and of q
+  float fast_a;
 
   template <int MODE>
   __device__ __forceinline__ void operator()(Mode<MODE>) {
@@ -103,25 +109,30 @@ struct KlSums {
       float s[4], t[4];
       load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
       for (int k = 0; k < 4 && i + k < vt; ++k) {
-        const KlTerms terms = kl_terms<MODE>(i + k < vs ? s[k] : 0.0f, t[k], rm);
-        ab.x += terms.a;
-        ab.y += terms.b;
+        const PreciseTerms terms = precise_kl_terms<MODE>(i + k < vs ? s[k] : 0.0f, t[k], rm);
+        sums = make_float4(sums.x + terms.a, sums.y + terms.b, sums.z + terms.p, sums.w + terms.q);
+        fast_a += terms.fast_a;
       }
     }
   }
 };
 
 template <int THREADS>
-__global__ void __launch_bounds__(THREADS) phase_kl(PHASE_ROW_ARGS, int mode, float beta, const float* stats, float* kl) {
+__global__ void __launch_bounds__(THREADS)
+    phase_kl(PHASE_ROW_ARGS, int mode, float beta, float one_minus_beta, const float* stats, float* kl) {
   const long long row = blockIdx.x;
+  if (only != nullptr && !only[row]) return;
   KlSums<THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, vt,
-                phase_row_math(stats, row, rows, inv_temp, beta, 0.0f, 0.0f), make_float2(0.0f, 0.0f)};
+                       phase_row_math(stats, row, rows, inv_temp, beta, one_minus_beta, 0.0f, 0.0f),
+                       make_float4(0.0f, 0.0f, 0.0f, 0.0f), 0.0f};
   mode_dispatch(mode, f);
-  const float2 ab = block_merge<THREADS>(f.ab, make_float2(0.0f, 0.0f), sums_warp_merge<32>,
-                                              sums_warp_merge<tree_lanes(THREADS / 32)>);
+  const float4 sums = block_merge<THREADS>(f.sums, make_float4(0.0f, 0.0f, 0.0f, 0.0f), sums4_warp_merge<32>,
+                                           sums4_warp_merge<tree_lanes(THREADS / 32)>);
+  __syncthreads();  // block_merge's shared memory, used again
+  const float fast_a = block_merge<THREADS>(f.fast_a, 0.0f, warp_sum<32>, warp_sum<tree_lanes(THREADS / 32)>);
   if (threadIdx.x == 0) {
-    kl[row] = ab.x;
-    kl[rows + row] = ab.y;
+    const float v[5] = {sums.x, sums.y, sums.z, sums.w, fast_a};
+    for (int k = 0; k < 5; ++k) kl[k * (long long)rows + row] = v[k];
   }
 }
 
@@ -132,26 +143,38 @@ struct Finish {
   int vs, y;
   long long row;
   RowMath rm;
-  float target_logit, a, b;
+  float target_logit;
+  float4 sums;  // phase_kl's, over every rank
+  float fast_a;
   float *ce_out, *jsd_out, *label_terms;
   void* G;
   long long ldg;
 
   template <int MODE>
   __device__ __forceinline__ void operator()(Mode<MODE>) {
+    // the generalized terms' sums over p and q as computed, normalized: their error is then second
+    // order in the probabilities' common error (the rounding of the row's logsumexps)
+    const float a = sums.x / sums.z, b = sums.y / sums.w, kl = fast_a / sums.z;
     const bool label_apart = G != nullptr && y >= 0 && label_dominates(target_logit, rm.lse_s);
     if (threadIdx.x == 0)
-      write_row_results<MODE>(row, target_logit, a, b, label_apart, rm, G != nullptr, ce_out, jsd_out,
-                              label_terms);
+      write_row_results(row, target_logit, soft_bits<MODE>(a, b, rm), label_apart, rm, G != nullptr, ce_out,
+                        jsd_out, label_terms);
     if (G == nullptr) return;
-    for (int i = 4 * threadIdx.x; i < vs; i += 4 * THREADS) {
+    // G may be the row's own student logits (the rows the fused kernel left to these kernels): a
+    // 16-bit G value lands on the logit of half its column, which another thread reads, so each
+    // round of columns is read by every thread before any writes (and every thread takes every
+    // round, for the barrier)
+    for (int base = 0; base < vs; base += 4 * THREADS) {
+      const int i = base + 4 * threadIdx.x;
       float s[4], t[4], g[4];
-      load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
+      if (i < vs) load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
+      __syncthreads();
+      if (i >= vs) continue;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const KlTerms terms = kl_terms<MODE>(s[k], t[k], rm);
         // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns
-        g[k] = grad_value<MODE, false>(softmax_of(s[k], rm), terms.p, terms.h, i + k == y && !label_apart, a, rm);
+        g[k] = grad_value<MODE, false>(softmax_of(s[k], rm), terms.p, terms.h, i + k == y && !label_apart, kl, rm);
       }
       const int count = min(4, vs - i);
       store4<OUT>(G, row * ldg + i, g, count);
@@ -161,12 +184,18 @@ struct Finish {
 
 template <int OUT, int THREADS>
 __global__ void __launch_bounds__(THREADS)
-    phase_finish(PHASE_ROW_ARGS, int mode, float beta, float w_hard, float w_soft_over_t, const float* stats,
-                 const float* kl, float* ce_out, float* jsd_out, void* G, long long ldg, float* label_terms) {
+    phase_finish(PHASE_ROW_ARGS, int mode, float beta, float one_minus_beta, float w_hard, float w_soft_over_t,
+                 const float* stats, const float* kl, float* ce_out, float* jsd_out, void* G, long long ldg,
+                 float* label_terms) {
   const long long row = blockIdx.x;
+  if (only != nullptr && !only[row]) return;
   Finish<OUT, THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, target[row], row,
-                            phase_row_math(stats, row, rows, inv_temp, beta, w_hard, w_soft_over_t),
-                            stats[6 * (long long)rows + row], kl[row], kl[rows + row],
+                            phase_row_math(stats, row, rows, inv_temp, beta, one_minus_beta, w_hard,
+                                           w_soft_over_t),
+                            stats[6 * (long long)rows + row],
+                            make_float4(kl[row], kl[rows + row], kl[2 * (long long)rows + row],
+                                        kl[3 * (long long)rows + row]),
+                            kl[4 * (long long)rows + row],
                             ce_out, jsd_out, label_terms, G, ldg};
   mode_dispatch(mode, f);
 }

@@ -63,6 +63,17 @@ __device__ __forceinline__ float2 sums_warp_merge(float2 v) {
   return v;
 }
 
+template <int LANES = 32>
+__device__ __forceinline__ float4 sums4_warp_merge(float4 v) {
+  for (int mask = LANES / 2; mask > 0; mask >>= 1) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, mask);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, mask);
+    v.z += __shfl_xor_sync(0xffffffffu, v.z, mask);
+    v.w += __shfl_xor_sync(0xffffffffu, v.w, mask);
+  }
+  return v;
+}
+
 // v merged over the block in a fixed order: each warp by warp_merge (an xor tree), then the
 // warps' results by warps_merge (a tree over the lanes that hold them) in warp 0, whose first
 // THREADS / 32 lanes get the total, with the same bits. The other warps' return values are partial.

@@ -15,7 +15,9 @@ struct RowMath {
   float scale2;          // log2(e) / temperature
   float lse_s;           // logsumexp of s, natural units (the CE)
   float lse_z2, lse_t2;  // logsumexp of s / T and of t / T, in bits
-  float beta, w_hard, w_soft_over_t;
+  float beta, one_minus_beta;  // both from the host's float64: 1 - beta in float32 from a beta
+                               // near 1 would be a few percent off
+  float w_hard, w_soft_over_t;
 };
 
 // One column's share of a = sum p (log p - log m) and b = sum q (log q - log m), in bits, with m
@@ -34,7 +36,7 @@ __device__ __forceinline__ KlTerms kl_terms(float s, float t, const RowMath& r) 
   if (MODE == JSD) {
     // m clamped to the smallest normal float so that its log stays finite (the terms it touches
     // are below 1e-36); max_nan, not fmaxf, so that a NaN passes
-    const float m = (1.0f - r.beta) * p + r.beta * q;
+    const float m = r.one_minus_beta * p + r.beta * q;
     const float lm = lg2(max_nan(m, FLT_MIN_NORMAL)), h = lp - lm;
     // 0 log 0 = 0: lm is finite, so where p = 0 (lp = -inf at worst) p max(lp - lm, -FLT_MAX) is
     // 0, and elsewhere it is p (lp - lm); likewise for q. A NaN reaches the loss. (One max and an
@@ -51,6 +53,78 @@ __device__ __forceinline__ KlTerms kl_terms(float s, float t, const RowMath& r) 
   return k;
 }
 
+// ---- the KL sums without cancellation, where the fast ones above cannot be trusted ----
+//
+// Where p and q nearly agree (a high temperature, or beta near 0 or 1 in the JSD), the fast sums
+// add first-order terms of about 1e-4 that cancel to a divergence of 1e-8, and the logs of
+// probabilities near 1/V carry 1e-6 bits of rounding each: their sum is off by far more than the
+// divergence. Here each column's term is the generalized KL term w (e^x - 1 - x) >= 0 of w
+// against w e^x, with x a log-ratio formed from the logits' difference t - s (never from two
+// logs near log(1/V)): second order in x, so no term cancels against another, and an error in
+// the rows' normalizations (the logsumexps) changes the sum only at second order. In natural
+// units.
+
+// e^x - 1 - x, to float32 rounding at every x: by its series where it cancels
+__device__ __forceinline__ float expm1_minus_x(float x) {
+  if (fabsf(x) < 0.5f) {  // sum of x^k / k! for k = 2..10; the rest is below 1e-9 of it
+    float c = 1.0f / 3628800.0f;
+    c = fmaf(c, x, 1.0f / 362880.0f);
+    c = fmaf(c, x, 1.0f / 40320.0f);
+    c = fmaf(c, x, 1.0f / 5040.0f);
+    c = fmaf(c, x, 1.0f / 720.0f);
+    c = fmaf(c, x, 1.0f / 120.0f);
+    c = fmaf(c, x, 1.0f / 24.0f);
+    c = fmaf(c, x, 1.0f / 6.0f);
+    c = fmaf(c, x, 0.5f);
+    return x * x * c;
+  }
+  return expm1f(x) - x;
+}
+
+// w (e^x - 1 - x) where w e^x = w_other: w's term of the generalized KL(w || w_other)
+__device__ __forceinline__ float kl_term(float w, float w_other, float x) {
+  if (x >= 0.5f) return w == 0.0f ? w_other : w_other - fmaf(w, x, w);  // w_other > 1.6 w: no cancellation
+  return w * expm1_minus_x(x);
+}
+
+// ln((1 - c) + c e^d) for c in [0, 1], omc = 1 - c: log1p(c expm1(d)), but from its sum of two
+// positive terms where that is below 1/2 (log1p's argument near -1 would have cancelled); NaN
+// passes. d <= 80 (no overflow).
+__device__ __forceinline__ float log_mix(float c, float omc, float d) {
+  const float y = c * expm1f(d);
+  return y < -0.5f ? logf(fmaf(c, expf(d), omc)) : log1pf(y);
+}
+
+// A column's share of the KL sums (a, b), in bits, as kl_terms' a and b; its p and q; and its share
+// of kl_terms' a as the gradient takes it (fast_a: its logs' offsets cancel there against h's).
+// s: the student logit, 0 in a pad column; t: the teacher's.
+struct PreciseTerms {
+  float a, b, p, q, fast_a;
+};
+
+template <int MODE>
+__device__ __forceinline__ PreciseTerms precise_kl_terms(float s, float t, const RowMath& r) {
+  const float lp = fmaf(s, r.scale2, -r.lse_z2), lq = fmaf(t, r.scale2, -r.lse_t2);
+  const float p = ex2(lp), q = ex2(lq);
+  const float delta = LN2 * fmaf(t - s, r.scale2, r.lse_z2 - r.lse_t2);  // ln(q / p)
+  if (MODE == FORWARD_KL) return {0.0f, LOG2E * kl_term(q, p, -delta), p, q, 0.0f};
+  if (MODE == REVERSE_KL) return {LOG2E * kl_term(p, q, delta), 0.0f, p, q, p != 0.0f ? p * (lp - lq) : 0.0f};
+  // JSD: lambda = ln(m / p), mu = ln(m / q) = lambda - delta, each from its own mixture where
+  // that does not overflow
+  const float m = r.one_minus_beta * p + r.beta * q;
+  float lambda, mu;
+  if (delta > 80.0f) {
+    mu = log_mix(r.one_minus_beta, r.beta, -delta);
+    lambda = mu + delta;
+  } else {
+    lambda = log_mix(r.beta, r.one_minus_beta, delta);
+    mu = delta < -80.0f ? lambda - delta : log_mix(r.one_minus_beta, r.beta, -delta);
+  }
+  const float lm = lg2(max_nan(m, FLT_MIN_NORMAL));
+  return {LOG2E * kl_term(p, m, lambda), LOG2E * kl_term(q, m, mu), p, q, p * max_nan(lp - lm, -FLT_MAX_FINITE)};
+}
+
+
 // One gradient value: w_hard (softmax(s) - onehot) + (w_soft / temperature) dz, with
 // dz = p - q (forward KL), else c p (h - kl) ln 2 with c = 1 - beta (JSD) or 1 (reverse KL) and kl
 // the row's a in bits (the KL(p || m) of SPEC.md); softmax: the column's softmax(s), which is p
@@ -60,7 +134,7 @@ __device__ __forceinline__ KlTerms kl_terms(float s, float t, const RowMath& r) 
 template <int MODE, bool SOFTMAX_IS_P>
 __device__ __forceinline__ float grad_value(float softmax, float p, float h, bool onehot, float kl,
                                             const RowMath& r) {
-  const float k = MODE == FORWARD_KL ? r.w_soft_over_t : r.w_soft_over_t * ((MODE == JSD ? 1.0f - r.beta : 1.0f) * LN2);
+  const float k = MODE == FORWARD_KL ? r.w_soft_over_t : r.w_soft_over_t * ((MODE == JSD ? r.one_minus_beta : 1.0f) * LN2);
   if (SOFTMAX_IS_P && MODE != FORWARD_KL && !onehot) return p * fmaf(k, h, fmaf(-k, kl, r.w_hard));
   const float soft = MODE == FORWARD_KL ? k * (p - h) : k * p * (h - kl);
   return fmaf(r.w_hard, softmax - (onehot ? 1.0f : 0.0f), soft);
@@ -76,16 +150,45 @@ __device__ __forceinline__ bool label_dominates(float target_logit, float lse_s)
   return target_logit - lse_s < -LN2;  // softmax(s)[label] < 1/2, without the exp
 }
 
-// The row's CE and JSD values from its sums (in bits), and the label term kept out of G (with G
-// only).
+// The row's soft part in bits from its KL sums a and b (in bits)
 template <int MODE>
-__device__ __forceinline__ void write_row_results(long long row, float target_logit, float a, float b,
-                                                  bool label_apart, const RowMath& r, bool with_grad,
-                                                  float* ce_out, float* jsd_out, float* label_terms) {
+__device__ __forceinline__ float soft_bits(float a, float b, const RowMath& r) {
+  return MODE == FORWARD_KL ? b : MODE == JSD ? r.beta * b + r.one_minus_beta * a : a;
+}
+
+// The fused kernel's sums a and b come from p and q as computed from the row's logsumexps rounded
+// to float32: at a low temperature those are hundreds of bits, off by up to 3e-5 bits (eps_z,
+// eps_t: the roundings' errors, found where they are made), so p and q as computed are the exact
+// ones times 2^-eps, and their logs are off by -eps. That would reach a divergence of hundreds of
+// bits by as much, and the gradient's h - kl where p is near one-hot (kl is the h of that column
+// less a small part) by far more. The sums for the exact distributions, in their first order:
+// a_n = a 2^eps_z, b_n = b 2^eps_t (the gradient's kl is a_n: h's own offset cancels in h - a_n);
+// the soft part, in bits: a KL also takes its logs' offsets.
+template <int MODE>
+__device__ __forceinline__ float2 unrounded_sums(float a, float b, float eps_z, float eps_t) {
+  return make_float2(fmaf(a, eps_z * LN2, a), fmaf(b, eps_t * LN2, b));
+}
+
+template <int MODE>
+__device__ __forceinline__ float unrounded_soft_bits(float2 n, float eps_z, float eps_t, const RowMath& r) {
+  if (MODE == REVERSE_KL) return n.x + (eps_z - eps_t);
+  if (MODE == FORWARD_KL) return n.y + (eps_t - eps_z);
+  return soft_bits<MODE>(n.x, n.y, r);
+}
+
+// The row's CE and soft part (soft: in bits), and the label term kept out of G (with G only).
+__device__ __forceinline__ void write_row_results(long long row, float target_logit, float soft, bool label_apart,
+                                                  const RowMath& r, bool with_grad, float* ce_out, float* jsd_out,
+                                                  float* label_terms) {
   if (with_grad) label_terms[row] = label_apart ? -r.w_hard : 0.0f;
   ce_out[row] = r.lse_s - target_logit;
-  jsd_out[row] = LN2 * (MODE == FORWARD_KL ? b : MODE == JSD ? r.beta * b + (1.0f - r.beta) * a : a);
+  jsd_out[row] = LN2 * soft;
 }
+
+// bits = m + lg2(s) rounded to float32 (a logsumexp in bits): its rounding's error, exact where
+// |lg2(s)| <= |m| (the error of a sum of two floats, recovered), and of the order of 1e-6 bits
+// elsewhere (then the sum is small)
+__device__ __forceinline__ float rounding_error(float bits, float m, float log_s) { return (bits - m) - log_s; }
 
 template <int M>
 struct Mode {

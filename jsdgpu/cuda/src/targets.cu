@@ -1,5 +1,6 @@
-// Which token rows count, and their rows gathered: select_rows and gather_rows, instantiated by
-// jsdgpu/cuda/kernels.py.
+// Which token rows count: select_rows (which the host waits for, then gathers the valid rows by
+// gather_rows), and mark_rows and zero_rows for a capturable call (every row computed, the
+// ignored ones masked). Instantiated by jsdgpu/cuda/kernels.py.
 #include "reduce.cuh"
 
 // The valid rows: which token rows count, and their targets.
@@ -92,4 +93,50 @@ template <typename W>
 __global__ void gather_rows(const int* rows, const W* a, W* out_a, long long a_words, const W* b, W* out_b,
                             long long b_words) {
   gather_rows_body(rows, a, out_a, a_words, b, out_b, b_words);
+}
+
+// The valid rows of a capturable call, where the host reads nothing: row_target[i] = the target of
+// row i where it is valid, else -1 (ignored, or outside [0, vocab)); status[0] = the count of valid
+// rows, status[1] = the first row whose target is neither ignore_index nor in [0, vocab) (n where
+// there is none); inv_n[0] = 1 / N with N = normalizer where it is > 0, else max(1, count), or NaN
+// where a target is bad (the loss and gradients come out NaN: a bad target never passes
+// silently). One CTA, so that thread 0 can finish after every row is counted.
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS) mark_rows(const T* __restrict__ target, int n, long long ignore_index,
+                                                     int has_ignore, long long vocab, float normalizer,
+                                                     int* __restrict__ row_target, int* __restrict__ status,
+                                                     float* __restrict__ inv_n) {
+  __shared__ int count, first_bad;
+  if (threadIdx.x == 0) {
+    count = 0;
+    first_bad = n;
+  }
+  __syncthreads();
+  int mine = 0;
+  for (int i = threadIdx.x; i < n; i += THREADS) {
+    const long long t = (long long)target[i];
+    const bool ignored = has_ignore && t == ignore_index;
+    // as unsigned, a negative target is >= vocab too
+    const bool bad = !ignored && (unsigned long long)t >= (unsigned long long)vocab;
+    if (bad) atomicMin(&first_bad, i);
+    mine += !ignored && !bad;
+    row_target[i] = ignored || bad ? -1 : (int)t;
+  }
+  atomicAdd(&count, mine);  // integers: the same total in any order
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    status[0] = count;
+    status[1] = first_bad;
+    const float N = normalizer > 0.0f ? normalizer : (float)max(1, count);
+    inv_n[0] = first_bad < n ? __int_as_float(0x7fc00000) : 1.0f / N;
+  }
+}
+
+// The rows of G whose row_target is -1 zeroed (a capturable call's ignored rows, which the row
+// kernels computed like the others): one CTA per row, in 16-byte words (G's rows are 128-byte
+// aligned).
+__global__ void zero_rows(const int* __restrict__ row_target, uint4* __restrict__ G, long long row_words) {
+  if (row_target[blockIdx.x] >= 0) return;
+  uint4* row = G + blockIdx.x * row_words;
+  for (long long k = threadIdx.x; k < row_words; k += blockDim.x) row[k] = make_uint4(0, 0, 0, 0);
 }
