@@ -45,12 +45,13 @@ def main(argv=None):
     import cupy  # the GPU is needed from here on
 
     from harness import (V, HS, HT, available, copy_bandwidth, device_name, impl_gemm_floor,
-                         impl_jsdgpu, impl_liger, impl_torch, make_sets, make_weights, peak_mib,
-                         stage_breakdown, time_ms)
+                         impl_jsdgpu, impl_jsdgpu_jax, impl_jsdgpu_torch, impl_liger, impl_torch, make_sets,
+                         make_weights, peak_mib, stage_breakdown, time_ms)
 
     rng = np.random.default_rng(0)
     name = a.name or device_name()
     impls = [i for i in a.impls if available(i)]
+    front_ends = [i for i in ("jsdgpu_torch", "jsdgpu_torch_compiled", "jsdgpu_jax") if available(i)]
     skipped = sorted(set(a.impls) - set(impls))
     bw = copy_bandwidth()
     print(f"device {name}: copy bandwidth {bw / 1e12:.2f} TB/s; implementations {impls}"
@@ -66,6 +67,8 @@ def main(argv=None):
                 plan.append((T, impl, "fwd_bwd", 0.5, None))
                 # the capturable mode (no host synchronization, every row computed), dense and half ignored
                 plan += [(T, "jsdgpu_capturable", "fwd_bwd", valid, None) for valid in (1.0, 0.5)]
+                # the front ends: PyTorch eager and compiled, JAX jitted
+                plan += [(T, impl, "fwd_bwd", 1.0, None) for impl in front_ends]
     plan += [(max(a.tokens), "jsdgpu", "fwd_bwd", 1.0, int(g * 2**30)) for g in a.budgets_gib]
     try:
         from tqdm import tqdm
@@ -89,9 +92,12 @@ def main(argv=None):
         sets = cache[key]
         fn = {"jsdgpu": lambda: impl_jsdgpu(sets, mode, memory_budget=budget),
               "jsdgpu_capturable": lambda: impl_jsdgpu(sets, mode, capturable=True),
+              "jsdgpu_torch": lambda: impl_jsdgpu_torch(sets, mode),
+              "jsdgpu_torch_compiled": lambda: impl_jsdgpu_torch(sets, mode, compiled=True),
+              "jsdgpu_jax": lambda: impl_jsdgpu_jax(sets, mode),
               "gemm_floor": lambda: impl_gemm_floor(sets, mode),
               "liger": lambda: impl_liger(sets, mode), "torch": lambda: impl_torch(sets, mode)}[impl]()
-        torch_based = impl in ("liger", "torch")
+        torch_based = impl in ("liger", "torch", "jsdgpu_torch", "jsdgpu_torch_compiled")
         try:
             ms = time_ms(fn, a.sets, a.warmup, a.repeats)
             mib = peak_mib(fn, torch_too=torch_based)

@@ -154,6 +154,33 @@ def _torch_step(sets, mode, loss_fn):
     return fn
 
 
+def impl_jsdgpu_torch(sets, mode, compiled=False):
+    """jsdgpu through its PyTorch module (eager, or torch.compile(fullgraph=True))."""
+    import torch
+
+    import jsdgpu.torch as jtorch
+    loss_fn = jtorch.FusedLinearJSDLoss()
+    return _torch_step(sets, mode, torch.compile(loss_fn, fullgraph=True) if compiled else loss_fn)
+
+
+def impl_jsdgpu_jax(sets, mode):
+    """jsdgpu through its JAX front end under jax.jit (value_and_grad for fwd_bwd), on the same
+    buffers (zero-copy); each call waits for XLA's stream, so its time is the step's wall time."""
+    import os
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the loss's memory is CuPy's
+    import jax
+    import jax.numpy as jnp
+
+    from jsdgpu.jax import fused_linear_jsd_loss
+    jsets = [tuple(jnp.from_dlpack(a) for a in s) for s in sets]
+    f = jax.jit(jax.value_and_grad(fused_linear_jsd_loss, argnums=(0, 1)) if mode == "fwd_bwd"
+                else fused_linear_jsd_loss)
+
+    def fn(i):
+        jax.block_until_ready(f(*jsets[i]))
+    return fn
+
+
 def impl_liger(sets, mode):
     from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
     return _torch_step(sets, mode, LigerFusedLinearJSDLoss())  # compiled, chunk_size=1024: its defaults
@@ -261,6 +288,9 @@ def available(impl):
     if impl in ("jsdgpu", "gemm_floor"):
         return True
     try:
+        if impl == "jsdgpu_jax":
+            import jax  # noqa: F401
+            return True
         import torch  # noqa: F401
         if impl == "liger":
             import liger_kernel  # noqa: F401

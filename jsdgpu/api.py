@@ -147,10 +147,12 @@ def _forward(arrays, opts, run_opts):
     return loss, ctx
 
 
-def backward(ctx, grad_output=1.0):
+def backward(ctx, grad_output=1.0, out=None):
     """Return (grad_input, grad_weight, grad_bias) of the student, times grad_output.
 
-    grad_bias is None without a student bias. May be called once per ctx.
+    grad_bias is None without a student bias. May be called once per ctx. out: where given,
+    arrays of the gradients' shapes and dtypes (the bias's None without a bias) that they are
+    written into and returned, with no copy (how jsdgpu.jax writes into XLA's buffers).
     """
     if not isinstance(ctx, Context):
         raise TypeError(f"ctx must be the Context that forward returned, got {type(ctx).__name__}")
@@ -161,14 +163,15 @@ def backward(ctx, grad_output=1.0):
     ctx._done = True
     bridge = ctx._bridge
     if bridge is None:
-        return _backward(ctx, grad_output)
+        return _backward(ctx, grad_output, out or (None, None, None))
     with bridge.current_stream(ctx._like):
         if not isinstance(grad_output, (int, float)):
             grad_output = bridge.to_native(grad_output)
-        return tuple(None if a is None else bridge.from_native(a) for a in _backward(ctx, grad_output))
+        out = tuple(None if a is None else bridge.to_native(a) for a in out or (None, None, None))
+        return tuple(None if a is None else bridge.from_native(a) for a in _backward(ctx, grad_output, out))
 
 
-def _backward(ctx, grad_output):
+def _backward(ctx, grad_output, out):
     g, ctx._grads = ctx._grads, None  # the sums (or G) are freed with the ctx's last use
     backend = ctx._backend
     xp = backend.xp
@@ -181,14 +184,21 @@ def _backward(ctx, grad_output):
             if scale.ndim != 0:
                 raise ValueError(f"grad_output must be a scalar, got shape {tuple(scale.shape)}")
         weight_dtype = np.float32 if ctx._grad_weight_float32 else ctx._dtype
+        out_input, out_weight, out_bias = out
         if g.held is not None:  # G was held for all rows: one product, straight into the dtype
-            grad_weight = backend.weight_product(g.held, scale, weight_dtype)
+            grad_weight = backend.weight_product(g.held, scale, weight_dtype, out_weight)
         else:
-            grad_weight = backend.scale_cast(g.grad_weight, scale, weight_dtype)
-        grad_bias = None if g.grad_bias is None else backend.scale_cast(g.grad_bias, scale, weight_dtype)
-        grad_input = backend.scale_cast(g.grad_input, scale, ctx._dtype)
-        if ctx._valid_rows is not None:
-            valid_rows_grad, grad_input = grad_input, xp.zeros((ctx._n_rows, grad_input.shape[1]), ctx._dtype)
+            grad_weight = backend.scale_cast(g.grad_weight, scale, weight_dtype, out_weight)
+        grad_bias = None if g.grad_bias is None else backend.scale_cast(g.grad_bias, scale, weight_dtype, out_bias)
+        if ctx._valid_rows is None:
+            grad_input = backend.scale_cast(g.grad_input, scale, ctx._dtype, out_input)
+        else:  # the valid rows' among zeros
+            valid_rows_grad = backend.scale_cast(g.grad_input, scale, ctx._dtype)
+            if out_input is None:
+                grad_input = xp.zeros((ctx._n_rows, valid_rows_grad.shape[1]), ctx._dtype)
+            else:
+                grad_input = out_input
+                grad_input[...] = 0
             grad_input[ctx._valid_rows] = valid_rows_grad
     return grad_input, grad_weight, grad_bias
 

@@ -1,35 +1,41 @@
-"""JAX front end: the loss as a differentiable function (jax.custom_vjp).
+"""JAX front end: the loss as a differentiable function (jax.custom_vjp) that works eagerly and
+under jax.jit, on the GPU and the CPU.
 
     from jsdgpu.jax import fused_linear_jsd_loss
-    loss, (g_x, g_w) = jax.value_and_grad(fused_linear_jsd_loss, argnums=(0, 1))(
+    loss, (g_x, g_w) = jax.jit(jax.value_and_grad(fused_linear_jsd_loss, argnums=(0, 1)))(
         student_hidden, student_head, teacher_hidden, teacher_head, labels)
 
-Arrays cross to CuPy (GPU) or NumPy (CPU) through DLPack without a copy. The work runs eagerly
-outside of JAX's tracing: under jax.jit the function raises a TypeError that says so (see the
-README for why).
+The loss is a jax.experimental.buffer_callback: its Python runs when XLA reaches it (once per
+call, eager or jitted), with XLA's own buffers (zero-copy) and, on the GPU, XLA's CUDA stream,
+on which jsdgpu queues its products and kernels in its capturable mode (no host
+synchronization). The forward pass computes the gradients too, written straight into XLA's
+output buffers; the backward rule scales them by the cotangent. Options are static.
+
+Working memory comes from CuPy's pool (the GPU's own allocations, beside XLA's): XLA takes 75%
+of the GPU's memory at start by default, so set XLA_PYTHON_CLIENT_PREALLOCATE=false (or
+XLA_PYTHON_CLIENT_MEM_FRACTION) to leave the loss room; its peak is docs/design.md's
+(about 1.3 GB at T = 1024 and 3 GB at T = 8192 at the benchmark shape).
+
+Not supported yet: jax.vmap of the loss, and vocab parallelism (under shard_map or otherwise).
 """
 
-import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
 
 from . import api
-from .options import LOSS_FIELDS
+from .options import LOSS_FIELDS, LossOptions, RunOptions
+
+_RUN_FIELDS = ("chunk_size", "num_valid_tokens")
 
 
-# ---- the bridge jsdgpu.forward / backward use for JAX arrays ----
+# ---- the bridge jsdgpu.forward / backward use for JAX arrays (eager calls of the core) ----
 
 def to_native(x):
-    """A CuPy (GPU) or NumPy (CPU) view of the JAX array x."""
-    if isinstance(x, jax.core.Tracer):
-        raise TypeError(
-            "jsdgpu cannot run under jax.jit or another JAX transformation that traces its "
-            "inputs (it launches its own CUDA kernels eagerly): call "
-            "jsdgpu.jax.fused_linear_jsd_loss outside jit, e.g. jit the model and compute the "
-            "loss and its gradient with jax.value_and_grad on concrete arrays.")
+    """A CuPy (GPU) or NumPy (CPU) view of the concrete JAX array x."""
     device = next(iter(x.devices()))
     if device.platform == "gpu":
         import cupy
@@ -45,47 +51,99 @@ def from_native(a):
 
 
 def current_stream(x):
-    """JAX exposes no stream of its own to join: DLPack's exchange orders the work."""
+    """A concrete array's work is done: DLPack's exchange orders it."""
+    import contextlib
     return contextlib.nullcontext()
+
+
+# ---- the loss as an XLA callback ----
+
+def _native(buffer, gpu):
+    """A CuPy (GPU) or NumPy (CPU) view of an XLA buffer, zero-copy."""
+    if gpu:
+        import cupy
+        return cupy.asarray(buffer)  # __cuda_array_interface__
+    return np.asarray(buffer)
+
+
+def _callback(options, with_grads, present):
+    """The buffer_callback's function: (ctx, out, *arrays), arrays the present ones of (xs, ws,
+    xt, wt, target, bs, bt); out: (loss[, grad_input, grad_weight, grad_bias where present])."""
+    loss_opts = LossOptions(**{k: v for k, v in options if k in LOSS_FIELDS})
+    run = {k: v for k, v in options if k in _RUN_FIELDS}
+
+    def callback(ctx, out, *buffers):
+        try:
+            stream = ctx.stream  # XLA's CUDA stream: a GPU call
+        except jax.errors.JaxRuntimeError:  # a CPU call has no GPU context
+            stream = None
+        gpu = stream is not None
+        it = iter(buffers)
+        xs, ws, xt, wt, target, bs, bt = (next(it) if p else None for p in present)
+        if not gpu:
+            return _compute(out, xs, ws, xt, wt, target, bs, bt, loss_opts, run, with_grads, False)
+        import cupy
+        # XLA's stream; capturable: nothing waits on the host, nothing blocks XLA's stream
+        with cupy.cuda.ExternalStream(stream):
+            _compute(out, xs, ws, xt, wt, target, bs, bt, loss_opts, dict(run, capturable=True), with_grads, True)
+
+    return callback
+
+
+def _compute(out, xs, ws, xt, wt, target, bs, bt, loss_opts, run, with_grads, gpu):
+    arrays = [None if b is None else _native(b, gpu) for b in (xs, ws, xt, wt, target, bs, bt)]
+    loss, ctx = api.forward_with(*arrays, loss_opts, RunOptions(compute_grad=with_grads, **run))
+    out_loss = _native(out[0], gpu)
+    out_loss[...] = loss
+    if with_grads:
+        grads = tuple(_native(b, gpu) for b in out[1:]) + (None,) * (4 - len(out))
+        api.backward(ctx, 1.0, out=grads)
+
+
+def _call(options, with_grads, xs, ws, bs, xt, wt, bt, target):
+    arrays = (xs, ws, xt, wt, target, bs, bt)
+    present = tuple(a is not None for a in arrays)
+    shapes = [jax.ShapeDtypeStruct((), jnp.float32)]
+    if with_grads:
+        shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (xs, ws, bs) if a is not None]
+    run = buffer_callback(_callback(options, with_grads, present), tuple(shapes))
+    return run(*(a for a in arrays if a is not None))
 
 
 # ---- the differentiable function ----
 
-_OPTIONS = LOSS_FIELDS + ("chunk_size", "num_valid_tokens")
-
-
 def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_weight, target,
                           student_bias=None, teacher_bias=None, **options):
-    """The loss of docs/contract.md; differentiable with respect to the student input, weight and bias.
-    options: weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size,
-    num_valid_tokens (see jsdgpu.forward)."""
-    unknown = set(options) - set(_OPTIONS)
+    """The loss of docs/contract.md; differentiable with respect to the student input, weight
+    and bias. options: those of jsdgpu.LossOptions, chunk_size and num_valid_tokens (see
+    jsdgpu.forward); static under jit."""
+    unknown = set(options) - set(LOSS_FIELDS) - set(_RUN_FIELDS)
     if unknown:
         raise TypeError(f"unknown options: {sorted(unknown)}")
-    return _loss(student_input, student_weight, student_bias, teacher_input, teacher_weight,
-                 teacher_bias, target, tuple(sorted(options.items())))
+    LossOptions(**{k: v for k, v in options.items() if k in LOSS_FIELDS})  # its checks, at trace time
+    return _loss(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias,
+                 target, tuple(sorted(options.items())))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _loss(student_input, student_weight, student_bias, teacher_input, teacher_weight,
-          teacher_bias, target, options):
-    loss, _ = api.forward(student_input, student_weight, teacher_input, teacher_weight, target,
-                           student_bias, teacher_bias, compute_grad=False, **dict(options))
-    return loss
+def _loss(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, target,
+          options):
+    return _call(options, False, student_input, student_weight, student_bias, teacher_input, teacher_weight,
+                 teacher_bias, target)[0]
 
 
-def _loss_fwd(student_input, student_weight, student_bias, teacher_input, teacher_weight,
-              teacher_bias, target, options):
-    loss, ctx = api.forward(student_input, student_weight, teacher_input, teacher_weight, target,
-                             student_bias, teacher_bias, **dict(options))
-    # residuals must be JAX arrays: the gradients themselves, scaled in the backward rule
-    return loss, api.backward(ctx)
+def _loss_fwd(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, target,
+              options):
+    loss, *grads = _call(options, True, student_input, student_weight, student_bias, teacher_input,
+                         teacher_weight, teacher_bias, target)
+    return loss, tuple(grads)
 
 
 def _loss_bwd(options, grads, g):
-    grad_input, grad_weight, grad_bias = grads
-    scale = lambda a: None if a is None else (a * g).astype(a.dtype)
-    return (scale(grad_input), scale(grad_weight), scale(grad_bias), None, None, None, None)
+    grad_input, grad_weight, *grad_bias = grads
+    scale = lambda a: (a * g).astype(a.dtype)  # noqa: E731
+    return (scale(grad_input), scale(grad_weight), scale(grad_bias[0]) if grad_bias else None,
+            None, None, None, None)
 
 
 _loss.defvjp(_loss_fwd, _loss_bwd)

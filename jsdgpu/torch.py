@@ -1,12 +1,23 @@
-"""PyTorch front end: a drop-in for Liger-Kernel's LigerFusedLinearJSDLoss.
+"""PyTorch front end: a drop-in for Liger-Kernel's LigerFusedLinearJSDLoss and
+LigerFusedLinearJSDFunction, as a custom operator that torch.compile, autocast and CUDA graphs
+take whole.
 
     from jsdgpu.torch import FusedLinearJSDLoss      # was: from liger_kernel.chunked_loss import
     loss_fn = FusedLinearJSDLoss(beta=0.5, temperature=1.0)   #   LigerFusedLinearJSDLoss
     loss = loss_fn(student_hidden, student_lm_head.weight, teacher_hidden, teacher_lm_head.weight, labels)
     loss.backward()
 
-Tensors cross to CuPy (GPU) or NumPy (CPU) through DLPack without a copy, and the work is queued
-on torch's current CUDA stream with nothing added to synchronize.
+The loss is the operator jsdgpu::fused_linear_jsd (torch.library.custom_op): opaque to Dynamo
+(no graph break, fullgraph=True works), its shapes given by a fake implementation, its gradient
+computed in forward (as Liger's is) and scaled by grad_output in backward. Tensors cross to CuPy
+(GPU) or NumPy (CPU) through DLPack without a copy; the work is queued on torch's current CUDA
+stream with nothing added to synchronize, and its memory comes from torch's caching allocator (so
+torch.cuda.max_memory_allocated counts it, freed blocks return to torch's cache, and a CUDA-graph
+capture takes it from the graph's pool). Inside a capture the core runs capturable by itself.
+
+Under autocast the loss computes as a matmul would there: 16-bit operands (cast inside the
+operator, the copies the products need), float32 accumulation, and each gradient in its tensor's
+own dtype (a float32 master weight's in float32, as accumulated).
 """
 
 import contextlib
@@ -16,7 +27,7 @@ import numpy as np
 import torch
 
 from . import api
-from .options import DEFAULTS
+from .options import DEFAULTS, LossOptions, RunOptions
 
 
 # ---- the bridge jsdgpu.forward / backward use for torch tensors ----
@@ -41,38 +52,154 @@ def from_native(a):
     return torch.from_dlpack(a)
 
 
+def _torch_memory(nbytes):
+    """CuPy memory from torch's caching allocator: a uint8 tensor on the current device and
+    stream, held by the CuPy memory object (freed to torch's cache with it)."""
+    import cupy
+    block = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block), 0)
+
+
 def current_stream(t):
-    """CuPy's current stream made torch's current stream on t's device, for the block."""
+    """For the block: CuPy on t's device, on torch's current stream, with memory from torch."""
     if not t.is_cuda:
         return contextlib.nullcontext()
     import cupy
+    stack = contextlib.ExitStack()
+    stack.enter_context(cupy.cuda.Device(t.device.index))
+    stack.enter_context(torch.cuda.device(t.device))
     stream = torch.cuda.current_stream(t.device)
-    return _Both(cupy.cuda.Device(t.device.index), cupy.cuda.ExternalStream(stream.cuda_stream, t.device.index))
+    stack.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, t.device.index))
+    stack.enter_context(cupy.cuda.using_allocator(_torch_memory))
+    return stack
 
 
-class _Both(contextlib.ExitStack):
-    def __init__(self, *managers):
-        super().__init__()
-        self._managers = managers
+# ---- the custom operator ----
 
-    def __enter__(self):
-        super().__enter__()
-        for m in self._managers:
-            self.enter_context(m)
-        return self
+@torch.library.custom_op("jsdgpu::fused_linear_jsd", mutates_args=())
+def _fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
+                      teacher_weight: torch.Tensor, target: torch.Tensor, student_bias: torch.Tensor | None,
+                      teacher_bias: torch.Tensor | None, weight_hard_loss: float, weight_soft_loss: float,
+                      beta: float, temperature: float, ignore_index: int, chunk_size: int | None,
+                      num_valid_tokens: float | None, compute_grad: bool,
+                      compute_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, soft_loss, hard_loss, grad_input, grad_weight, grad_bias) for grad_output 1, the
+    gradients empty without compute_grad (or without a bias). student_input [T, Hs], target [T];
+    compute_dtype: the operands' dtype (autocast's), or None for the tensors' own."""
+    cast = (lambda a: a) if compute_dtype is None else (lambda a: None if a is None else a.to(compute_dtype))
+    loss, ctx = api.forward_with(
+        cast(student_input), cast(student_weight), cast(teacher_input), cast(teacher_weight), target,
+        student_bias, teacher_bias,
+        LossOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index),
+        RunOptions(chunk_size=chunk_size, compute_grad=compute_grad, num_valid_tokens=num_valid_tokens,
+                   grad_weight_float32=student_weight.dtype == torch.float32))
+    grads = [torch.empty(0, device=loss.device) for _ in range(3)]  # distinct: returns may not alias
+    if compute_grad:
+        gi, gw, gb = api.backward(ctx)
+        grads = [gi.to(student_input.dtype), gw.to(student_weight.dtype),
+                 torch.empty(0, device=loss.device) if gb is None else gb.to(student_bias.dtype)]
+    return loss, ctx.soft_loss, ctx.hard_loss, *grads
 
 
-# ---- autograd ----
+@_fused_linear_jsd.register_fake
+def _(student_input, student_weight, teacher_input, teacher_weight, target, student_bias, teacher_bias,
+      weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens,
+      compute_grad, compute_dtype):
+    scalar = lambda: student_input.new_empty((), dtype=torch.float32)  # noqa: E731
+    empty = lambda: student_input.new_empty(0, dtype=torch.float32)  # noqa: E731
+    if not compute_grad:
+        return scalar(), scalar(), scalar(), empty(), empty(), empty()
+    return (scalar(), scalar(), scalar(), torch.empty_like(student_input), torch.empty_like(student_weight),
+            empty() if student_bias is None else torch.empty_like(student_bias))
 
-class FusedLinearJSDFunction(torch.autograd.Function):
-    """Forward computes the loss and, when any student input needs it, the gradient sums;
-    backward scales them by grad_output."""
+
+def _setup_context(ctx, inputs, output):
+    ctx.has_grads = inputs[14]  # compute_grad
+    ctx.save_for_backward(*output[3:])
+
+
+def _backward(ctx, grad_loss, grad_soft, grad_hard, *unused):
+    """The gradients computed in forward, times the loss's grad_output (the parts' own
+    gradients, where they are wanted, come from calls of their own: _parts)."""
+    if not ctx.has_grads:  # the wrapper asks for none only where no student tensor requires one
+        return (None,) * 16
+    gi, gw, gb = ctx.saved_tensors
+    scale = lambda g: g * grad_loss.to(g.dtype) if g.numel() else None  # noqa: E731
+    return scale(gi), scale(gw), None, None, None, scale(gb), *[None] * 10
+
+
+_fused_linear_jsd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_dtypes(student_input, student_weight, teacher_input, teacher_weight, compute_dtype):
+    if compute_dtype is None:
+        for x, w, name in ((student_input, student_weight, "student"), (teacher_input, teacher_weight, "teacher")):
+            if x.dtype != w.dtype:
+                raise TypeError(f"the {name} input ({x.dtype}) and weight ({w.dtype}) must have the same dtype: "
+                                "cast one of them, or run the loss under torch.autocast, which computes in "
+                                "its 16-bit dtype and returns each gradient in its tensor's dtype")
+
+
+def _autocast_dtype(device_type):
+    """The operands' dtype under autocast on the device type, or None outside autocast."""
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_weight, true_labels,
+                          student_bias=None, teacher_bias=None, *, weight_hard_loss=DEFAULTS.weight_hard_loss,
+                          weight_soft_loss=DEFAULTS.weight_soft_loss, beta=DEFAULTS.beta,
+                          ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
+                          chunk_size=None, return_soft_hard_loss=False, num_valid_tokens=None,
+                          vocab_parallel=None):
+    """The loss as a function (see FusedLinearJSDLoss): inputs [..., H], labels [...].
+    num_valid_tokens: N for the mean (a whole batch's count of valid tokens, for data
+    parallelism); vocab_parallel: a torch.distributed process group (jsdgpu.parallel)."""
+    hs, ht = student_input.shape[-1], teacher_input.shape[-1]
+    xs, xt, target = student_input.reshape(-1, hs), teacher_input.reshape(-1, ht), true_labels.reshape(-1)
+    compute_dtype = _autocast_dtype(xs.device.type)
+    _check_dtypes(xs, student_weight, xt, teacher_weight, compute_dtype)
+    compute_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
+    options = (float(weight_hard_loss), float(weight_soft_loss), float(beta), float(temperature), int(ignore_index))
+    LossOptions(*options)  # its checks, before any work
+    if vocab_parallel is not None:  # a process group is no operator argument: the eager autograd Function
+        loss, soft, hard = _VocabParallel.apply(xs, student_weight, xt, teacher_weight, target, student_bias,
+                                                teacher_bias, options, chunk_size, num_valid_tokens,
+                                                vocab_parallel, compute_grad)
+    elif return_soft_hard_loss and compute_grad:
+        loss, soft, hard = _parts(xs, student_weight, xt, teacher_weight, target, student_bias, teacher_bias,
+                                  options, chunk_size, num_valid_tokens, compute_dtype)
+    else:
+        loss, soft, hard, *_ = _fused_linear_jsd(xs, student_weight, xt, teacher_weight, target, student_bias,
+                                                 teacher_bias, *options, chunk_size, num_valid_tokens,
+                                                 compute_grad, compute_dtype)
+    return (loss, soft, hard) if return_soft_hard_loss else loss
+
+
+def _parts(xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_tokens, compute_dtype):
+    """(loss, soft, hard), each differentiable with its own gradient: the hard part's and the
+    soft part's gradients are two calls of the operator (weights (1, 0) and (0, 1)), the loss's
+    their combination. Twice the work of the loss alone."""
+    w_hard, w_soft, rest = options[0], options[1], options[2:]
+    args = (chunk_size, num_valid_tokens, True, compute_dtype)
+    # each call's loss is its one part, with that part's gradient
+    hard = _fused_linear_jsd(xs, ws, xt, wt, target, bs, bt, 1.0, 0.0, *rest, *args)[0]
+    soft = _fused_linear_jsd(xs, ws, xt, wt, target, bs, bt, 0.0, 1.0, *rest, *args)[0]
+    return w_hard * hard + w_soft * soft, soft, hard
+
+
+class _VocabParallel(torch.autograd.Function):
+    """The loss over vocabulary shards of a torch.distributed process group (eager: a group is
+    no operator argument)."""
 
     @staticmethod
-    def forward(ctx, student_input, student_weight, teacher_input, teacher_weight, target,
-                student_bias, teacher_bias, options):
-        loss, jctx = api.forward(student_input, student_weight, teacher_input, teacher_weight,
-                                  target, student_bias, teacher_bias, **options)
+    def forward(ctx, xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_tokens, group, compute_grad):
+        loss, jctx = api.forward_with(xs, ws, xt, wt, target, bs, bt, LossOptions(*options),
+                                      RunOptions(chunk_size=chunk_size, compute_grad=compute_grad,
+                                                 num_valid_tokens=num_valid_tokens, vocab_parallel=group))
         ctx.jsd_ctx = jctx
         ctx.mark_non_differentiable(jctx.soft_loss, jctx.hard_loss)
         return loss, jctx.soft_loss, jctx.hard_loss
@@ -81,51 +208,48 @@ class FusedLinearJSDFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_soft, grad_hard):
         grad_input, grad_weight, grad_bias = api.backward(ctx.jsd_ctx, grad_loss)
         ctx.jsd_ctx = None
-        return grad_input, grad_weight, None, None, None, grad_bias, None, None
-
-
-def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_weight,
-                          true_labels, student_bias=None, teacher_bias=None, *,
-                          weight_hard_loss=DEFAULTS.weight_hard_loss,
-                          weight_soft_loss=DEFAULTS.weight_soft_loss, beta=DEFAULTS.beta,
-                          ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
-                          chunk_size=None,
-                          return_soft_hard_loss=False, num_valid_tokens=None,
-                          vocab_parallel=None):
-    """The loss as a function; see FusedLinearJSDLoss. num_valid_tokens and vocab_parallel (a
-    torch.distributed process group here): see jsdgpu.forward."""
-    # grad mode is off inside Function.forward: decide here whether gradients are wanted
-    compute_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
-    options = dict(weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
-                   beta=beta, ignore_index=ignore_index, temperature=temperature,
-                   chunk_size=chunk_size, compute_grad=compute_grad,
-                   num_valid_tokens=num_valid_tokens, vocab_parallel=vocab_parallel)
-    loss, soft, hard = FusedLinearJSDFunction.apply(student_input, student_weight, teacher_input,
-                                                    teacher_weight, true_labels, student_bias,
-                                                    teacher_bias, options)
-    return (loss, soft, hard) if return_soft_hard_loss else loss
+        return grad_input, grad_weight, None, None, None, grad_bias, *[None] * 6
 
 
 class FusedLinearJSDLoss(torch.nn.Module):
-    """LigerFusedLinearJSDLoss's constructor and call, computed by jsdgpu.
+    """LigerFusedLinearJSDLoss's constructor, attributes and call, computed by jsdgpu. The
+    attributes are read at every call. `compiled` is accepted for compatibility and ignored
+    (there is nothing to compile); chunk_size=None picks the chunk from a memory budget.
+    vocab_parallel: a torch.distributed process group whose ranks each hold a vocabulary shard of
+    both LM heads (jsdgpu.parallel)."""
 
-    `compiled` is accepted for compatibility and ignored (there is nothing to compile);
-    chunk_size=None picks the chunk from a memory budget. vocab_parallel: a torch.distributed
-    process group whose ranks each hold a vocabulary shard of both LM heads (jsdgpu.parallel).
-    """
-
-    def __init__(self, weight_hard_loss=DEFAULTS.weight_hard_loss,
-                 weight_soft_loss=DEFAULTS.weight_soft_loss, beta=DEFAULTS.beta,
-                 ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature, compiled=True,
-                 chunk_size=None, return_soft_hard_loss=False, vocab_parallel=None):
+    def __init__(self, weight_hard_loss=DEFAULTS.weight_hard_loss, weight_soft_loss=DEFAULTS.weight_soft_loss,
+                 beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
+                 compiled=True, chunk_size=None, return_soft_hard_loss=False, vocab_parallel=None):
         super().__init__()
-        self.options = dict(weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss,
-                            beta=beta, ignore_index=ignore_index, temperature=temperature,
-                            chunk_size=chunk_size, return_soft_hard_loss=return_soft_hard_loss,
-                            vocab_parallel=vocab_parallel)
+        LossOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index)  # checked here too
+        self.weight_hard_loss, self.weight_soft_loss = weight_hard_loss, weight_soft_loss
+        self.beta, self.ignore_index, self.temperature = beta, ignore_index, temperature
+        self.compiled, self.chunk_size = compiled, chunk_size
+        self.return_soft_hard_loss, self.vocab_parallel = return_soft_hard_loss, vocab_parallel
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels,
                 student_bias=None, teacher_bias=None):
-        return fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_weight,
-                                     true_labels, student_bias, teacher_bias, **self.options)
+        return fused_linear_jsd_loss(
+            student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
+            weight_hard_loss=self.weight_hard_loss, weight_soft_loss=self.weight_soft_loss, beta=self.beta,
+            ignore_index=self.ignore_index, temperature=self.temperature, chunk_size=self.chunk_size,
+            return_soft_hard_loss=self.return_soft_hard_loss, vocab_parallel=self.vocab_parallel)
+
+
+class FusedLinearJSDFunction:
+    """LigerFusedLinearJSDFunction's positional form: apply(student_input, student_weight,
+    teacher_input, teacher_weight, target, student_bias, teacher_bias, weight_hard_loss,
+    weight_soft_loss, beta, ignore_index, temperature, compiled, chunk_size,
+    return_soft_hard_loss), Liger's defaults for the ones left out."""
+
+    @staticmethod
+    def apply(student_input, student_weight, teacher_input, teacher_weight, target, student_bias=None,
+              teacher_bias=None, weight_hard_loss=DEFAULTS.weight_hard_loss,
+              weight_soft_loss=DEFAULTS.weight_soft_loss, beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index,
+              temperature=DEFAULTS.temperature, compiled=True, chunk_size=None, return_soft_hard_loss=False):
+        return fused_linear_jsd_loss(
+            student_input, student_weight, teacher_input, teacher_weight, target, student_bias, teacher_bias,
+            weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
+            ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size,
+            return_soft_hard_loss=return_soft_hard_loss)

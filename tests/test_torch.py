@@ -151,3 +151,302 @@ def test_num_valid_tokens(rng, device):
     ref = jsdgpu.reference(**case)
     assert abs(float(loss.detach()) - ref[0] / 4.0) <= 1e-5 * ref[0]
     assert rel_err(grads_of(ts)[1], ref[4] / 4.0) <= 1e-4
+
+
+# ---- a training step, as a user runs one ----
+
+V_STEP, H_IN, H_S, H_T = 1031, 24, 32, 48
+
+
+class Models(torch.nn.Module):
+    """A student (a linear body and an LM head) and a frozen teacher: what feeds the loss."""
+
+    def __init__(self, device, bias=False):
+        super().__init__()
+        self.student_body = torch.nn.Sequential(torch.nn.Linear(H_IN, H_S), torch.nn.Tanh())
+        self.student_head = torch.nn.Linear(H_S, V_STEP, bias=bias)
+        self.teacher_body = torch.nn.Sequential(torch.nn.Linear(H_IN, H_T), torch.nn.Tanh())
+        self.teacher_head = torch.nn.Linear(H_T, V_STEP, bias=bias)
+        for m in (self.student_head, self.teacher_head):
+            torch.nn.init.normal_(m.weight, std=4.0 / H_S**0.5)
+        self.teacher_body.requires_grad_(False)
+        self.teacher_head.requires_grad_(False)
+        self.to(device)
+
+    def forward(self, x, labels, loss_fn):
+        hs, ht = self.student_body(x), self.teacher_body(x)
+        return loss_fn(hs, self.student_head.weight, ht, self.teacher_head.weight, labels,
+                       self.student_head.bias, self.teacher_head.bias)
+
+
+def batches(rng, device, n, shape=(3, 7)):
+    out = []
+    for _ in range(n):
+        x = torch.from_numpy(rng.standard_normal((*shape, H_IN)).astype(np.float32)).to(device)
+        labels = torch.from_numpy(rng.integers(0, V_STEP, shape)).to(device)
+        labels[torch.from_numpy(rng.random(shape) < 0.25).to(device)] = -100
+        out.append((x, labels))
+    return out
+
+
+def train(models, data, forward, steps_autocast=None):
+    """A few AdamW steps; the losses and the student's gradients of each step."""
+    opt = torch.optim.AdamW([p for p in models.parameters() if p.requires_grad], lr=1e-2)
+    losses, grads = [], []
+    for x, labels in data:
+        if steps_autocast is None:
+            loss = forward(x, labels)
+        else:
+            with torch.autocast(x.device.type, dtype=steps_autocast):
+                loss = forward(x, labels)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append([p.grad.detach().clone() for p in models.parameters() if p.requires_grad])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def assert_same_training(a, b, tol):
+    (la, ga), (lb, gb) = a, b
+    assert np.allclose(la, lb, rtol=tol, atol=tol), (la, lb)
+    for step_a, step_b in zip(ga, gb):
+        for x, y in zip(step_a, step_b):
+            assert x.dtype == y.dtype
+            assert rel_err(x.float().cpu().numpy(), y.float().cpu().numpy()) <= tol
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_training_step_compiled_fullgraph(rng, device, bias):
+    """torch.compile(fullgraph=True) of the step's forward (the models and the loss): no graph
+    break, and the same losses and gradients as eager over a few AdamW steps (on one batch: its
+    loss falls)."""
+    data = batches(rng, device, 1) * 3
+    loss_fn = jtorch.FusedLinearJSDLoss(beta=0.3, temperature=2.0)
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        models = Models(device, bias)
+        forward = lambda x, labels: models(x, labels, loss_fn)  # noqa: E731
+        if compiled:
+            torch._dynamo.reset()
+            forward = torch.compile(forward, fullgraph=True)
+        results.append(train(models, data, forward))
+    assert_same_training(*results, 1e-4)
+    assert results[0][0][-1] < results[0][0][0]  # it trains
+
+
+def test_training_step_under_autocast(rng, device):
+    """fp32 models under autocast(bfloat16): the loss computes on bf16 operands with float32
+    accumulation (as the float64 reference of the bf16-rounded operands), and the fp32 head's
+    gradient comes back in fp32; eager and compiled agree."""
+    data = batches(rng, device, 2)
+    loss_fn = jtorch.FusedLinearJSDLoss(beta=0.5)
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(1)
+        models = Models(device)
+        forward = lambda x, labels: models(x, labels, loss_fn)  # noqa: E731
+        if compiled:
+            torch._dynamo.reset()
+            forward = torch.compile(forward, fullgraph=True)
+        results.append(train(models, data, forward, steps_autocast=torch.bfloat16))
+    # the first step (the same parameters), at bf16 level: the bodies' products under autocast
+    # round differently compiled and eager (and AdamW turns such differences into whole steps)
+    assert_same_training(*[(r[0][:1], r[1][:1]) for r in results], 2.0**-7)
+    assert all(g.dtype == torch.float32 for g in results[0][1][0])
+    # the first step against float64 on the bf16 operands autocast hands over
+    torch.manual_seed(1)
+    models = Models(device)
+    x, labels = data[0]
+    with torch.autocast(device, dtype=torch.bfloat16):
+        hs, ht = models.student_body(x), models.teacher_body(x)
+    bf16 = lambda t: t.detach().to(torch.bfloat16).float().cpu().numpy().astype(np.float64)  # noqa: E731
+    ref = jsdgpu.reference(bf16(hs).reshape(-1, H_S), bf16(models.student_head.weight),
+                           bf16(ht).reshape(-1, H_T), bf16(models.teacher_head.weight),
+                           labels.reshape(-1).cpu().numpy(), beta=0.5)
+    assert abs(results[0][0][0] - ref[0]) <= 1e-5 * ref[0]
+
+
+def test_mismatched_dtypes_outside_autocast_say_what_to_do(rng, device):
+    ts = tensors(make_case(rng, T=4, dtype=np.float32), device)
+    with pytest.raises(TypeError, match="autocast"):
+        jtorch.FusedLinearJSDLoss()(ts[0].to(torch.bfloat16), *ts[1:5])
+
+
+def test_any_leading_shape(rng, device):
+    """[B, S, H] inputs with [B, S] labels: the flattened call's loss, and gradients in the
+    inputs' shapes."""
+    case = make_case(rng, T=12, bias=True, ignored=0.3)
+    ts = tensors(case, device)
+    flat = jtorch.fused_linear_jsd_loss(*ts, beta=0.3)
+    flat.backward()
+    g_flat = ts[0].grad.clone()
+    ts3 = tensors(case, device)
+    xs3, xt3 = ts3[0].detach().reshape(3, 4, -1).requires_grad_(), ts3[2].reshape(3, 4, -1)
+    loss = jtorch.fused_linear_jsd_loss(xs3, ts3[1], xt3, ts3[3], ts3[4].reshape(3, 4), ts3[5], ts3[6], beta=0.3)
+    loss.backward()
+    assert float(loss.detach()) == float(flat.detach())
+    assert xs3.grad.shape == (3, 4, 16) and torch.equal(xs3.grad.reshape(12, -1), g_flat)
+
+
+def test_attributes_are_read_at_each_call(rng, device):
+    case = make_case(rng, T=6)
+    ts = tensors(case, device, requires_grad=False)
+    loss_fn = jtorch.FusedLinearJSDLoss()
+    loss_fn.temperature, loss_fn.beta = 2.0, 0.2
+    assert abs(float(loss_fn(*ts)) - jsdgpu.reference(**case, temperature=2.0, beta=0.2)[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("part", ["loss", "soft", "hard"])
+def test_parts_are_differentiable(rng, device, part):
+    """With return_soft_hard_loss, each part's backward gives that part's own gradient."""
+    case = make_case(rng, T=9, bias=True, ignored=0.2)
+    ts = tensors(case, device)
+    out = dict(zip(("loss", "soft", "hard"), jtorch.FusedLinearJSDLoss(
+        weight_hard_loss=0.3, weight_soft_loss=0.7, return_soft_hard_loss=True)(*ts)))
+    out[part].backward()
+    weights = {"loss": (0.3, 0.7), "soft": (0.0, 1.0), "hard": (1.0, 0.0)}[part]
+    ref = jsdgpu.reference(**case, weight_hard_loss=weights[0], weight_soft_loss=weights[1])
+    g = grads_of(ts)
+    for got, want in zip((g[0], g[1], g[5]), ref[3:]):
+        assert rel_err(got, want) <= 1e-4
+
+
+def test_liger_positional_function(rng, device):
+    case = make_case(rng, T=7, bias=True)
+    ts = tensors(case, device)
+    loss, soft, hard = jtorch.FusedLinearJSDFunction.apply(*ts, 0.2, 0.8, 0.7, -100, 1.5, True, None, True)
+    ref = jsdgpu.reference(**case, weight_hard_loss=0.2, weight_soft_loss=0.8, beta=0.7, temperature=1.5)
+    assert abs(float(loss.detach()) - ref[0]) <= 1e-5 * ref[0] and abs(float(hard.detach()) - ref[1]) <= 1e-5 * ref[1]
+
+
+def test_opcheck(rng, device):
+    case = make_case(rng, T=5, bias=True, ignored=0.2)
+    ts = tensors(case, device)
+    for compute_grad in (True, False):
+        torch.library.opcheck(torch.ops.jsdgpu.fused_linear_jsd.default,
+                              (*ts, 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None))
+
+
+# ---- data parallel: two CPU processes ----
+
+def _ddp_rank(rank, world, path, data, result):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        models = Models("cpu")
+        ddp = DistributedDataParallel(models)
+        x, labels = data
+        n = float((labels != -100).sum())  # the whole batch's count of valid tokens
+        part = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+
+        def loss_fn(*args):
+            return jtorch.fused_linear_jsd_loss(*args, beta=0.3, num_valid_tokens=n)
+        loss = ddp(x[part], labels[part], loss_fn)
+        (loss * world).backward()  # DDP averages the ranks' gradients: the sum is the whole batch's
+        result.put((rank, float(loss.detach()), [p.grad.numpy().copy() for p in models.parameters()
+                                                  if p.requires_grad]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_data_parallel_equals_one_process(rng, tmp_path):
+    """Two CPU processes (gloo) under DistributedDataParallel, each with half of a batch and the
+    whole batch's num_valid_tokens: their losses add up to the one-process loss, and their
+    averaged gradients are its gradients."""
+    import torch.multiprocessing as mp
+    data = batches(rng, "cpu", 1, shape=(4, 6))[0]
+    torch.manual_seed(0)
+    models = Models("cpu")
+    loss = models(*data, jtorch.FusedLinearJSDLoss(beta=0.3))
+    loss.backward()
+    want = [p.grad.numpy() for p in models.parameters() if p.requires_grad]
+    ctx = mp.get_context("spawn")
+    result = ctx.Queue()
+    procs = [ctx.Process(target=_ddp_rank, args=(r, 2, tmp_path / "rendezvous", data, result)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = sorted(result.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert abs(out[0][1] + out[1][1] - float(loss.detach())) <= 1e-5 * float(loss.detach())
+    for g0, g1, w in zip(out[0][2], out[1][2], want):
+        assert np.array_equal(g0, g1) and rel_err(g0, w) <= 1e-5
+
+
+# ---- CUDA graphs and torch's memory ----
+
+def _eager_step(models, x, labels, loss_fn):
+    loss = models(x, labels, loss_fn)
+    grads = torch.autograd.grad(loss, [p for p in models.parameters() if p.requires_grad])
+    return loss.detach(), grads
+
+
+@pytest.mark.gpu
+def test_training_step_in_a_cuda_graph(rng):
+    """forward + backward of a step captured by torch.cuda.graph (static inputs), replayed on
+    new batches: the same loss and gradients as an eager step (capturable) on them."""
+    torch.manual_seed(0)
+    models = Models("cuda", bias=True)
+    loss_fn = jtorch.FusedLinearJSDLoss(beta=0.3, temperature=2.0)
+    params = [p for p in models.parameters() if p.requires_grad]
+    static_x, static_labels = batches(rng, "cuda", 1)[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: kernels compiled, products' algorithms chosen
+        for _ in range(2):
+            _eager_step(models, static_x, static_labels, loss_fn)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = models(static_x, static_labels, loss_fn)
+        static_grads = torch.autograd.grad(static_loss, params)
+    for x, labels in batches(rng, "cuda", 2):
+        static_x.copy_(x)
+        static_labels.copy_(labels)
+        graph.replay()
+        loss, grads = _eager_step(models, x, labels, jtorch.FusedLinearJSDLoss(beta=0.3, temperature=2.0))
+        assert abs(float(static_loss) - float(loss)) <= 1e-6 * abs(float(loss))
+        for a, b in zip(static_grads, grads):
+            assert rel_err(a.cpu().numpy(), b.cpu().numpy()) <= 1e-4
+
+
+@pytest.mark.gpu
+def test_compiled_reduce_overhead(rng):
+    """torch.compile(mode="reduce-overhead") (CUDA graphs by torch) of the step's forward: the
+    same losses and gradients as eager."""
+    data = batches(rng, "cuda", 1) * 4
+    loss_fn = jtorch.FusedLinearJSDLoss(beta=0.5)
+    results = []
+    for mode in (None, "reduce-overhead"):
+        torch.manual_seed(2)
+        models = Models("cuda")
+        forward = lambda x, labels: models(x, labels, loss_fn)  # noqa: E731
+        if mode:
+            torch._dynamo.reset()
+            forward = torch.compile(forward, mode=mode)
+        results.append(train(models, data, forward))
+    assert_same_training(*results, 1e-4)
+
+
+@pytest.mark.gpu
+def test_memory_comes_from_torch(rng):
+    """The loss's working memory is torch's: max_memory_allocated counts its logits buffers (two
+    float32 [T, V] chunks here), and once the step is done it is back in torch's cache."""
+    case = make_case(rng, T=2048, hs=64, ht=64, vs=32000, dtype=BF16)
+    ts = tensors(case, "cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = jtorch.FusedLinearJSDLoss()(*ts[:5])
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    logits = 2 * 2048 * 32000 * 4
+    assert peak >= logits, (peak, logits)
+    del loss
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in ts if t is not None and t.grad is not None)
+    assert torch.cuda.memory_allocated() - base <= grads + 2**20

@@ -84,11 +84,14 @@ class CpuBackend:
         return a[rows], b[rows]
 
     @staticmethod
-    def scale_cast(a, scale, dtype):
-        """a * scale (a float32 array of ours, scale None for 1) as dtype."""
+    def scale_cast(a, scale, dtype, out=None):
+        """a * scale (a float32 array of ours, scale None for 1) as dtype (into out, where given)."""
         if scale is not None:
             a *= scale
-        return a.astype(dtype, copy=False)
+        if out is None:
+            return a.astype(dtype, copy=False)
+        out[...] = a
+        return out
 
     @staticmethod
     def bytes_per_row(vs, vt, dtype, compute_grad, fused):
@@ -174,14 +177,17 @@ class CpuBackend:
         return HeldG(G, work.ws.shape[0], xs, inv_n, label_terms, target)
 
     @staticmethod
-    def weight_product(held, scale, dtype):
+    def weight_product(held, scale, dtype, out=None):
         """grad_weight = inv_n scale (G.T @ Xs + the label terms) in dtype, from G over all rows
         (scale None for 1): summed in float32, rounded once."""
         xs = held.xs
-        out = held.G.T @ xs.astype(np.float32)
-        _add_label_rows(out, *_owned_label_terms(held.label_terms, held.target, np.float32(1.0)), xs)
-        out *= np.float32(held.inv_n) if scale is None else np.float32(held.inv_n) * scale
-        return out.astype(dtype, copy=False)
+        product = held.G.T @ xs.astype(np.float32)
+        _add_label_rows(product, *_owned_label_terms(held.label_terms, held.target, np.float32(1.0)), xs)
+        product *= np.float32(held.inv_n) if scale is None else np.float32(held.inv_n) * scale
+        if out is None:
+            return product.astype(dtype, copy=False)
+        out[...] = product
+        return out
 
 
 def _owned_label_terms(label_terms, target, k):

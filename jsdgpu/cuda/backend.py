@@ -101,13 +101,17 @@ class CudaBackend:
     take_rows = staticmethod(kernels.gather_rows)
 
     @staticmethod
-    def scale_cast(a, scale, dtype):
-        """a * scale (a float32 array of ours, scale None for 1) as dtype, in one pass."""
-        if np.dtype(dtype) == np.float32:
-            if scale is not None:
-                a *= scale
+    def scale_cast(a, scale, dtype, out=None):
+        """a * scale (a float32 array of ours, scale None for 1) as dtype, in one pass (into out,
+        where given)."""
+        if np.dtype(dtype) != np.float32:
+            return kernels.scale_cast(a, scale, dtype, out)
+        if scale is not None:
+            a *= scale
+        if out is None:
             return a
-        return kernels.scale_cast(a, scale, dtype)
+        cupy.copyto(out, a)
+        return out
 
     @staticmethod
     def bytes_per_row(vs, vt, dtype, compute_grad, fused):
@@ -213,12 +217,12 @@ class CudaBackend:
         return HeldG(G, work.ws.shape[0], xs, inv_n, label_terms, target)
 
     @staticmethod
-    def weight_product(held, scale, dtype):
+    def weight_product(held, scale, dtype, out=None):
         """grad_weight = inv_n scale (G.T @ Xs + the label terms), G over all rows; scale: a 0-d
         float32 device array, or None for 1. The product is written in dtype by cuBLAS; in 16
         bits, the rows of labels kept out of G are rounded twice (the product, then with the
-        label terms added), the others once."""
-        out = cupy.empty((held.vocab, held.xs.shape[1]), dtype)
+        label terms added), the others once. Into out, where given."""
+        out = cupy.empty((held.vocab, held.xs.shape[1]), dtype) if out is None else out
         inv_n = _device_scalar(held.inv_n)
         alpha = held.inv_n if scale is None else scale * inv_n
         products.weight_gradient(held.G, held.vocab, held.xs, alpha, 0.0, out)

@@ -156,10 +156,10 @@ def phase_finish(dtype, row_inputs, opts, stats, kl, ce, jsd, G, label_terms, on
 
 # ---- the gradient sums ----
 
-def scale_cast(a, scale, dtype):
+def scale_cast(a, scale, dtype, out=None):
     """a * scale (float32; scale a 0-d float32 device array, or None for 1) in a 16-bit dtype,
-    in one pass."""
-    out = cupy.empty(a.shape, dtype)
+    in one pass (into out, where given)."""
+    out = cupy.empty(a.shape, dtype) if out is None else out
     n = a.size
     blocks = max(1, min(-(-n // 1024), 8 * sm_count(cupy.cuda.Device().id)))
     function("gradient_sums", sources.scale_cast(dtype))((blocks,), (256,), (a, out, np.int64(n), _pointer(scale)))
