@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
@@ -62,7 +63,8 @@ def _native(buffer, gpu):
     """A CuPy (GPU) or NumPy (CPU) view of an XLA buffer, zero-copy."""
     if gpu:
         import cupy
-        return cupy.asarray(buffer)  # __cuda_array_interface__
+        a = cupy.asarray(buffer)  # __cuda_array_interface__, which has no bfloat16: 2-byte voids
+        return a.view(ml_dtypes.bfloat16) if a.dtype.kind == "V" else a
     return np.asarray(buffer)
 
 

@@ -25,6 +25,7 @@ import contextlib
 import ml_dtypes
 import numpy as np
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import api
 from .options import DEFAULTS, LossOptions, RunOptions
@@ -116,6 +117,7 @@ def _(student_input, student_weight, teacher_input, teacher_weight, target, stud
 
 def _setup_context(ctx, inputs, output):
     ctx.has_grads = inputs[14]  # compute_grad
+    ctx.mark_non_differentiable(*output[3:])  # the gradients: no graph of their own
     ctx.save_for_backward(*output[3:])
 
 
@@ -125,7 +127,11 @@ def _backward(ctx, grad_loss, grad_soft, grad_hard, *unused):
     if not ctx.has_grads:  # the wrapper asks for none only where no student tensor requires one
         return (None,) * 16
     gi, gw, gb = ctx.saved_tensors
-    scale = lambda g: g * grad_loss.to(g.dtype) if g.numel() else None  # noqa: E731
+    # eagerly in place: the gradients are this operator's alone (the callers keep only its loss
+    # parts), and a copy of grad_weight would cost its size again in memory; a traced backward
+    # (compile, opcheck) stays functional, and its compiler frees what it can
+    traced = isinstance(gw, FunctionalTensor) or torch.compiler.is_compiling()
+    scale = lambda g: (g * grad_loss.to(g.dtype) if traced else g.mul_(grad_loss.to(g.dtype))) if g.numel() else None  # noqa: E731
     return scale(gi), scale(gw), None, None, None, scale(gb), *[None] * 10
 
 

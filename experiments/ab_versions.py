@@ -1,0 +1,58 @@
+"""Is one version of the library faster than another, step for step?
+
+Answer (one H200, 2026-12-01; docs/design.md, "Open: the step's speed since the capturable
+mode"): the code after the capturable mode took 4.85-4.89 ms at T = 1024 where the layout's code
+(commit 682ba3f) took 4.18-4.34, and 2.72-2.79 against 2.41-2.51 with half the rows ignored.
+
+    mkdir -p /tmp/old && git archive 682ba3f jsdgpu | tar -x -C /tmp/old
+    for v in /tmp/old . /tmp/old .; do PYTHONPATH=$v python experiments/ab_versions.py $v; done
+
+jsdgpu (the one PYTHONPATH gives: this script puts no path of its own first) forward + backward
+at the benchmark shape, medians of 15 CUDA-event-timed steps after 3, for T = 1024 (all rows
+valid and half ignored), 2048 and 8192 (half ignored). Run the versions in turns, as above.
+"""
+
+import argparse
+import statistics
+
+import numpy as np
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("label", help="what to print before the times (the version's path)")
+    a = p.parse_args()
+    import cupy  # needs the GPU: after --help
+    import ml_dtypes
+
+    import jsdgpu
+    bf16 = ml_dtypes.bfloat16
+    V, HS, HT = 128256, 2048, 4096
+    rng = cupy.random.default_rng(0)
+    ws = (rng.standard_normal((V, HS), dtype=np.float32) * (4 / HS**0.5)).astype(bf16)
+    wt = (rng.standard_normal((V, HT), dtype=np.float32) * (4 / HT**0.5)).astype(bf16)
+    out = []
+    for T, valid in ((1024, 1.0), (1024, 0.5), (2048, 0.5), (8192, 0.5)):
+        xs = rng.standard_normal((T, HS), dtype=np.float32).astype(bf16)
+        xt = rng.standard_normal((T, HT), dtype=np.float32).astype(bf16)
+        target = np.random.default_rng(1).integers(0, V, T)
+        target[np.random.default_rng(2).permutation(T)[:int(T * (1 - valid))]] = -100
+        target = cupy.asarray(target)
+
+        def step():
+            jsdgpu.backward(jsdgpu.forward(xs, ws, xt, wt, target)[1])
+        for _ in range(3):
+            step()
+        start, stop, times = cupy.cuda.Event(), cupy.cuda.Event(), []
+        for _ in range(15):
+            start.record()
+            step()
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop))
+        out.append(f"T={T} valid={valid}: {statistics.median(times):.3f} ms")
+    print(a.label, "; ".join(out))
+
+
+if __name__ == "__main__":
+    main()
