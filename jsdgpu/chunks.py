@@ -2,7 +2,9 @@
 
 Per chunk of valid token rows: student and teacher logits (float32), the row work (per-row CE
 and JSD values, and the gradient rows G), then grad_input = G @ Ws. Ignored rows are dropped
-before the loop, so every matrix product shrinks with them.
+before the loop, so every matrix product shrinks with them; in a capturable call (no host
+synchronization) every row is computed, and the ignored ones are masked: their G rows zeroed,
+their CE and JSD values counted for nothing.
 
 grad_weight = G.T @ Xs: where the memory budget holds G for all rows (plan_chunks), it is one
 product over all of them, run by backward (which knows grad_output) straight into the output
