@@ -103,12 +103,19 @@ def target_error(row, value, vocab, ignore_index):
                       f"ignore_index ({ignore_index})")
 
 
+def target_masks(target_host, vocab, ignore_index):
+    """(valid, bad) of a NumPy integer array: the entries in [0, vocab) and not ignore_index,
+    and those outside it and not ignore_index."""
+    t = np.asarray(target_host, dtype=np.int64)  # no copy where it is int64 already
+    kept = t != ignore_index
+    bad = kept & ((t < 0) | (t >= vocab))
+    return kept & ~bad, bad
+
+
 def check_target(target_host, vocab, ignore_index):
     """target_host: a NumPy integer array. Raise if a non-ignored entry is outside [0, vocab);
     else return the indices of the non-ignored (valid) entries."""
-    t = np.asarray(target_host, dtype=np.int64)  # no copy where it is int64 already
-    valid = t != ignore_index
-    bad = valid & ((t < 0) | (t >= vocab))
+    valid, bad = target_masks(target_host, vocab, ignore_index)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise target_error(i, int(target_host[i]), vocab, ignore_index)

@@ -67,16 +67,13 @@ class CpuBackend:
         """Every row, the ignored ones (and any bad one) masked with target -1, as a capturable
         call on the GPU computes them: a bad target makes 1/N NaN (status: the count, the first
         bad row, len(target) where none)."""
-        t = np.asarray(target, dtype=np.int64)
-        ignored = t == ignore_index
-        bad = ~ignored & ((t < 0) | (t >= vocab))
-        valid = ~ignored & ~bad
-        first_bad = int(np.flatnonzero(bad)[0]) if bad.any() else len(t)
+        valid, bad = checks.target_masks(target, vocab, ignore_index)
+        first_bad = int(np.flatnonzero(bad)[0]) if bad.any() else len(target)
         count = int(valid.sum())
         n = num_valid_tokens if num_valid_tokens is not None else float(max(1, count))
         inv_n = float("nan") if bad.any() else 1.0 / n
-        return Rows(None, np.where(valid, t, -1).astype(np.int32), inv_n, None, masked=True,
-                    status=np.array([count, first_bad], np.int32))
+        row_target = np.where(valid, np.asarray(target, np.int64), -1).astype(np.int32)
+        return Rows(None, row_target, inv_n, None, masked=True, status=np.array([count, first_bad], np.int32))
 
     @staticmethod
     def take_rows(rows, a, b):
