@@ -44,8 +44,7 @@ class Selection:
 
     def __init__(self, target, vocab, ignore_index):
         self._target, self._vocab, self._ignore_index = target, vocab, ignore_index
-        targets = target if target.dtype in (np.int32, np.int64) else target.astype(np.int64)
-        self._pending = kernels.PendingSelection(cupy.ascontiguousarray(targets), vocab, ignore_index)
+        self._pending = kernels.PendingSelection(_kernel_targets(target), vocab, ignore_index)
         self.rows = self._pending.rows
 
     def wait(self, normalizer):
@@ -57,6 +56,13 @@ class Selection:
             raise checks.target_error(first_bad, int(self._target[first_bad]), self._vocab, self._ignore_index)
         valid_rows = None if count == n else self.rows[:count]
         return Rows(valid_rows, self._pending.row_target[:count], 1.0 / normalizer(count), count)
+
+
+def _kernel_targets(target):
+    """The targets as the target kernels take them: int32 or int64, C-contiguous."""
+    if target.dtype not in (np.int32, np.int64):
+        target = target.astype(np.int64)
+    return cupy.ascontiguousarray(target)
 
 
 def _device_scalar(x):
@@ -93,9 +99,7 @@ class CudaBackend:
         """Every row, the ignored ones masked, with nothing read by the host (a capturable call):
         the Rows, with 1/N on the device (NaN where a target is bad) and the status of
         kernels.mark_rows."""
-        targets = target if target.dtype in (np.int32, np.int64) else target.astype(np.int64)
-        row_target, status, inv_n = kernels.mark_rows(cupy.ascontiguousarray(targets), vocab, ignore_index,
-                                                      num_valid_tokens)
+        row_target, status, inv_n = kernels.mark_rows(_kernel_targets(target), vocab, ignore_index, num_valid_tokens)
         return Rows(None, row_target, inv_n, None, masked=True, status=status)
 
     take_rows = staticmethod(kernels.gather_rows)
