@@ -4,12 +4,15 @@ states and LM-head weights, on the GPU (CuPy) or the CPU (NumPy), without the fu
 The data path: jsdgpu.api (forward, backward) -> jsdgpu.chunks (the chunk loop) -> a backend
 (jsdgpu.cpu or jsdgpu.cuda: products and row kernels); jsdgpu.torch and jsdgpu.jax are the
 framework front ends, jsdgpu.reference the float64 statement of the math (docs/contract.md).
+jsdgpu.topk is offline distillation: the loss against a teacher's stored top-k log-probabilities,
+through the same backends, and the teacher's top-k made chunk by chunk.
 """
 
 from .api import JSDDistillLoss, backward, forward
 from .options import Divergence, LossOptions, RunOptions
-from .reference import reference
+from .reference import reference, reference_topk
+from .topk import TopKDistillLoss, forward_topk, teacher_topk
 
 __all__ = ["forward", "backward", "JSDDistillLoss", "LossOptions", "RunOptions", "Divergence",
-           "reference"]
+           "reference", "forward_topk", "TopKDistillLoss", "teacher_topk", "reference_topk"]
 __version__ = "0.1.0"

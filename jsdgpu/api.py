@@ -83,14 +83,20 @@ def forward_with(student_input, student_weight, teacher_input, teacher_weight, t
     arrays = dict(student_input=student_input, student_weight=student_weight,
                   teacher_input=teacher_input, teacher_weight=teacher_weight, target=target,
                   student_bias=student_bias, teacher_bias=teacher_bias)
+    return bridged(arrays, lambda native: _forward(native, loss_opts, run_opts))
+
+
+def bridged(arrays, compute):
+    """compute(arrays) -> (loss, ctx), with framework tensors (torch, JAX) among the arrays
+    viewed zero-copy as CuPy or NumPy arrays, the work queued on the framework's current stream,
+    and the loss and its parts returned as the framework's tensors."""
     bridge = _bridge_for(arrays)
     if bridge is None:
-        return _forward(arrays, loss_opts, run_opts)
-    # framework tensors: viewed zero-copy, the work queued on the framework's current stream
-    with bridge.current_stream(student_input):
-        loss, ctx = _forward({k: None if v is None else bridge.to_native(v) for k, v in arrays.items()},
-                             loss_opts, run_opts)
-        ctx._bridge, ctx._like = bridge, student_input
+        return compute(arrays)
+    like = next(a for a in arrays.values() if a is not None)
+    with bridge.current_stream(like):
+        loss, ctx = compute({k: None if v is None else bridge.to_native(v) for k, v in arrays.items()})
+        ctx._bridge, ctx._like = bridge, like
         ctx.hard_loss, ctx.soft_loss = bridge.from_native(ctx.hard_loss), bridge.from_native(ctx.soft_loss)
         return bridge.from_native(loss), ctx
 
@@ -139,12 +145,16 @@ def _forward(arrays, opts, run_opts):
         hard, soft, grads, rows = run(backend, xs, ws, xt, wt, bs, bt, opts, selection=selection,
                                       normalizer=run_opts.normalizer, chunk_size=run_opts.chunk_size,
                                       memory_budget=budget, compute_grad=run_opts.compute_grad, shard=shard)
-        loss = (opts.weight_hard_loss * hard.astype(np.float64)
-                + opts.weight_soft_loss * soft.astype(np.float64)).astype(np.float32)
-        loss = xp.asarray(loss, dtype=np.float32)
+        loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend,
                   run_opts.grad_weight_float32, device, None if rows.status is None else rows.status[1])
     return loss, ctx
+
+
+def weighted_loss(xp, opts, hard, soft):
+    """weight_hard_loss * hard + weight_soft_loss * soft, formed in float64, as a 0-d float32 array."""
+    loss = opts.weight_hard_loss * hard.astype(np.float64) + opts.weight_soft_loss * soft.astype(np.float64)
+    return xp.asarray(loss.astype(np.float32), dtype=np.float32)
 
 
 def backward(ctx, grad_output=1.0, out=None):

@@ -119,3 +119,29 @@ class Backend(Protocol):
 
     def weight_product(self, held, scale, dtype):
         """grad_weight from held G, times scale (None for 1), in dtype."""
+
+    # ---- offline distillation (jsdgpu.topk): the student's logits and the top-k row work ----
+
+    def topk_check(self, ids, lq, vocab, bucket):
+        """The checks of the teacher's top-k (checks.topk_problem's), started; its wait(), after
+        the selection's, raises checks.topk_error's ValueError for the first bad row."""
+
+    def topk_bytes_per_row(self, vs, dtype, compute_grad):
+        """(logits, G held for all rows, G per chunk) bytes per row of the top-k loss."""
+
+    def topk_prepare(self, ws, bs, rows):
+        """The buffers for chunks of `rows` rows of one head (the student's, or teacher_topk's
+        teacher's): ws, and what the gradient steps above need of it."""
+
+    def topk_gradient_rows(self, work, g_rows):
+        """G's memory for g_rows rows, apart from the logits."""
+
+    def student_logits(self, work, xs):
+        """The chunk's logits of the head of topk_prepare."""
+
+    def topk_rows(self, work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms):
+        """The top-k row work: the rows' CE and soft part and, where G is not None, G."""
+
+    def teacher_topk_rows(self, work, rows, k, temperature, ids, logprobs):
+        """The k largest logits of each of the chunk's first `rows` rows, by descending value, and
+        their log-softmax at temperature, into ids and logprobs."""

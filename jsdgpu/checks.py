@@ -37,26 +37,9 @@ def check_arrays(arrays):
     Checks kinds, devices, ranks, shapes and dtypes; the target's values are checked where the
     backend selects the valid rows (select_rows).
     """
-    present = {k: v for k, v in arrays.items() if v is not None}
-    for name, a in present.items():
-        if array_kind(a) is None:
-            raise TypeError(f"{name} must be a NumPy or CuPy array (or a DLPack tensor of "
-                            f"PyTorch or JAX), got {type(a).__module__}.{type(a).__name__}")
-    kinds = {array_kind(a) for a in present.values()}
-    if len(kinds) > 1:
-        host = [k for k, a in present.items() if array_kind(a) == "numpy"]
-        raise ValueError(f"a mix of host and device arrays: {', '.join(host)} on the host, "
-                         "the rest on the GPU")
-    devices = {_device_of(a) for a in present.values()}
-    if len(devices) > 1:
-        where = ", ".join(f"{k} on GPU {_device_of(a)}" for k, a in present.items())
-        raise ValueError(f"arrays on different devices: {where}")
-
-    ranks = dict(student_input=2, student_weight=2, teacher_input=2, teacher_weight=2, target=1,
-                 student_bias=1, teacher_bias=1)
-    for name, a in present.items():
-        if a.ndim != ranks[name]:
-            raise ValueError(f"{name} must have rank {ranks[name]}, got shape {tuple(a.shape)}")
+    kind = _kind(arrays)
+    _check_ranks(arrays, dict(student_input=2, student_weight=2, teacher_input=2, teacher_weight=2, target=1,
+                              student_bias=1, teacher_bias=1))
 
     xs, ws = arrays["student_input"], arrays["student_weight"]
     xt, wt = arrays["teacher_input"], arrays["teacher_weight"]
@@ -82,19 +65,128 @@ def check_arrays(arrays):
             raise ValueError(f"{bias} has length {b.shape[0]} but its weight has "
                              f"{weight.shape[0]} rows")
 
-    for name in ("student_input", "student_weight", "teacher_input", "teacher_weight",
-                 "student_bias", "teacher_bias"):
-        a = arrays[name]
-        if a is not None and a.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has unsupported dtype {a.dtype}; "
-                            "use bfloat16, float16 or float32")
+    _check_float(arrays, ("student_input", "student_weight", "teacher_input", "teacher_weight", "student_bias",
+                          "teacher_bias"))
     for x, w in (("student_input", "student_weight"), ("teacher_input", "teacher_weight")):
         if arrays[x].dtype != arrays[w].dtype:
             raise TypeError(f"{x} ({arrays[x].dtype}) and {w} ({arrays[w].dtype}) must have "
                             "the same dtype")
     if target.dtype.kind not in "iu":
         raise TypeError(f"target must have an integer dtype, got {target.dtype}")
+    return kind
+
+
+def _kind(arrays):
+    """The arrays' kind, 'numpy' or 'cupy' (None entries left out): all of one kind, on one device."""
+    present = {k: v for k, v in arrays.items() if v is not None}
+    for name, a in present.items():
+        if array_kind(a) is None:
+            raise TypeError(f"{name} must be a NumPy or CuPy array (or a DLPack tensor of "
+                            f"PyTorch or JAX), got {type(a).__module__}.{type(a).__name__}")
+    kinds = {array_kind(a) for a in present.values()}
+    if len(kinds) > 1:
+        host = [k for k, a in present.items() if array_kind(a) == "numpy"]
+        raise ValueError(f"a mix of host and device arrays: {', '.join(host)} on the host, "
+                         "the rest on the GPU")
+    devices = {_device_of(a) for a in present.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{k} on GPU {_device_of(a)}" for k, a in present.items())
+        raise ValueError(f"arrays on different devices: {where}")
+
     return kinds.pop()
+
+
+def _check_ranks(arrays, ranks):
+    for name, rank in ranks.items():
+        a = arrays.get(name)
+        if a is not None and a.ndim != rank:
+            raise ValueError(f"{name} must have rank {rank}, got shape {tuple(a.shape)}")
+
+
+def _check_float(arrays, names):
+    for name in names:
+        a = arrays.get(name)
+        if a is not None and a.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has unsupported dtype {a.dtype}; use bfloat16, float16 or float32")
+
+
+def check_topk_arrays(arrays):
+    """The top-k loss's arrays (student_input, student_weight, teacher_indices, teacher_logprobs,
+    target, student_bias): kinds, devices, ranks, shapes and dtypes. Returns the kind. The ids'
+    and log-probabilities' values are checked by the backend's topk_check."""
+    kind = _kind(arrays)
+    _check_ranks(arrays, dict(student_input=2, student_weight=2, teacher_indices=2, teacher_logprobs=2, target=1,
+                              student_bias=1))
+    xs, ws, ids, lq = (arrays[k] for k in ("student_input", "student_weight", "teacher_indices", "teacher_logprobs"))
+    T = xs.shape[0]
+    for name in ("teacher_indices", "teacher_logprobs", "target"):
+        if arrays[name].shape[0] != T:
+            raise ValueError(f"{name} has {arrays[name].shape[0]} rows but student_input has {T}")
+    if ids.shape != lq.shape:
+        raise ValueError(f"teacher_indices has shape {tuple(ids.shape)} but teacher_logprobs has {tuple(lq.shape)}")
+    if ids.shape[1] < 1:
+        raise ValueError("teacher_indices must hold at least one id per row (k >= 1)")
+    if ws.shape[1] != xs.shape[1]:
+        raise ValueError(f"student_weight has hidden size {ws.shape[1]} but student_input has {xs.shape[1]}")
+    if ws.shape[0] < 1:
+        raise ValueError("student_weight must have at least one vocabulary row")
+    bs = arrays["student_bias"]
+    if bs is not None and bs.shape[0] != ws.shape[0]:
+        raise ValueError(f"student_bias has length {bs.shape[0]} but its weight has {ws.shape[0]} rows")
+    _check_float(arrays, ("student_input", "student_weight", "teacher_logprobs", "student_bias"))
+    if xs.dtype != ws.dtype:
+        raise TypeError(f"student_input ({xs.dtype}) and student_weight ({ws.dtype}) must have the same dtype")
+    for name in ("teacher_indices", "target"):
+        if arrays[name].dtype.kind not in "iu":
+            raise TypeError(f"{name} must have an integer dtype, got {arrays[name].dtype}")
+    return kind
+
+
+def check_teacher_arrays(arrays):
+    """teacher_topk's arrays (teacher_input, teacher_weight, teacher_bias). Returns the kind."""
+    kind = _kind(arrays)
+    _check_ranks(arrays, dict(teacher_input=2, teacher_weight=2, teacher_bias=1))
+    xt, wt, bt = arrays["teacher_input"], arrays["teacher_weight"], arrays["teacher_bias"]
+    if wt.shape[1] != xt.shape[1]:
+        raise ValueError(f"teacher_weight has hidden size {wt.shape[1]} but teacher_input has {xt.shape[1]}")
+    if bt is not None and bt.shape[0] != wt.shape[0]:
+        raise ValueError(f"teacher_bias has length {bt.shape[0]} but its weight has {wt.shape[0]} rows")
+    _check_float(arrays, ("teacher_input", "teacher_weight", "teacher_bias"))
+    if xt.dtype != wt.dtype:
+        raise TypeError(f"teacher_input ({xt.dtype}) and teacher_weight ({wt.dtype}) must have the same dtype")
+    return kind
+
+
+# the top-k's bad values, by the code topk_check's kernel writes
+TOPK_SUM_SLACK = 1e-3  # the teacher's top-k probabilities may sum to 1 + this (their rounding)
+_TOPK_PROBLEMS = {1: "an id outside [0, {vocab})", 2: "an id that appears twice",
+                  3: f"probabilities that sum above 1 (+{TOPK_SUM_SLACK:g}), with missing_mass='bucket'"}
+
+
+def topk_error(row, code, vocab):
+    """The ValueError for row `row` of the teacher's top-k, by topk_check's code."""
+    return ValueError(f"teacher_indices / teacher_logprobs row {row} holds "
+                      f"{_TOPK_PROBLEMS[code].format(vocab=vocab)} (slots whose log-probability is -inf "
+                      "are unused and not checked)")
+
+
+def topk_problem(ids, lq, vocab, bucket):
+    """(row, code) of the first bad row of a NumPy top-k (code: topk_error's), or None. A used
+    slot is one whose log-probability is not -inf."""
+    used = np.asarray(lq, np.float64) != -np.inf
+    ids = np.asarray(ids, np.int64)
+    codes = np.zeros(len(ids), np.int64)
+    if bucket:
+        with np.errstate(over="ignore"):
+            total = np.where(used, np.exp(np.asarray(lq, np.float64)), 0.0).sum(axis=1)
+        codes[total > 1.0 + TOPK_SUM_SLACK] = 3
+    # unused slots as distinct negative ids, so they neither repeat nor count as out of range
+    marked = np.where(used, ids, -1 - np.arange(ids.shape[1]))
+    ordered = np.sort(marked, axis=1)
+    codes[(np.diff(ordered, axis=1) == 0).any(axis=1)] = 2
+    codes[(used & ((ids < 0) | (ids >= vocab))).any(axis=1)] = 1
+    bad = np.flatnonzero(codes)
+    return None if not len(bad) else (int(bad[0]), int(codes[bad[0]]))
 
 
 def target_error(row, value, vocab, ignore_index):

@@ -135,39 +135,66 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, selection, normalizer, chunk_s
     if shard is not None:  # the labels as columns of this rank's shard, -1 where not owned
         owned = (target >= shard.v0) & (target < shard.v0 + vs)
         target = xp.where(owned, target - shard.v0, -1).astype(np.int32)
-    ce = xp.zeros(n_rows, dtype=np.float32)
-    jsd = xp.zeros(n_rows, dtype=np.float32)
-    grads = label_terms = None
-    if compute_grad:
-        label_terms = xp.zeros(n_rows, dtype=np.float32)  # written by the row kernel
-        # the first chunk writes the sums, the others add to them; with no chunk, they are zero
-        new = xp.empty if n_rows else xp.zeros
-        grads = Gradients(new((n_rows, hs), np.float32),
-                          None if hold_g else new((vs, hs), np.float32),
-                          None if bs is None else new(vs, np.float32))
+    ce, jsd, grads, label_terms = row_outputs(xp, n_rows, hs, vs, hold_g, bs is not None, compute_grad)
     for start in range(0, n_rows, chunk or 1):
         stop = min(start + chunk, n_rows)
         done = min(head, stop) if start == 0 else 0  # the head's logits, queued above
         if start + done < stop:
             backend.logits(work, xs[start + done:stop], xt[start + done:stop], at=done)
-        G = None
-        if compute_grad:
-            G = G_all[start:stop] if hold_g else G_all[:stop - start]
+        G = chunk_g(G_all, hold_g, start, stop)
         _row_work(backend, work, comm, target[start:stop], opts, ce[start:stop], jsd[start:stop],
                   G, None if label_terms is None else label_terms[start:stop])
         if compute_grad:
             if rows.masked:
                 backend.zero_masked_rows(G, target[start:stop])
             backend.grad_products(work, G, xs[start:stop], inv_n, grads, start, stop)
-    if compute_grad and n_rows:
+    finish_gradients(backend, work, grads, G_all, hold_g, label_terms, target, xs, inv_n)
+    if compute_grad and comm is not None:
+        comm.allreduce(grads.grad_input, "sum")
+    hard, soft = row_means(xp, ce, jsd, inv_n, target if rows.masked else None)
+    return hard, soft, grads, rows
+
+
+def row_outputs(xp, n_rows, hs, vs, hold_g, has_bias, compute_grad):
+    """(ce, soft, Gradients, label_terms) for n_rows rows: the per-row losses, and with
+    compute_grad the float32 sums (grad_weight's only where G is not held for all rows) and the
+    per-row label terms the row kernel writes (else None, None)."""
+    ce, soft = xp.zeros(n_rows, dtype=np.float32), xp.zeros(n_rows, dtype=np.float32)
+    if not compute_grad:
+        return ce, soft, None, None
+    # the first chunk writes the sums, the others add to them; with no chunk, they are zero
+    new = xp.empty if n_rows else xp.zeros
+    grads = Gradients(new((n_rows, hs), np.float32), None if hold_g else new((vs, hs), np.float32),
+                      new(vs, np.float32) if has_bias else None)
+    return ce, soft, grads, xp.zeros(n_rows, dtype=np.float32)
+
+
+def chunk_g(G_all, hold_g, start, stop):
+    """The chunk's rows of G: its own rows of G held for all rows, else the per-chunk buffer's
+    first ones; None without gradients."""
+    if G_all is None:
+        return None
+    return G_all[start:stop] if hold_g else G_all[:stop - start]
+
+
+def finish_gradients(backend, work, grads, G_all, hold_g, label_terms, target, xs, inv_n):
+    """After the chunks: the label terms the row kernel kept out of G added exactly, and where G
+    is held for all rows, what backward's one grad_weight product needs of it."""
+    if grads is None:
+        return
+    if len(target):
         backend.add_label_terms(work, label_terms, target, xs, inv_n, grads)
     if hold_g:  # work (the logits buffers) is not kept: only what the product needs
         grads.held = backend.hold_g(work, G_all, xs, inv_n, label_terms, target)
-    if compute_grad and comm is not None:
-        comm.allreduce(grads.grad_input, "sum")
-    if rows.masked:  # the ignored rows' results are whatever their rows gave: they count for nothing
-        ce, jsd = xp.where(target >= 0, ce, 0.0), xp.where(target >= 0, jsd, 0.0)
-    # fixed-order sums: two runs on the same inputs give the same bits
+
+
+def row_means(xp, ce, jsd, inv_n, masked_target=None):
+    """(hard_loss, soft_loss): the rows' sums times 1/N, as 0-d float32 arrays, in a fixed order
+    (two runs on the same inputs give the same bits). masked_target: in a capturable call, the
+    rows' targets; the ignored rows' (-1) results are whatever their rows gave, and count for
+    nothing."""
+    if masked_target is not None:
+        ce, jsd = xp.where(masked_target >= 0, ce, 0.0), xp.where(masked_target >= 0, jsd, 0.0)
     hard = xp.asarray(ce.sum(dtype=np.float64) * inv_n, dtype=np.float32)
     soft = xp.asarray(jsd.sum(dtype=np.float64) * inv_n, dtype=np.float32)
-    return hard, soft, grads, rows
+    return hard, soft

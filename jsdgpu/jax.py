@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import api
+from . import api, topk
 from .options import LOSS_FIELDS, LossOptions, RunOptions
 
 _RUN_FIELDS = ("chunk_size", "num_valid_tokens")
@@ -68,33 +68,45 @@ def _native(buffer, gpu):
     return np.asarray(buffer)
 
 
-def _callback(options, with_grads, present):
-    """The buffer_callback's function: (ctx, out, *arrays), arrays the present ones of (xs, ws,
-    xt, wt, target, bs, bt); out: (loss[, grad_input, grad_weight, grad_bias where present])."""
+def _online(arrays, options, with_grads, gpu):
+    """jsdgpu.forward on the callback's arrays (xs, ws, xt, wt, target, bs, bt); on the GPU
+    capturable: nothing waits on the host, nothing blocks XLA's stream."""
     loss_opts = LossOptions(**{k: v for k, v in options if k in LOSS_FIELDS})
     run = {k: v for k, v in options if k in _RUN_FIELDS}
+    return api.forward_with(*arrays, loss_opts, RunOptions(compute_grad=with_grads, capturable=gpu or None, **run))
+
+
+def _topk(arrays, options, with_grads, gpu):
+    """jsdgpu.forward_topk on the callback's arrays (xs, ws, ids, logprobs, target, bs). Its checks
+    of the top-k read on the host: on the GPU the callback waits once for XLA's stream."""
+    loss_opts = LossOptions(**{k: v for k, v in options if k in LOSS_FIELDS})
+    run = {k: v for k, v in options if k in _RUN_FIELDS}
+    return topk.forward_topk_with(*arrays, loss_opts, RunOptions(compute_grad=with_grads, **run),
+                                  dict(options).get("missing_mass", "bucket"))
+
+
+def _callback(forward, options, with_grads, present):
+    """The buffer_callback's function: (ctx, out, *arrays), arrays the present ones of forward's;
+    out: (loss[, grad_input, grad_weight, grad_bias where present])."""
 
     def callback(ctx, out, *buffers):
         try:
             stream = ctx.stream  # XLA's CUDA stream: a GPU call
         except jax.errors.JaxRuntimeError:  # a CPU call has no GPU context
             stream = None
-        gpu = stream is not None
         it = iter(buffers)
-        xs, ws, xt, wt, target, bs, bt = (next(it) if p else None for p in present)
-        if not gpu:
-            return _compute(out, xs, ws, xt, wt, target, bs, bt, loss_opts, run, with_grads, False)
+        arrays = [next(it) if p else None for p in present]
+        if stream is None:
+            return _compute(forward, out, arrays, options, with_grads, False)
         import cupy
-        # XLA's stream; capturable: nothing waits on the host, nothing blocks XLA's stream
-        with cupy.cuda.ExternalStream(stream):
-            _compute(out, xs, ws, xt, wt, target, bs, bt, loss_opts, dict(run, capturable=True), with_grads, True)
+        with cupy.cuda.ExternalStream(stream):  # the work queued on XLA's stream
+            _compute(forward, out, arrays, options, with_grads, True)
 
     return callback
 
 
-def _compute(out, xs, ws, xt, wt, target, bs, bt, loss_opts, run, with_grads, gpu):
-    arrays = [None if b is None else _native(b, gpu) for b in (xs, ws, xt, wt, target, bs, bt)]
-    loss, ctx = api.forward_with(*arrays, loss_opts, RunOptions(compute_grad=with_grads, **run))
+def _compute(forward, out, arrays, options, with_grads, gpu):
+    loss, ctx = forward([None if b is None else _native(b, gpu) for b in arrays], options, with_grads, gpu)
     out_loss = _native(out[0], gpu)
     out_loss[...] = loss
     if with_grads:
@@ -102,14 +114,22 @@ def _compute(out, xs, ws, xt, wt, target, bs, bt, loss_opts, run, with_grads, gp
         api.backward(ctx, 1.0, out=grads)
 
 
-def _call(options, with_grads, xs, ws, bs, xt, wt, bt, target):
-    arrays = (xs, ws, xt, wt, target, bs, bt)
+def _call(forward, options, with_grads, arrays, student):
+    """The loss (and with with_grads the gradients of student: (xs, ws, bs)) by one callback."""
     present = tuple(a is not None for a in arrays)
     shapes = [jax.ShapeDtypeStruct((), jnp.float32)]
     if with_grads:
-        shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (xs, ws, bs) if a is not None]
-    run = buffer_callback(_callback(options, with_grads, present), tuple(shapes))
+        shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in student if a is not None]
+    run = buffer_callback(_callback(forward, options, with_grads, present), tuple(shapes))
     return run(*(a for a in arrays if a is not None))
+
+
+def _check_options(options, extra=()):
+    unknown = set(options) - set(LOSS_FIELDS) - set(_RUN_FIELDS) - set(extra)
+    if unknown:
+        raise TypeError(f"unknown options: {sorted(unknown)}")
+    LossOptions(**{k: v for k, v in options.items() if k in LOSS_FIELDS})  # its checks, at trace time
+    return tuple(sorted(options.items()))
 
 
 # ---- the differentiable function ----
@@ -119,33 +139,59 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
     """The loss of docs/contract.md; differentiable with respect to the student input, weight
     and bias. options: those of jsdgpu.LossOptions, chunk_size and num_valid_tokens (see
     jsdgpu.forward); static under jit."""
-    unknown = set(options) - set(LOSS_FIELDS) - set(_RUN_FIELDS)
-    if unknown:
-        raise TypeError(f"unknown options: {sorted(unknown)}")
-    LossOptions(**{k: v for k, v in options.items() if k in LOSS_FIELDS})  # its checks, at trace time
-    return _loss(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias,
-                 target, tuple(sorted(options.items())))
+    return _loss(_online, (teacher_input, teacher_weight, teacher_bias), student_input, student_weight, student_bias,
+                 target, _check_options(options))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _loss(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, target,
-          options):
-    return _call(options, False, student_input, student_weight, student_bias, teacher_input, teacher_weight,
-                 teacher_bias, target)[0]
+def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, teacher_logprobs, target,
+                               student_bias=None, **options):
+    """Offline distillation (jsdgpu.forward_topk): the loss against a teacher's stored top-k
+    log-probabilities; differentiable with respect to the student input, weight and bias.
+    options: those of fused_linear_jsd_loss and missing_mass; static under jit. On the GPU the
+    callback waits once for XLA's stream (the top-k's checks read on the host)."""
+    if "missing_mass" in options:
+        topk._check_missing_mass(options["missing_mass"])
+    return _loss(_topk, (teacher_indices, teacher_logprobs), student_input, student_weight, student_bias, target,
+                 _check_options(options, ("missing_mass",)))
 
 
-def _loss_fwd(student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, target,
-              options):
-    loss, *grads = _call(options, True, student_input, student_weight, student_bias, teacher_input,
-                         teacher_weight, teacher_bias, target)
-    return loss, tuple(grads)
+def _arrays(forward, teacher, xs, ws, bs, target):
+    """forward's arrays, in its order."""
+    if forward is _online:
+        xt, wt, bt = teacher
+        return (xs, ws, xt, wt, target, bs, bt)
+    ids, lq = teacher
+    return (xs, ws, ids, lq, target, bs)
 
 
-def _loss_bwd(options, grads, g):
-    grad_input, grad_weight, *grad_bias = grads
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+def _loss(forward, teacher, student_input, student_weight, student_bias, target, options):
+    arrays = _arrays(forward, teacher, student_input, student_weight, student_bias, target)
+    return _call(forward, options, False, arrays, (student_input, student_weight, student_bias))[0]
+
+
+def _loss_fwd(forward, teacher, student_input, student_weight, student_bias, target, options):
+    arrays = _arrays(forward, teacher, student_input, student_weight, student_bias, target)
+    loss, *grads = _call(forward, options, True, arrays, (student_input, student_weight, student_bias))
+    return loss, (tuple(grads), teacher)
+
+
+def _loss_bwd(forward, options, residuals, g):
+    (grad_input, grad_weight, *grad_bias), teacher = residuals
     scale = lambda a: (a * g).astype(a.dtype)  # noqa: E731
-    return (scale(grad_input), scale(grad_weight), scale(grad_bias[0]) if grad_bias else None,
-            None, None, None, None)
+    no_teacher_grad = jax.tree_util.tree_map(lambda a: None, teacher)
+    return (no_teacher_grad, scale(grad_input), scale(grad_weight), scale(grad_bias[0]) if grad_bias else None,
+            None)
 
 
 _loss.defvjp(_loss_fwd, _loss_bwd)
+
+
+def teacher_topk(teacher_input, teacher_weight, k, temperature=1.0, teacher_bias=None, **options):
+    """jsdgpu.teacher_topk on concrete JAX arrays (eagerly, not under jit: the top-k is made once,
+    ahead of training): (indices int32, logprobs float32), inputs [..., H] -> [..., k]."""
+    lead, h = teacher_input.shape[:-1], teacher_input.shape[-1]
+    ids, logprobs = topk.teacher_topk(to_native(teacher_input.reshape(-1, h)), to_native(teacher_weight), k,
+                                      temperature, None if teacher_bias is None else to_native(teacher_bias),
+                                      **options)
+    return from_native(ids).reshape(*lead, k), from_native(logprobs).reshape(*lead, k)

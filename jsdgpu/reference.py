@@ -48,6 +48,19 @@ def _array_module(a):
     return sys.modules["cupy"] if type(a).__module__.startswith("cupy") else np
 
 
+def _hard_part(xp, s, target, ignore_index):
+    """(valid, N, ce, d_hard): the valid rows, N = max(1, their count), each row's cross-entropy on
+    the untempered student logits and its gradient softmax(s) - onehot(target)."""
+    T = s.shape[0]
+    valid = target != ignore_index
+    safe_target = xp.where(valid, target, 0)
+    log_sm = _log_softmax(xp, s)
+    ce = -log_sm[xp.arange(T), safe_target]
+    onehot = xp.zeros_like(s)
+    onehot[xp.arange(T), safe_target] = 1.0
+    return valid, max(1, int(valid.sum())), ce, xp.exp(log_sm) - onehot
+
+
 def reference_logits(s, t, target, **options):
     """The loss from the logits: (loss, hard_loss, soft_loss, G), G [T, Vs] the gradient of the
     loss with respect to the student logits s [T, Vs]; t [T, Vt] the teacher's; float64."""
@@ -58,15 +71,7 @@ def reference_logits(s, t, target, **options):
     s, t = xp.asarray(s).astype(xp.float64), xp.asarray(t).astype(xp.float64)
     target = xp.asarray(target).astype(xp.int64)
     T, Vs, Vt = s.shape[0], s.shape[1], t.shape[1]
-    valid = target != ignore_index
-    n = max(1, int(valid.sum()))
-    safe_target = xp.where(valid, target, 0)
-    # hard part: cross-entropy on the untempered student logits
-    log_sm = _log_softmax(xp, s)
-    ce = -log_sm[xp.arange(T), safe_target]
-    onehot = xp.zeros_like(s)
-    onehot[xp.arange(T), safe_target] = 1.0
-    d_hard = xp.exp(log_sm) - onehot
+    valid, n, ce, d_hard = _hard_part(xp, s, target, ignore_index)
 
     # soft part: tempered logits, the student padded with zero logits up to Vt
     z = xp.concatenate([s / temperature, xp.zeros((T, Vt - Vs))], axis=1)
@@ -96,3 +101,116 @@ def reference_logits(s, t, target, **options):
     G = (weight_hard_loss * d_hard + (weight_soft_loss / temperature) * dz) / n
     G[~valid] = 0.0
     return loss, hard, soft, G
+
+
+# ---- offline distillation: the teacher as stored top-k log-probabilities ----
+
+def reference_topk(student_input, student_weight, teacher_indices, teacher_logprobs, target,
+                   student_bias=None, missing_mass="bucket", **options):
+    """The top-k loss of docs/contract.md ("Offline distillation"): (loss, hard_loss, soft_loss,
+    grad_input, grad_weight, grad_bias), all float64, the gradients those of `loss`."""
+    xp = _array_module(student_input)
+    f = lambda a: None if a is None else xp.asarray(a).astype(xp.float64)  # noqa: E731
+    xs, ws, bs = f(student_input), f(student_weight), f(student_bias)
+    s = xs @ ws.T + (0.0 if bs is None else bs)
+    loss, hard, soft, G = reference_topk_logits(s, teacher_indices, teacher_logprobs, target, missing_mass,
+                                                **options)
+    return loss, hard, soft, G @ ws, G.T @ xs, None if bs is None else G.sum(axis=0)
+
+
+def _row_logsumexp(xp, x):
+    """logsumexp over each row's last axis, -inf for a row of -infs (NaN stays NaN)."""
+    m = x.max(axis=-1, keepdims=True)
+    m_safe = xp.where(xp.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return (m_safe + xp.log(xp.exp(x - m_safe).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+def topk_categories(logp, teacher_indices, teacher_logprobs, missing_mass):
+    """(log P, log q, used, rest) over each row's categories: the k slots, then (bucket) the rest.
+    logp: the student's log-softmax [T, Vs] (float64); unused slots (log-probability -inf) hold
+    -inf in both. rest [T, Vs]: the ids in no used slot (bucket; None where renormalized)."""
+    xp = _array_module(logp)
+    T, vs = logp.shape
+    lq = xp.asarray(teacher_logprobs).astype(xp.float64)
+    used = lq != -np.inf
+    ids = xp.where(used, xp.asarray(teacher_indices).astype(xp.int64), 0)
+    rows = xp.arange(T)[:, None]
+    lp = xp.where(used, logp[rows, ids], -np.inf)
+    lse_q = _row_logsumexp(xp, lq)
+    if missing_mass == "renormalize":  # a row with no used slot has no category
+        with np.errstate(invalid="ignore"):
+            return (xp.where(used, lp - _row_logsumexp(xp, lp)[:, None], -np.inf),
+                    xp.where(used, lq - lse_q[:, None], -np.inf), used, None)
+    # the rest: the student's mass on every other id, summed over those ids (no cancellation)
+    rest = xp.ones((T, vs), bool)
+    rest[xp.broadcast_to(rows, ids.shape)[used], ids[used]] = False
+    lp_rest = _row_logsumexp(xp, xp.where(rest, logp, -np.inf))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lq_rest = xp.where(lse_q < 0, xp.log(-xp.expm1(xp.minimum(lse_q, 0.0))), -np.inf)
+        lq_rest = xp.where(xp.isnan(lse_q), np.nan, lq_rest)
+    # where the slots hold every id there is no rest: the teacher's mass left over is its rounding
+    lq_rest = xp.where(rest.any(axis=1), lq_rest, -np.inf)
+    return (xp.concatenate([lp, lp_rest[:, None]], axis=1), xp.concatenate([lq, lq_rest[:, None]], axis=1),
+            xp.concatenate([used, xp.ones((T, 1), bool)], axis=1), rest)
+
+
+def reference_topk_logits(s, teacher_indices, teacher_logprobs, target, missing_mass="bucket", **options):
+    """The top-k loss from the student's logits s [T, Vs]: (loss, hard_loss, soft_loss, G), G the
+    gradient of the loss with respect to s; float64. The gradient is the chain rule written out:
+    dD/dP per category, times dP/dz, the Jacobian of the categories' probabilities in the
+    tempered logits z = s / temperature."""
+    opts = LossOptions(**options)
+    beta, temperature = opts.beta, opts.temperature
+    xp = _array_module(s)
+    s = xp.asarray(s).astype(xp.float64)
+    target = xp.asarray(target).astype(xp.int64)
+    T = s.shape[0]
+    valid, n, ce, d_hard = _hard_part(xp, s, target, opts.ignore_index)
+
+    logp = _log_softmax(xp, s / temperature)
+    p = xp.exp(logp)
+    LP, LQ, used, rest = topk_categories(logp, teacher_indices, teacher_logprobs, missing_mass)
+    P, Q = xp.exp(LP), xp.exp(LQ)
+    # PdD: P dD/dP per category, formed so that an underflowing P gives 0, not 0 * inf
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if beta == 0:  # forward KL(q || P); dD/dP = -q / P
+            soft = _xlogy_diff(xp, Q, LQ, LP)
+            PdD = -Q
+        elif beta == 1:  # reverse KL(P || q); dD/dP = log(P / q) + 1
+            soft = _xlogy_diff(xp, P, LP, LQ)
+            PdD = xp.where(P != 0, P * (LP - LQ + 1.0), 0.0)
+        else:  # dD/dP = (1 - beta) log(P / m)
+            LM = xp.logaddexp(np.log1p(-beta) + LP, np.log(beta) + LQ)
+            soft = beta * _xlogy_diff(xp, Q, LQ, LM) + (1 - beta) * _xlogy_diff(xp, P, LP, LM)
+            PdD = xp.where(P != 0, (1 - beta) * P * (LP - LM), 0.0)
+    PdD = xp.where(used, PdD, 0.0)
+    k = xp.asarray(teacher_logprobs).shape[1]
+    ids = xp.where(used[:, :k], xp.asarray(teacher_indices).astype(xp.int64), 0)
+    rows = xp.arange(T)[:, None]
+    at_ids = (xp.broadcast_to(rows, ids.shape), ids)
+    # dz_j = sum_c dD/dP_c dP_c/dz_j
+    dz = xp.zeros_like(s)
+    if missing_mass == "renormalize":
+        # P_c = p[id_c] / S over the used slots: dP_c/dz_j = P_c (onehot(id_c)_j - P(j)), P(j) the
+        # renormalized probability of j where j is a slot's id, else 0
+        Pj = xp.zeros_like(s)
+        xp.add.at(Pj, at_ids, xp.where(used, P, 0.0))
+        xp.add.at(dz, at_ids, PdD)
+        dz -= PdD.sum(axis=1, keepdims=True) * Pj
+    else:
+        # P_c = p[id_c]: dP_c/dz_j = P_c (onehot(id_c)_j - p_j); P_rest, the sum of p over the
+        # rest's ids: dP_rest/dz_j = p_j (rest_j - P_rest), the first term as P_rest times
+        # p_j / P_rest (not as -sum_c dP_c/dz_j, which cancels where P_rest is tiny)
+        w = xp.where(used[:, :k], PdD[:, :k], 0.0)
+        xp.add.at(dz, at_ids, w)
+        with np.errstate(over="ignore", invalid="ignore"):  # an infinite divergence: no gradient
+            dz += xp.where(rest, PdD[:, k:] * xp.exp(logp - LP[:, k:]), 0.0)
+            dz -= (w.sum(axis=1, keepdims=True) + PdD[:, k:]) * p
+
+    hard = float(xp.where(valid, ce, 0.0).sum()) / n
+    soft_mean = float(xp.where(valid, soft, 0.0).sum()) / n
+    loss = opts.weight_hard_loss * hard + opts.weight_soft_loss * soft_mean
+    G = (opts.weight_hard_loss * d_hard + (opts.weight_soft_loss / temperature) * dz) / n
+    G[~valid] = 0.0
+    return loss, hard, soft_mean, G

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from . import api
+from . import api, topk
 from .options import DEFAULTS, LossOptions, RunOptions
 
 
@@ -88,13 +88,19 @@ def _fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor,
     """(loss, soft_loss, hard_loss, grad_input, grad_weight, grad_bias) for grad_output 1, the
     gradients empty without compute_grad (or without a bias). student_input [T, Hs], target [T];
     compute_dtype: the operands' dtype (autocast's), or None for the tensors' own."""
-    cast = (lambda a: a) if compute_dtype is None else (lambda a: None if a is None else a.to(compute_dtype))
+    cast = _caster(compute_dtype)
     loss, ctx = api.forward_with(
         cast(student_input), cast(student_weight), cast(teacher_input), cast(teacher_weight), target,
         student_bias, teacher_bias,
         LossOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index),
         RunOptions(chunk_size=chunk_size, compute_grad=compute_grad, num_valid_tokens=num_valid_tokens,
                    grad_weight_float32=student_weight.dtype == torch.float32))
+    return _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
+
+
+def _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias):
+    """The loss operators' outputs: the loss, its parts and the student's gradients (each in its
+    tensor's dtype; empty without compute_grad, or without a bias)."""
     grads = [torch.empty(0, device=loss.device) for _ in range(3)]  # distinct: returns may not alias
     if compute_grad:
         gi, gw, gb = api.backward(ctx)
@@ -103,10 +109,20 @@ def _fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor,
     return loss, ctx.soft_loss, ctx.hard_loss, *grads
 
 
+def _caster(compute_dtype):
+    """The operands' cast to autocast's dtype (None: as they are)."""
+    return (lambda a: a) if compute_dtype is None else (lambda a: None if a is None else a.to(compute_dtype))
+
+
 @_fused_linear_jsd.register_fake
 def _(student_input, student_weight, teacher_input, teacher_weight, target, student_bias, teacher_bias,
       weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens,
       compute_grad, compute_dtype):
+    return _fake_outputs(student_input, student_weight, student_bias, compute_grad)
+
+
+def _fake_outputs(student_input, student_weight, student_bias, compute_grad):
+    """The loss operators' outputs' shapes and dtypes (for torch.compile and opcheck)."""
     scalar = lambda: student_input.new_empty((), dtype=torch.float32)  # noqa: E731
     empty = lambda: student_input.new_empty(0, dtype=torch.float32)  # noqa: E731
     if not compute_grad:
@@ -138,9 +154,10 @@ def _backward(ctx, grad_loss, grad_soft, grad_hard, *unused):
 _fused_linear_jsd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_dtypes(student_input, student_weight, teacher_input, teacher_weight, compute_dtype):
+def _check_dtypes(compute_dtype, *pairs):
+    """pairs: (name, input, weight); each pair of one dtype, outside autocast."""
     if compute_dtype is None:
-        for x, w, name in ((student_input, student_weight, "student"), (teacher_input, teacher_weight, "teacher")):
+        for name, x, w in pairs:
             if x.dtype != w.dtype:
                 raise TypeError(f"the {name} input ({x.dtype}) and weight ({w.dtype}) must have the same dtype: "
                                 "cast one of them, or run the loss under torch.autocast, which computes in "
@@ -166,7 +183,7 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
     hs, ht = student_input.shape[-1], teacher_input.shape[-1]
     xs, xt, target = student_input.reshape(-1, hs), teacher_input.reshape(-1, ht), true_labels.reshape(-1)
     compute_dtype = _autocast_dtype(xs.device.type)
-    _check_dtypes(xs, student_weight, xt, teacher_weight, compute_dtype)
+    _check_dtypes(compute_dtype, ("student", xs, student_weight), ("teacher", xt, teacher_weight))
     compute_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
     options = (float(weight_hard_loss), float(weight_soft_loss), float(beta), float(temperature), int(ignore_index))
@@ -176,8 +193,10 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
                                                 teacher_bias, options, chunk_size, num_valid_tokens,
                                                 vocab_parallel, compute_grad)
     elif return_soft_hard_loss and compute_grad:
-        loss, soft, hard = _parts(xs, student_weight, xt, teacher_weight, target, student_bias, teacher_bias,
-                                  options, chunk_size, num_valid_tokens, compute_dtype)
+        loss, soft, hard = _parts(
+            lambda w_hard, w_soft: _fused_linear_jsd(xs, student_weight, xt, teacher_weight, target, student_bias,
+                                                     teacher_bias, w_hard, w_soft, *options[2:], chunk_size,
+                                                     num_valid_tokens, True, compute_dtype)[0], options)
     else:
         loss, soft, hard, *_ = _fused_linear_jsd(xs, student_weight, xt, teacher_weight, target, student_bias,
                                                  teacher_bias, *options, chunk_size, num_valid_tokens,
@@ -185,16 +204,12 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
     return (loss, soft, hard) if return_soft_hard_loss else loss
 
 
-def _parts(xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_tokens, compute_dtype):
+def _parts(loss_with_weights, weights):
     """(loss, soft, hard), each differentiable with its own gradient: the hard part's and the
-    soft part's gradients are two calls of the operator (weights (1, 0) and (0, 1)), the loss's
-    their combination. Twice the work of the loss alone."""
-    w_hard, w_soft, rest = options[0], options[1], options[2:]
-    args = (chunk_size, num_valid_tokens, True, compute_dtype)
-    # each call's loss is its one part, with that part's gradient
-    hard = _fused_linear_jsd(xs, ws, xt, wt, target, bs, bt, 1.0, 0.0, *rest, *args)[0]
-    soft = _fused_linear_jsd(xs, ws, xt, wt, target, bs, bt, 0.0, 1.0, *rest, *args)[0]
-    return w_hard * hard + w_soft * soft, soft, hard
+    soft part's gradients are two calls of the operator, loss_with_weights(w_hard, w_soft) with
+    weights (1, 0) and (0, 1), the loss's their combination. Twice the work of the loss alone."""
+    hard, soft = loss_with_weights(1.0, 0.0), loss_with_weights(0.0, 1.0)  # each call's loss is its one part
+    return weights[0] * hard + weights[1] * soft, soft, hard
 
 
 class _VocabParallel(torch.autograd.Function):
@@ -259,3 +274,106 @@ class FusedLinearJSDFunction:
             weight_hard_loss=weight_hard_loss, weight_soft_loss=weight_soft_loss, beta=beta,
             ignore_index=ignore_index, temperature=temperature, chunk_size=chunk_size,
             return_soft_hard_loss=return_soft_hard_loss)
+
+
+# ---- offline distillation: the loss against a teacher's stored top-k (jsdgpu.topk) ----
+
+@torch.library.custom_op("jsdgpu::fused_linear_topk_jsd", mutates_args=())
+def _fused_linear_topk_jsd(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_indices: torch.Tensor,
+                           teacher_logprobs: torch.Tensor, target: torch.Tensor, student_bias: torch.Tensor | None,
+                           missing_mass: str, weight_hard_loss: float, weight_soft_loss: float, beta: float,
+                           temperature: float, ignore_index: int, chunk_size: int | None,
+                           num_valid_tokens: float | None, compute_grad: bool,
+                           compute_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As jsdgpu::fused_linear_jsd, against the teacher's top-k (jsdgpu.forward_topk): the same
+    outputs, and the same positions of the student's tensors and of compute_grad, so that the
+    two operators share their autograd rule."""
+    cast = _caster(compute_dtype)
+    loss, ctx = topk.forward_topk_with(
+        cast(student_input), cast(student_weight), teacher_indices, teacher_logprobs, target, student_bias,
+        LossOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index),
+        RunOptions(chunk_size=chunk_size, compute_grad=compute_grad, num_valid_tokens=num_valid_tokens,
+                   grad_weight_float32=student_weight.dtype == torch.float32), missing_mass)
+    return _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
+
+
+@_fused_linear_topk_jsd.register_fake
+def _(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias, missing_mass,
+      weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens, compute_grad,
+      compute_dtype):
+    return _fake_outputs(student_input, student_weight, student_bias, compute_grad)
+
+
+_fused_linear_topk_jsd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, teacher_logprobs, true_labels,
+                               student_bias=None, *, missing_mass="bucket",
+                               weight_hard_loss=DEFAULTS.weight_hard_loss, weight_soft_loss=DEFAULTS.weight_soft_loss,
+                               beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index,
+                               temperature=DEFAULTS.temperature, chunk_size=None, return_soft_hard_loss=False,
+                               num_valid_tokens=None):
+    """The top-k loss as a function (see FusedLinearTopKJSDLoss): inputs [..., H], the teacher's
+    top-k [..., k], labels [...]."""
+    hs, k = student_input.shape[-1], teacher_indices.shape[-1]
+    xs, target = student_input.reshape(-1, hs), true_labels.reshape(-1)
+    ids, lq = teacher_indices.reshape(-1, k), teacher_logprobs.reshape(-1, teacher_logprobs.shape[-1])
+    compute_dtype = _autocast_dtype(xs.device.type)
+    _check_dtypes(compute_dtype, ("student", xs, student_weight))
+    compute_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
+    options = (float(weight_hard_loss), float(weight_soft_loss), float(beta), float(temperature), int(ignore_index))
+    LossOptions(*options)  # its checks, before any work
+    topk._check_missing_mass(missing_mass)
+
+    def call(w_hard, w_soft, compute_grad):
+        return _fused_linear_topk_jsd(xs, student_weight, ids, lq, target, student_bias, missing_mass, w_hard, w_soft,
+                                      *options[2:], chunk_size, num_valid_tokens, compute_grad, compute_dtype)
+    if return_soft_hard_loss and compute_grad:
+        loss, soft, hard = _parts(lambda w_hard, w_soft: call(w_hard, w_soft, True)[0], options)
+    else:
+        loss, soft, hard, *_ = call(*options[:2], compute_grad)
+    return (loss, soft, hard) if return_soft_hard_loss else loss
+
+
+class FusedLinearTopKJSDLoss(torch.nn.Module):
+    """Offline distillation: the student's loss against a teacher's stored top-k log-probabilities
+    (jsdgpu.forward_topk), with FusedLinearJSDLoss's conventions:
+
+        loss_fn = FusedLinearTopKJSDLoss(beta=0.5, missing_mass="bucket")
+        loss = loss_fn(student_hidden, student_lm_head.weight, topk_indices, topk_logprobs, labels)
+
+    The attributes are read at every call. Through the operator jsdgpu::fused_linear_topk_jsd
+    (torch.compile fullgraph, autocast over fp32 weights). Unlike the online loss it checks the
+    top-k on the host, so it does not run inside a CUDA graph."""
+
+    def __init__(self, weight_hard_loss=DEFAULTS.weight_hard_loss, weight_soft_loss=DEFAULTS.weight_soft_loss,
+                 beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
+                 missing_mass="bucket", chunk_size=None, return_soft_hard_loss=False):
+        super().__init__()
+        LossOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index)  # checked here too
+        self.missing_mass = topk._check_missing_mass(missing_mass)
+        self.weight_hard_loss, self.weight_soft_loss = weight_hard_loss, weight_soft_loss
+        self.beta, self.ignore_index, self.temperature = beta, ignore_index, temperature
+        self.chunk_size, self.return_soft_hard_loss = chunk_size, return_soft_hard_loss
+
+    def forward(self, student_input, student_weight, teacher_indices, teacher_logprobs, true_labels,
+                student_bias=None):
+        return fused_linear_topk_jsd_loss(
+            student_input, student_weight, teacher_indices, teacher_logprobs, true_labels, student_bias,
+            missing_mass=self.missing_mass, weight_hard_loss=self.weight_hard_loss,
+            weight_soft_loss=self.weight_soft_loss, beta=self.beta, ignore_index=self.ignore_index,
+            temperature=self.temperature, chunk_size=self.chunk_size, return_soft_hard_loss=self.return_soft_hard_loss)
+
+
+@torch.no_grad()
+def teacher_topk(teacher_input, teacher_weight, k, temperature=1.0, teacher_bias=None, *, chunk_size=None):
+    """jsdgpu.teacher_topk on torch tensors (inputs [..., H]): (indices [..., k] int32, logprobs
+    [..., k] float32), zero-copy, on torch's current stream, the memory from torch's allocator."""
+    lead, h = teacher_input.shape[:-1], teacher_input.shape[-1]
+    with current_stream(teacher_input):
+        ids, logprobs = topk.teacher_topk(to_native(teacher_input.reshape(-1, h)), to_native(teacher_weight), k,
+                                          temperature, None if teacher_bias is None else to_native(teacher_bias),
+                                          chunk_size=chunk_size)
+        return from_native(ids).reshape(*lead, k), from_native(logprobs).reshape(*lead, k)

@@ -9,6 +9,7 @@ import numpy as np
 from .. import checks
 from ..backend import HeldG, Rows
 from .rows import finish_kernel, kl_kernel, stats_kernel
+from .topk import teacher_topk_rows, topk_rows
 
 
 @dataclasses.dataclass
@@ -25,6 +26,23 @@ class CpuWork:
 
 def _f32(a):
     return None if a is None else a.astype(np.float32, copy=False)
+
+
+@dataclasses.dataclass
+class TopKWork:
+    """One top-k call's buffers (or teacher_topk's): the LM head and bias in float32, and a
+    chunk's logits."""
+    ws: object
+    bs: object
+    s: object
+
+
+class _CheckedNow:
+    """topk_check's result on the CPU: checked at once, nothing to wait for."""
+
+    @staticmethod
+    def wait():
+        pass
 
 
 # what the finish kernel takes for G and label_terms without gradients: arrays of the types Numba
@@ -116,6 +134,47 @@ class CpuBackend:
             work.s[rows] += work.bs
         if work.bt is not None:
             work.t[rows] += work.bt
+
+    # ---- the top-k loss (jsdgpu.topk) and teacher_topk ----
+
+    @staticmethod
+    def topk_check(ids, lq, vocab, bucket):
+        """checks.topk_error's ValueError for the first bad row of the top-k, raised now."""
+        problem = checks.topk_problem(ids, lq, vocab, bucket)
+        if problem is not None:
+            raise checks.topk_error(*problem, vocab)
+        return _CheckedNow
+
+    @staticmethod
+    def topk_bytes_per_row(vs, dtype, compute_grad):
+        """Bytes per row of the logits chunk, of G held for all rows, and of G per chunk."""
+        grad = 4 * vs if compute_grad else 0
+        return 4 * vs, grad, grad
+
+    @staticmethod
+    def topk_prepare(ws, bs, rows):
+        return TopKWork(_f32(ws), _f32(bs), np.empty((rows, ws.shape[0]), np.float32))
+
+    @staticmethod
+    def topk_gradient_rows(work, g_rows):
+        return np.empty((g_rows, work.ws.shape[0]), np.float32)
+
+    @staticmethod
+    def student_logits(work, xs):
+        """The chunk's logits, biased, into work.s."""
+        s = work.s[:xs.shape[0]]
+        np.matmul(xs.astype(np.float32), work.ws.T, out=s)
+        if work.bs is not None:
+            s += work.bs
+
+    @staticmethod
+    def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms):
+        """The top-k row work (cpu/topk.py); the label's one-hot term stays in G (float32)."""
+        topk_rows(work.s[:len(target)], ids, lq, target, opts, missing_mass, ce, soft, G)
+
+    @staticmethod
+    def teacher_topk_rows(work, rows, k, temperature, ids, logprobs):
+        ids[...], logprobs[...] = teacher_topk_rows(work.s[:rows], k, temperature)
 
     @staticmethod
     def row_stats(work, target, opts):

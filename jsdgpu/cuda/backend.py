@@ -58,6 +58,30 @@ class Selection:
         return Rows(valid_rows, self._pending.row_target[:count], 1.0 / normalizer(count), count)
 
 
+@dataclasses.dataclass
+class TopKWork:
+    """One top-k call's buffers (or teacher_topk's): the LM head, its bias as float32 padded with
+    zeros, a chunk's float32 logits, and ones for grad_bias's product."""
+    ws: object
+    bias_s: object
+    logits_s: object
+    ones: object
+
+
+class PendingTopKCheck:
+    """The top-k's checks launched; wait() (after the selection's wait, which follows them on the
+    stream) raises checks.topk_error's ValueError for the first bad row."""
+
+    def __init__(self, ids, lq, vocab, bucket):
+        self._vocab = vocab
+        self._pending = kernels.PendingTopKCheck(ids, lq, vocab, bucket, checks.TOPK_SUM_SLACK)
+
+    def wait(self):
+        problem = self._pending.result()
+        if problem is not None:
+            raise checks.topk_error(*problem, self._vocab)
+
+
 def _kernel_targets(target):
     """The targets as the target kernels take them: int32 or int64, C-contiguous."""
     if target.dtype not in (np.int32, np.int64):
@@ -174,6 +198,49 @@ class CudaBackend:
         stats = kernels.phase_stats(inputs, opts, redo)
         kl = kernels.phase_kl(inputs, opts, stats, redo)
         kernels.phase_finish(work.ws.dtype, inputs, opts, stats, kl, ce, jsd, G, label_terms, redo)
+
+    # ---- the top-k loss (jsdgpu.topk) and teacher_topk ----
+
+    @staticmethod
+    def topk_check(ids, lq, vocab, bucket):
+        """The checks of the top-k, launched; their wait() must follow the selection's."""
+        if ids.dtype not in (np.int32, np.int64):
+            ids = ids.astype(np.int64)
+        return PendingTopKCheck(cupy.ascontiguousarray(ids), lq, vocab, bucket)
+
+    @staticmethod
+    def topk_bytes_per_row(vs, dtype, compute_grad):
+        """Bytes per row of the logits chunk, of G held for all rows, and of G per chunk (G is
+        apart from the logits: the slots' pass reads the logits after G's streaming pass)."""
+        grad = np.dtype(dtype).itemsize * leading_dim(vs) if compute_grad else 0
+        return 4 * leading_dim(vs), grad, grad
+
+    @staticmethod
+    def topk_prepare(ws, bs, rows):
+        vs = ws.shape[0]
+        return TopKWork(ws, _padded_bias(bs, vs), cupy.empty((rows, leading_dim(vs)), np.float32),
+                        cupy.ones(rows, ws.dtype) if bs is not None else None)
+
+    @staticmethod
+    def topk_gradient_rows(work, g_rows):
+        return cupy.empty((g_rows, leading_dim(work.ws.shape[0])), work.ws.dtype)
+
+    @staticmethod
+    def student_logits(work, xs):
+        """The chunk's logits (unbiased: the kernels add the bias) into work.logits_s."""
+        products.logits(xs, work.ws, work.logits_s[:xs.shape[0]])
+
+    @staticmethod
+    def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms):
+        kernels.topk_rows(work.logits_s, work.bias_s, target, work.ws.shape[0], ids, lq, opts,
+                          missing_mass == "bucket", ce, soft, G, label_terms)
+
+    @staticmethod
+    def teacher_topk_rows(work, rows, k, temperature, ids, logprobs):
+        if k > kernels.TEACHER_TOPK_MAX_K:
+            raise ValueError(f"k = {k}: on the GPU, teacher_topk sorts each row's k in shared memory, which holds "
+                             f"at most {kernels.TEACHER_TOPK_MAX_K}")
+        kernels.teacher_topk(work.logits_s[:rows], work.bias_s, work.ws.shape[0], k, temperature, ids, logprobs)
 
     @staticmethod
     def row_stats(work, target, opts):

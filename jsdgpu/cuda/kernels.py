@@ -282,3 +282,82 @@ def gather_rows(rows, a, b):
             (len(rows), 2), (256,), (rows, a, out_a, np.int64(row_bytes[0] // word), b, out_b,
                                      np.int64(row_bytes[1] // word)))
     return out_a, out_b
+
+
+# ---- offline distillation: the top-k loss's row work, its checks, the teacher's top-k ----
+
+def _with_shared(kernel, nbytes):
+    """kernel, allowed nbytes of dynamic shared memory (beyond the 48 KiB every kernel may take)."""
+    if nbytes > 48 * 1024:
+        kernel.max_dynamic_shared_size_bytes = nbytes
+    return kernel
+
+
+def _bitmap_bytes(vocab):
+    return 4 * (-(-vocab // 32))
+
+
+def topk_rows(logits_s, bias_s, target, vs, ids, lq, opts, bucket, ce, soft, G, label_terms):
+    """The top-k row work over the chunk's rows (topk_rows.cu; G None: the loss alone)."""
+    rows, k = ids.shape
+    if not rows:
+        return
+    shared = _bitmap_bytes(vs) if bucket else 0
+    kernel = _with_shared(function("topk_rows", sources.topk_rows(G.dtype if G is not None else np.float32)), shared)
+    kernel((rows,), (sources.TOPK_THREADS,),
+           (logits_s, np.int64(logits_s.shape[1]), _pointer(bias_s), target, np.int32(vs), ids, lq, np.int32(k),
+            np.float32(np.log2(np.e) / opts.temperature), np.int32(opts.divergence), np.int32(bucket),
+            np.float64(opts.beta), np.float64(opts.one_minus_beta), np.float32(opts.weight_hard_loss),
+            np.float32(opts.w_soft_over_t), ce, soft, _pointer(G), np.int64(0 if G is None else G.shape[1]),
+            _NULL if G is None else label_terms),
+           shared_mem=shared)
+
+
+class PendingTopKCheck:
+    """topk_check launched: its result (the first bad row and its code) copied into page-locked
+    memory on the stream, so the host reads it at the call's one wait (select_rows', queued
+    after it) without waiting again."""
+
+    def __init__(self, ids, lq, vocab, bucket, slack):
+        rows, k = ids.shape
+        first = cupy.full(1, np.iinfo(np.uint64).max, np.uint64)
+        if rows:
+            name = sources.topk_check(ids.dtype)
+            kernel = _with_shared(function("topk_rows", name), _bitmap_bytes(vocab))
+            kernel((rows,), (sources.TOPK_THREADS,),
+                   (ids, lq, np.int32(k), np.int32(vocab), np.int32(bucket), np.float64(slack), first),
+                   shared_mem=_bitmap_bytes(vocab))
+        self._host = _pinned_uint64(cupy.cuda.Device().id)
+        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, first.data.ptr, 8,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, cupy.cuda.get_current_stream().ptr)
+        self._first = first  # alive until the copy has run
+
+    def result(self):
+        """(row, code) of the first bad row, or None; valid once a later wait on the stream returned."""
+        value = int(self._host[0])
+        return None if value == np.iinfo(np.uint64).max else (value >> 2, value & 3)
+
+
+def _pinned_uint64(device_id):
+    outputs = getattr(_per_thread, "topk_check_outputs", None)
+    if outputs is None:
+        outputs = _per_thread.topk_check_outputs = {}
+    if device_id not in outputs:
+        outputs[device_id] = np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.uint64, 1)
+    return outputs[device_id]
+
+
+TEACHER_TOPK_MAX_K = 16384  # its sort's 8 bytes per entry, rounded up to a power of 2: 128 KiB of shared memory
+
+
+def teacher_topk(logits, bias, v, k, temperature, ids, logprobs):
+    """The k largest of each row of the chunk's float32 logits (biased by bias, or not), by
+    descending value, with their log-softmax at the temperature, into ids and logprobs."""
+    rows = ids.shape[0]
+    if not rows:
+        return
+    k2 = 1 << (k - 1).bit_length()
+    kernel = _with_shared(function("topk_rows", sources.teacher_topk()), 8 * k2)
+    kernel((rows,), (sources.TOPK_THREADS,),
+           (logits, np.int64(logits.shape[1]), _pointer(bias), np.int32(v), np.int32(k), np.int32(k2),
+            np.float32(np.log2(np.e) / temperature), ids, logprobs), shared_mem=8 * k2)

@@ -48,6 +48,7 @@ PHASE_THREADS = 256  # one CTA of these per row in each phase kernel
 SELECT_THREADS, SELECT_ITEMS = 1024, 8  # select_rows: one CTA, tiles of 8192 targets
 MARK_THREADS = 1024  # mark_rows: one CTA
 ORDER_THREADS = 128  # label_order: one thread per row, so that small T spreads over many SMs
+TOPK_THREADS = 256  # topk_rows, topk_check, teacher_topk: one CTA of these per row (topk_rows: 84 registers a thread, 3 CTAs per SM)
 
 
 def fused_rows(dtype, shape=FUSED):
@@ -97,6 +98,19 @@ def gather_rows(word_bytes):
     return f"gather_rows<{'uint4' if word_bytes == 16 else 'unsigned short'}>"
 
 
+def topk_rows(dtype):
+    return f"topk_rows<{FORMATS[np.dtype(dtype)]}, {TOPK_THREADS}>"
+
+
+def topk_check(ids_dtype):
+    index = "int" if np.dtype(ids_dtype).itemsize <= 4 else "long long"
+    return f"topk_check<{index}, {TOPK_THREADS}>"
+
+
+def teacher_topk():
+    return f"teacher_topk<{TOPK_THREADS}>"
+
+
 _ALL_DTYPES = tuple(FORMATS)
 _16BIT = _ALL_DTYPES[1:]
 # Every instantiation the library launches, by family (the source file's stem)
@@ -108,6 +122,7 @@ FAMILIES = {
                       + [label_scatter(d, d) for d in _16BIT] + [label_order()]),
     "targets": [select_rows(np.int32), select_rows(np.int64), gather_rows(16), gather_rows(2),
                 mark_rows(np.int32), mark_rows(np.int64), "zero_rows"],
+    "topk_rows": [topk_rows(d) for d in _ALL_DTYPES] + [topk_check(np.int32), topk_check(np.int64), teacher_topk()],
 }
 
 

@@ -1,0 +1,79 @@
+"""The CPU backend's top-k row work (offline distillation, docs/contract.md): NumPy in float64
+over a chunk's student logits, and the teacher's top-k of a chunk's logits."""
+
+import numpy as np
+
+from ..options import Divergence
+from ..reference import topk_categories
+
+
+def _logsumexp(x):
+    m = x.max(axis=1, keepdims=True)
+    return m[:, 0] + np.log(np.exp(x - m).sum(axis=1))
+
+
+def topk_rows(s, ids, lq, target, opts, missing_mass, ce, soft, G):
+    """The rows' CE and soft part, and (G not None) their gradient rows without 1/N, from the
+    float32 student logits s [n, Vs] (biased). The gradient in the tempered logits is
+    p_j (u_j - u_bar), u the divergence's dD/dP of column j's category (constants dropped: they
+    cancel), u_bar its mean under P; the label's one-hot term is in G."""
+    n, vs = s.shape
+    s = s.astype(np.float64)
+    z = s / opts.temperature
+    logp = z - _logsumexp(z)[:, None]
+    LP, LQ, used, _ = topk_categories(logp, ids, lq, missing_mass)
+    P, Q = np.exp(LP), np.exp(LQ)
+    beta, mode = opts.beta, opts.divergence
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if mode == Divergence.FORWARD_KL:  # P u = -q
+            soft[:] = np.where(Q != 0, Q * (LQ - LP), 0.0).sum(axis=1)
+            u_bar = -Q.sum(axis=1)
+        else:
+            if mode == Divergence.REVERSE_KL:
+                u = LP - LQ
+                terms = np.where(P != 0, P * u, 0.0)
+                soft[:] = terms.sum(axis=1)
+            else:
+                LM = np.logaddexp(np.log1p(-beta) + LP, np.log(beta) + LQ)
+                u = (1 - beta) * (LP - LM)
+                terms = np.where(P != 0, P * u, 0.0)
+                soft[:] = (beta * np.where(Q != 0, Q * (LQ - LM), 0.0).sum(axis=1)
+                           + (1 - beta) * np.where(P != 0, P * (LP - LM), 0.0).sum(axis=1))
+            u = np.where(P != 0, u, 0.0)
+            u_bar = terms.sum(axis=1)
+        soft[soft < 0] = 0.0  # a divergence is >= 0; below that by rounding alone (NaN passes)
+        lse_s = _logsumexp(s)
+        rows = np.arange(n)
+        ce[:] = lse_s - s[rows, target]
+        if G is None:
+            return
+        k = lq.shape[1]
+        p = np.exp(logp)
+        if missing_mass == "renormalize":  # the other ids are no category: no soft gradient
+            dz = np.zeros_like(s)
+        elif mode == Divergence.FORWARD_KL:  # p_j (u_bar_neg - q_rest / P_rest)
+            dz = -u_bar[:, None] * p - Q[:, k:] * np.exp(logp - LP[:, k:])
+        else:
+            dz = p * (u[:, k:] - u_bar[:, None])
+        if mode == Divergence.FORWARD_KL:
+            slot = -u_bar[:, None] * P[:, :k] - Q[:, :k]
+        else:
+            slot = P[:, :k] * (u[:, :k] - u_bar[:, None])
+        r, c = np.nonzero(used[:, :k])
+        dz[r, ids[r, c]] = slot[r, c]
+        hard = np.exp(s - lse_s[:, None])
+        hard[rows, target] -= 1.0
+        G[:] = opts.weight_hard_loss * hard + opts.w_soft_over_t * dz
+
+
+def teacher_topk_rows(t, k, temperature):
+    """(indices [n, k] int64, log-probabilities [n, k] float32) of the k largest of each row of
+    the float32 logits t [n, V] (biased), by descending log-probability (ties: the lower id)."""
+    n, v = t.shape
+    part = np.argpartition(-t, k - 1, axis=1)[:, :k] if k < v else np.broadcast_to(np.arange(v), (n, v))
+    values = np.take_along_axis(t, part, axis=1)
+    order = np.lexsort((part, -values), axis=1)
+    ids = np.take_along_axis(part, order, axis=1)
+    z = t.astype(np.float64) / temperature
+    lse = _logsumexp(z)
+    return ids.astype(np.int64), (np.take_along_axis(z, ids, axis=1) - lse[:, None]).astype(np.float32)

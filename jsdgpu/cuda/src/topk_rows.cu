@@ -1,0 +1,463 @@
+// Offline distillation (docs/contract.md, "Offline distillation"): the row work of the loss
+// against a teacher's stored top-k log-probabilities (topk_rows), the check of those top-k
+// (topk_check), and the teacher's own top-k of its logits (teacher_topk). One CTA of THREADS per
+// row; every merge in a fixed order. Instantiated by jsdgpu/cuda/kernels.py.
+//
+// Units: the row statistics over the vocabulary are float32 logsumexps in bits (x * scale2,
+// scale2 = log2(e) / temperature); the k + 1 categories' math is in float64 and natural units:
+// per row it is a few thousand operations, and float64 keeps the gradient's u - u_bar free of
+// the cancellation that a near one-hot P would give in float32 (docs/design.md, "Top-k").
+#include "reduce.cuh"
+#include "row_math.cuh"
+
+#define D_INF __longlong_as_double(0x7ff0000000000000LL)
+
+// ---- fixed-order merges over the block, the total in every thread ----
+
+struct DLse {
+  double m, s;  // a max and the sum of exp(x - m); s == 0: no value
+};
+
+// the row statistics: logsumexp parts (bits) of s, of z = s / T, and of z over the rest (the
+// columns that are no slot's id)
+struct RowLse {
+  Lse s, z, rest;
+};
+
+// the categories' sums: logsumexp parts (natural) of the teacher's log-probabilities and of the
+// student's, over the used slots
+struct SlotLse {
+  DLse q, p;
+};
+
+struct SlotSums {
+  double soft, pu;  // the slots' shares of the divergence and of u_bar = sum_c P_c u_c
+};
+
+__device__ __forceinline__ float shfl_x(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+__device__ __forceinline__ double shfl_x(double v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+__device__ __forceinline__ Lse shfl_x(Lse v, int mask) { return {shfl_x(v.m, mask), shfl_x(v.s, mask)}; }
+__device__ __forceinline__ DLse shfl_x(DLse v, int mask) { return {shfl_x(v.m, mask), shfl_x(v.s, mask)}; }
+__device__ __forceinline__ RowLse shfl_x(RowLse v, int mask) {
+  return {shfl_x(v.s, mask), shfl_x(v.z, mask), shfl_x(v.rest, mask)};
+}
+__device__ __forceinline__ SlotLse shfl_x(SlotLse v, int mask) { return {shfl_x(v.q, mask), shfl_x(v.p, mask)}; }
+__device__ __forceinline__ SlotSums shfl_x(SlotSums v, int mask) {
+  return {shfl_x(v.soft, mask), shfl_x(v.pu, mask)};
+}
+__device__ __forceinline__ int shfl_x(int v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+
+// Lse in bits; a part of NaNs keeps s = NaN
+__device__ __forceinline__ Lse merge(Lse a, Lse b) {
+  if (b.s == 0.0f) return a;
+  if (a.s == 0.0f) return b;
+  const float m = fmaxf(a.m, b.m);
+  return {m, a.s * ex2(a.m - m) + b.s * ex2(b.m - m)};
+}
+__device__ __forceinline__ DLse merge(DLse a, DLse b) {
+  if (b.s == 0.0) return a;
+  if (a.s == 0.0) return b;
+  const double m = fmax(a.m, b.m);
+  return {m, a.s * exp(a.m - m) + b.s * exp(b.m - m)};
+}
+__device__ __forceinline__ RowLse merge(RowLse a, RowLse b) { return {merge(a.s, b.s), merge(a.z, b.z), merge(a.rest, b.rest)}; }
+__device__ __forceinline__ SlotLse merge(SlotLse a, SlotLse b) { return {merge(a.q, b.q), merge(a.p, b.p)}; }
+__device__ __forceinline__ SlotSums merge(SlotSums a, SlotSums b) { return {a.soft + b.soft, a.pu + b.pu}; }
+__device__ __forceinline__ int merge(int a, int b) { return a | b; }
+
+// v merged over the block: lanes by an xor tree, then the warps' totals in warp order by every
+// thread, so every thread holds the same bits
+template <int THREADS, typename T>
+__device__ __forceinline__ T block_all(T v) {
+  __shared__ T per_warp[THREADS / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) v = merge(v, shfl_x(v, mask));
+  __syncthreads();  // per_warp's last use is done
+  if (lane == 0) per_warp[warp] = v;
+  __syncthreads();
+  T total = per_warp[0];
+#pragma unroll
+  for (int w = 1; w < THREADS / 32; ++w) total = merge(total, per_warp[w]);
+  return total;
+}
+
+// x (bits) into a logsumexp part; -inf adds nothing, NaN makes s NaN
+__device__ __forceinline__ void lse_add(Lse& a, float x) {
+  if (x > a.m) {
+    a.s = fmaf(a.s, ex2(a.m - x), 1.0f);
+    a.m = x;
+  } else if (x != NEG_INF) {
+    a.s += ex2(x - a.m);
+  }
+}
+
+__device__ __forceinline__ void dlse_add(DLse& a, double x) {
+  if (x > a.m) {
+    a.s = a.s * exp(a.m - x) + 1.0;
+    a.m = x;
+  } else if (x != -D_INF) {
+    a.s += exp(x - a.m);
+  }
+}
+
+__device__ __forceinline__ double lse_bits(Lse a) { return a.s == 0.0f ? -D_INF : (double)a.m + log2((double)a.s); }
+__device__ __forceinline__ double lse_of(DLse a) { return a.s == 0.0 ? -D_INF : a.m + log(a.s); }
+
+// a float64 logsumexp as two floats, hi + lo: 2^(fmaf(x, scale, -hi) - lo) keeps float32's relative
+// precision where the logsumexp is hundreds of bits (low temperatures), where 2^(x scale - float(lse))
+// would be off by float(lse)'s rounding, up to 1e-5 of the value
+struct Split {
+  float hi, lo;
+};
+__device__ __forceinline__ Split split(double x) {
+  const float hi = (float)x;
+  return {hi, isfinite(x) ? (float)(x - (double)hi) : 0.0f};
+}
+__device__ __forceinline__ float ex2_minus(float x, float scale, Split lse) { return ex2(fmaf(x, scale, -lse.hi) - lse.lo); }
+
+__device__ __forceinline__ double log_add_exp(double a, double b) {
+  if (isnan(a) || isnan(b)) return a + b;
+  const double m = fmax(a, b);
+  return m == -D_INF ? m : m + log1p(exp(-fabs(a - b)));
+}
+
+// the slot bitmap of a row (bucket mode): bit id is set where id is a used slot's
+__device__ __forceinline__ bool is_slot(const unsigned* bitmap, int column) {
+  return bitmap[column >> 5] >> (column & 31) & 1u;
+}
+
+// One category's share of the divergence (d) and of u_bar (pu = P u), and u, for log P = lp,
+// log q = lq (natural); u is dD/dP up to a constant (which cancels in the gradient), and in forward
+// KL, where u = -q / P, the gradient takes P u = -q, so u is not formed.
+struct Category {
+  double d, pu, u;
+};
+
+template <int MODE>
+__device__ __forceinline__ Category category(double lp, double lq, double beta, double one_minus_beta,
+                                             double log_beta, double log_one_minus_beta) {
+  const double P = exp(lp), q = exp(lq);
+  if (MODE == FORWARD_KL) return {q != 0.0 ? q * (lq - lp) : 0.0, -q, 0.0};
+  if (MODE == REVERSE_KL) {
+    const double u = P != 0.0 ? lp - lq : 0.0;
+    return {P * u, P * u, u};
+  }
+  const double lm = log_add_exp(log_one_minus_beta + lp, log_beta + lq);
+  const double u = P != 0.0 ? one_minus_beta * (lp - lm) : 0.0;
+  return {beta * (q != 0.0 ? q * (lq - lm) : 0.0) + P * u, P * u, u};
+}
+
+// ---- the loss's row work ----
+//
+// S [rows, lds]: the chunk's float32 student logits without bias; bias_s: float32, padded with
+// zeros to a multiple of 4, or null. ids, lq [rows, k]: the slots (an id, the teacher's
+// log-probability; -inf: unused). bucket: the k + 1 categories (else the k renormalized). Writes
+// ce_out, soft_out (natural units) and, with G, the row's gradient in the student logits without
+// 1/N in OUT's format, the label's one-hot term kept out where softmax(s)[y] < 1/2 (label_terms,
+// as the fused kernel's). Dynamic shared memory: the slot bitmap, (vs + 31) / 32 words (bucket).
+//
+// The gradient in the tempered logits z is p_j (u_j - u_bar), u_j the u of column j's category:
+// the rest's for every column that is no slot's id, written by the streaming pass; then the slots'
+// columns are written over by their own.
+template <int MODE, int OUT, int THREADS>
+__device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long long lds, const float* __restrict__ bias_s,
+                                          const int* __restrict__ target, int vs, const int* __restrict__ ids,
+                                          const float* __restrict__ lq_in, int k, float scale2, int bucket,
+                                          double beta, double one_minus_beta, float w_hard, float w_soft_over_t,
+                                          float* __restrict__ ce_out, float* __restrict__ soft_out, void* G,
+                                          long long ldg, float* __restrict__ label_terms) {
+  extern __shared__ unsigned bitmap[];
+  __shared__ float target_logit;
+  const long long row = blockIdx.x;
+  const float* srow = S + row * lds;
+  const int* rids = ids + row * k;
+  const float* rlq = lq_in + row * k;
+  const int y = target[row];
+  const double scale2d = scale2;  // the float32 scale the streaming passes use, so both agree
+  auto logit = [&](int column) { return srow[column] + (bias_s ? bias_s[column] : 0.0f); };
+
+  if (bucket) {
+    for (int w = threadIdx.x; w < (vs + 31) / 32; w += THREADS) bitmap[w] = 0u;
+    __syncthreads();
+    for (int c = threadIdx.x; c < k; c += THREADS)
+      if (rlq[c] != NEG_INF) atomicOr(bitmap + (rids[c] >> 5), 1u << (rids[c] & 31));
+  }
+  if (threadIdx.x == 0) target_logit = logit(y);
+  __syncthreads();
+
+  // 1. the row statistics over the vocabulary
+  RowLse st = {{NEG_INF, 0.0f}, {NEG_INF, 0.0f}, {NEG_INF, 0.0f}};
+  for (int i = 4 * threadIdx.x; i < vs; i += 4 * THREADS) {
+    float4 x4 = *reinterpret_cast<const float4*>(srow + i);
+    if (bias_s) x4 = add4(x4, *reinterpret_cast<const float4*>(bias_s + i));
+    const float xv[4] = {x4.x, x4.y, x4.z, x4.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (i + j >= vs) break;
+      lse_add(st.s, xv[j] * LOG2E);
+      lse_add(st.z, xv[j] * scale2);
+      if (bucket && !is_slot(bitmap, i + j)) lse_add(st.rest, xv[j] * scale2);
+    }
+  }
+  st = block_all<THREADS>(st);
+  const double lse_s = lse_bits(st.s) * LN2, lse_z2 = lse_bits(st.z), lse_rest2 = lse_bits(st.rest);
+
+  // 2. the categories' normalizations: log P_c = z_c - lse_z, normalized by the sum of every
+  //    category's P (bucket; that takes out lse_z's float32 rounding) or over the slots
+  //    (renormalize); log q_c as given, renormalized over the used slots there
+  const double log_beta = log(beta), log_one_minus_beta = log1p(-beta);
+  SlotLse sl = {{-D_INF, 0.0}, {-D_INF, 0.0}};
+  for (int c = threadIdx.x; c < k; c += THREADS) {
+    const float l = rlq[c];
+    if (l == NEG_INF) continue;
+    dlse_add(sl.q, l);
+    dlse_add(sl.p, ((double)logit(rids[c]) * scale2d - lse_z2) * LN2);
+  }
+  sl = block_all<THREADS>(sl);
+  double lp_rest = -D_INF, lq_rest = -D_INF, p_shift, q_shift = 0.0;
+  const double lse_q = lse_of(sl.q);
+  if (bucket) {
+    lp_rest = (lse_rest2 - lse_z2) * LN2;
+    p_shift = log_add_exp(lse_of(sl.p), lp_rest);
+    lp_rest -= p_shift;
+    // log(1 - sum q), without cancellation where the top-k hold nearly all of it; 0 above 1
+    lq_rest = isnan(lse_q) ? lse_q : lse_q < 0.0 ? log(-expm1(lse_q)) : -D_INF;
+    if (st.rest.s == 0.0f) lq_rest = -D_INF;  // the slots hold every id: no rest (what is left of q is rounding)
+  } else {
+    p_shift = lse_of(sl.p);
+    q_shift = lse_q;
+  }
+  auto slot_logs = [&](int c, double& lp, double& lq) {
+    lp = ((double)logit(rids[c]) * scale2d - lse_z2) * LN2 - p_shift;
+    lq = (double)rlq[c] - q_shift;
+  };
+
+  // 3. the divergence and u_bar
+  SlotSums sums = {0.0, 0.0};
+  for (int c = threadIdx.x; c < k; c += THREADS) {
+    if (rlq[c] == NEG_INF) continue;
+    double lp, lq;
+    slot_logs(c, lp, lq);
+    const Category cat = category<MODE>(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta);
+    sums.soft += cat.d;
+    sums.pu += cat.pu;
+  }
+  sums = block_all<THREADS>(sums);
+  const Category rest = bucket ? category<MODE>(lp_rest, lq_rest, beta, one_minus_beta, log_beta, log_one_minus_beta)
+                               : Category{0.0, 0.0, 0.0};
+  const double soft = sums.soft + rest.d, u_bar = sums.pu + rest.pu;
+  const bool label_apart = G != nullptr && target_logit - (float)lse_s < -LN2;  // softmax(s)[y] < 1/2
+  if (threadIdx.x == 0) {
+    ce_out[row] = (float)(lse_s - (double)target_logit);
+    soft_out[row] = soft < 0.0 ? 0.0f : (float)soft;  // a divergence is >= 0: below by rounding alone (NaN passes)
+    if (G != nullptr) label_terms[row] = label_apart ? -w_hard : 0.0f;
+  }
+  if (G == nullptr) return;
+
+  // 4. the gradient row: every column as the rest's (dz = p A + B 2^(z - lse_rest) in bits; in
+  //    forward KL p (-u_bar) - q_rest p / P_rest), then the slots' columns written over
+  float A = 0.0f, B = 0.0f;
+  if (bucket) {
+    A = (float)(MODE == FORWARD_KL ? -u_bar : rest.u - u_bar);
+    B = MODE == FORWARD_KL ? (float)-exp(lq_rest) : 0.0f;
+  }
+  const Split lse_s2 = split(lse_s * LOG2E), lse_p2 = split(lse_z2 + p_shift * LOG2E), lse_r2 = split(lse_rest2);
+  void* grow = static_cast<char*>(G) + row * ldg * (OUT == OUT_F32 ? 4 : 2);
+  for (int i = 4 * threadIdx.x; i < vs; i += 4 * THREADS) {
+    float4 x4 = *reinterpret_cast<const float4*>(srow + i);
+    if (bias_s) x4 = add4(x4, *reinterpret_cast<const float4*>(bias_s + i));
+    const float xv[4] = {x4.x, x4.y, x4.z, x4.w};
+    float g[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float softmax = ex2_minus(xv[j], LOG2E, lse_s2);
+      float dz = 0.0f;
+      if (bucket) {
+        dz = A * ex2_minus(xv[j], scale2, lse_p2);  // p, normalized as the categories are
+        if (MODE == FORWARD_KL) dz = fmaf(B, ex2_minus(xv[j], scale2, lse_r2), dz);
+      }
+      const float onehot = i + j == y && !label_apart ? 1.0f : 0.0f;
+      g[j] = fmaf(w_hard, softmax - onehot, w_soft_over_t * dz);
+    }
+    store4<OUT>(grow, i, g, min(4, vs - i));
+  }
+  __syncthreads();  // the streaming pass's writes come before the slots' own
+  for (int c = threadIdx.x; c < k; c += THREADS) {
+    if (rlq[c] == NEG_INF) continue;
+    double lp, lq;
+    slot_logs(c, lp, lq);
+    const Category cat = category<MODE>(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta);
+    const double P = exp(lp);
+    const double dz = MODE == FORWARD_KL ? P * -u_bar - exp(lq) : P * (cat.u - u_bar);
+    const int id = rids[c];
+    const float softmax = ex2_minus(logit(id), LOG2E, lse_s2);
+    const float g = fmaf(w_hard, softmax - (id == y && !label_apart ? 1.0f : 0.0f), (float)(w_soft_over_t * dz));
+    store4<OUT>(grow, id, &g, 1);
+  }
+}
+
+template <int OUT, int THREADS>
+__global__ void __launch_bounds__(THREADS, 2) topk_rows(const float* S, long long lds, const float* bias_s,
+                                                     const int* target, int vs, const int* ids, const float* lq,
+                                                     int k, float scale2, int mode, int bucket, double beta,
+                                                     double one_minus_beta, float w_hard, float w_soft_over_t,
+                                                     float* ce_out, float* soft_out, void* G, long long ldg,
+                                                     float* label_terms) {
+  mode_dispatch(mode, [&](auto m) {
+    topk_rows_body<decltype(m)::value, OUT, THREADS>(S, lds, bias_s, target, vs, ids, lq, k, scale2, bucket, beta,
+                                                     one_minus_beta, w_hard, w_soft_over_t, ce_out, soft_out, G,
+                                                     ldg, label_terms);
+  });
+}
+
+// ---- the check of the stored top-k ----
+//
+// Per row: a used slot's id outside [0, vs) (code 1), an id used twice (2), and in the bucket mode
+// probabilities summing above 1 + slack (3); the smallest code of the row. *first = min over the
+// bad rows of (row << 2 | code) (it starts at ~0). Dynamic shared memory: the bitmap of ids.
+template <typename I, int THREADS>
+__global__ void __launch_bounds__(THREADS) topk_check(const I* ids, const float* lq, int k, int vs, int bucket,
+                                                      double slack, unsigned long long* first) {
+  extern __shared__ unsigned seen[];
+  const long long row = blockIdx.x;
+  for (int w = threadIdx.x; w < (vs + 31) / 32; w += THREADS) seen[w] = 0u;
+  __syncthreads();
+  int flags = 0;  // bit 0: an id out of range, bit 1: an id twice
+  double total = 0.0;
+  for (int c = threadIdx.x; c < k; c += THREADS) {
+    const float l = lq[row * k + c];
+    if (l == NEG_INF) continue;
+    total += exp((double)l);
+    const long long id = (long long)ids[row * k + c];
+    if (id < 0 || id >= vs) {
+      flags |= 1;
+    } else {
+      const unsigned bit = 1u << (id & 31);
+      if (atomicOr(seen + (id >> 5), bit) & bit) flags |= 2;
+    }
+  }
+  flags = block_all<THREADS>(flags);
+  SlotSums sum = block_all<THREADS>(SlotSums{total, 0.0});
+  const int code = flags & 1 ? 1 : flags & 2 ? 2 : bucket && sum.soft > 1.0 + slack ? 3 : 0;
+  if (threadIdx.x == 0 && code) atomicMin(first, (unsigned long long)row << 2 | code);
+}
+
+// ---- the teacher's top-k ----
+//
+// Per row of the float32 logits Tl [rows, ldt] (bias: padded, or null): the k largest, by a radix
+// select on the floats' bits mapped to unsigned integers of the same order (3 digits of 11, 11
+// and 10 bits: a histogram per digit over the values that match the digits found so far), then
+// a bitonic sort of the k found, descending (ties: the lower id first), written with their
+// log-softmax at the temperature (scale2 = log2(e) / T). Which of several equal values at the
+// k-th place are taken is not fixed. Dynamic shared memory: 8 * K2 bytes, K2 the power of 2 >= k.
+
+__device__ __forceinline__ unsigned order_key(float x) {
+  const unsigned b = __float_as_uint(x);
+  return b & 0x80000000u ? ~b : b | 0x80000000u;
+}
+__device__ __forceinline__ float key_value(unsigned key) {
+  return __uint_as_float(key & 0x80000000u ? key & 0x7fffffffu : ~key);
+}
+
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) teacher_topk(const float* Tl, long long ldt, const float* bias, int v,
+                                                        int k, int k2, float scale2, int* ids_out, float* lp_out) {
+  constexpr int BINS = 2048;
+  extern __shared__ unsigned keys[];  // [k2] keys, then [k2] ids
+  int* kept = reinterpret_cast<int*>(keys + k2);
+  __shared__ int hist[BINS];
+  __shared__ unsigned prefix_s;
+  __shared__ int remaining_s, n_gt, n_eq;
+  const long long row = blockIdx.x;
+  const float* trow = Tl + row * ldt;
+  auto value = [&](int column) { return trow[column] + (bias ? bias[column] : 0.0f); };
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  Lse lse = {NEG_INF, 0.0f};
+  unsigned prefix = 0u, mask = 0u;
+  int remaining = k;
+  const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
+  for (int d = 0; d < 3; ++d) {
+    for (int b = threadIdx.x; b < BINS; b += THREADS) hist[b] = 0;
+    __syncthreads();
+    const unsigned digit_mask = (1u << widths[d]) - 1u;
+    for (int i = threadIdx.x; i < v; i += THREADS) {
+      const float x = value(i);
+      if (d == 0) lse_add(lse, x * scale2);
+      const unsigned key = order_key(x);
+      if ((key & mask) == prefix) atomicAdd(hist + (key >> shifts[d] & digit_mask), 1);
+    }
+    __syncthreads();
+    if (warp == 0) {  // the bin (from the top) where the count reaches `remaining`
+      const int per_lane = BINS / 32, top = BINS - per_lane * lane;  // lane 0: the highest bins
+      int count = 0;
+      for (int b = top - 1; b >= top - per_lane; --b) count += hist[b];
+      const int through = warp_inclusive_sum(count);
+      const unsigned reached = __ballot_sync(0xffffffffu, through >= remaining);
+      const int first_lane = __ffs(reached) - 1;
+      if (lane == first_lane) {
+        int above = through - count;
+        int b = top - 1;
+        while (above + hist[b] < remaining) above += hist[b--];
+        prefix_s = prefix | (unsigned)b << shifts[d];
+        remaining_s = remaining - above;
+      }
+    }
+    __syncthreads();
+    prefix = prefix_s;
+    remaining = remaining_s;
+    mask |= digit_mask << shifts[d];
+    __syncthreads();
+  }
+  lse = block_all<THREADS>(lse);
+  const float lse2 = (float)lse_bits(lse);
+  // collect: the values above the k-th, then as many equal to it as are needed
+  if (threadIdx.x == 0) n_gt = n_eq = 0;
+  for (int i = threadIdx.x + k; i < k2; i += THREADS) {
+    keys[i] = 0u;
+    kept[i] = 0x7fffffff;
+  }
+  __syncthreads();
+  const int greater = k - remaining;
+  for (int i = threadIdx.x; i < v; i += THREADS) {
+    const unsigned key = order_key(value(i));
+    int at = -1;
+    if (key > prefix) {
+      at = atomicAdd(&n_gt, 1);
+    } else if (key == prefix) {
+      const int e = atomicAdd(&n_eq, 1);
+      if (e < remaining) at = greater + e;
+    }
+    if (at >= 0) {
+      keys[at] = key;
+      kept[at] = i;
+    }
+  }
+  __syncthreads();
+  // bitonic sort of k2 entries: descending key, then ascending id
+  for (int size = 2; size <= k2; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < k2; i += THREADS) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const bool descending = (i & size) == 0;
+          const unsigned ki = keys[i], kj = keys[j];
+          const int ii = kept[i], ij = kept[j];
+          const bool i_first = ki > kj || (ki == kj && ii < ij);
+          if (i_first != descending) {
+            keys[i] = kj;
+            keys[j] = ki;
+            kept[i] = ij;
+            kept[j] = ii;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int c = threadIdx.x; c < k; c += THREADS) {
+    ids_out[row * k + c] = kept[c];
+    lp_out[row * k + c] = fmaf(key_value(keys[c]), scale2, -lse2) * LN2;
+  }
+}

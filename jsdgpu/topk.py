@@ -1,0 +1,152 @@
+"""Offline distillation: the loss against a teacher's stored top-k log-probabilities
+(forward_topk, TopKDistillLoss; jsdgpu.backward as for the online loss), and the teacher's top-k
+made chunk by chunk (teacher_topk). The math is docs/contract.md's, "Offline distillation".
+
+Per chunk of valid rows: the student's logits (float32), one row kernel (the row's statistics
+over the whole vocabulary, the gather at the k ids, the divergence over the k + 1 or k categories
+and the gradient row), then the gradient products, as in the online loop (jsdgpu.chunks): three
+products where the online loss has four.
+"""
+
+import numpy as np
+
+from . import checks
+from .api import Context, _capturable, backend_for, bridged, weighted_loss
+from .chunks import chunk_g, finish_gradients, plan_chunks, row_means, row_outputs
+from .options import split_options
+
+MISSING_MASS = ("bucket", "renormalize")
+
+
+def _check_missing_mass(missing_mass):
+    if missing_mass not in MISSING_MASS:
+        raise ValueError(f"missing_mass must be one of {', '.join(map(repr, MISSING_MASS))}, got {missing_mass!r}")
+    return missing_mass
+
+
+def forward_topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias=None,
+                 *, missing_mass="bucket", **options):
+    """Return (loss, ctx) of the student against the teacher's top-k: teacher_indices [T, k]
+    (integer ids in [0, Vs), distinct within a row), teacher_logprobs [T, k] (float32, bf16 or
+    fp16: the teacher's log-probabilities of those ids, used as given; -inf marks an unused slot).
+    missing_mass: "bucket" (the teacher's and the student's mass outside the k ids as one more
+    category) or "renormalize" (both renormalized over the k ids). options: as forward's, but
+    vocab_parallel and capturable, which the top-k loss does not take (its input checks read on
+    the host). jsdgpu.backward(ctx) gives the student's gradients."""
+    loss_opts, run_opts = split_options(options)
+    _check_missing_mass(missing_mass)
+    return forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target,
+                             student_bias, loss_opts, run_opts, missing_mass)
+
+
+def forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias,
+                      loss_opts, run_opts, missing_mass):
+    """forward_topk with its options as a LossOptions and a RunOptions."""
+    arrays = dict(student_input=student_input, student_weight=student_weight, teacher_indices=teacher_indices,
+                  teacher_logprobs=teacher_logprobs, target=target, student_bias=student_bias)
+    return bridged(arrays, lambda native: _forward_topk(native, loss_opts, run_opts, missing_mass))
+
+
+def _forward_topk(arrays, opts, run_opts, missing_mass):
+    kind = checks.check_topk_arrays(arrays)
+    if run_opts.vocab_parallel is not None:
+        raise NotImplementedError("vocab_parallel with the top-k loss: not built; the student's logits of one "
+                                  "GPU are needed")
+    if _capturable(run_opts, kind):
+        raise NotImplementedError("the top-k loss in a capturable call (or a CUDA-graph capture): its checks of "
+                                  "the teacher's ids and log-probabilities read on the host")
+    backend = backend_for(kind)
+    xp = backend.xp
+    xs, ws, bs = arrays["student_input"], arrays["student_weight"], arrays["student_bias"]
+    device = xs.device.id if kind == "cupy" else None
+    with backend.on_device(device):
+        xs, ws = xp.ascontiguousarray(xs), xp.ascontiguousarray(ws)
+        ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) below
+        lq = xp.ascontiguousarray(arrays["teacher_logprobs"], dtype=np.float32)
+        vs, hs = ws.shape
+        # the top-k's checks and the valid rows' selection, read at one wait
+        check = backend.topk_check(arrays["teacher_indices"], lq, vs, missing_mass == "bucket")
+        rows = backend.select_rows(arrays["target"], vs, opts.ignore_index).wait(run_opts.normalizer)
+        check.wait()
+        if rows.valid_rows is not None:
+            xs, ids = backend.take_rows(rows.valid_rows, xs, ids)
+            lq = lq[rows.valid_rows]
+        target, inv_n = rows.target, rows.inv_n
+        n_rows = len(target)
+        compute_grad = run_opts.compute_grad
+        budget = backend.default_memory_budget if run_opts.memory_budget is None else run_opts.memory_budget
+        per_row = backend.topk_bytes_per_row(vs, ws.dtype, compute_grad)
+        chunk, hold_g = plan_chunks(n_rows, run_opts.chunk_size, *per_row, budget) if n_rows else (0, False)
+        chunk = min(chunk, n_rows)
+        work = backend.topk_prepare(ws, bs, chunk)
+        G_all = backend.topk_gradient_rows(work, n_rows if hold_g else chunk) if compute_grad and n_rows else None
+        ce, soft, grads, label_terms = row_outputs(xp, n_rows, hs, vs, hold_g, bs is not None, compute_grad)
+        for start in range(0, n_rows, chunk or 1):
+            stop = min(start + chunk, n_rows)
+            backend.student_logits(work, xs[start:stop])
+            G = chunk_g(G_all, hold_g, start, stop)
+            backend.topk_rows(work, ids[start:stop], lq[start:stop], target[start:stop], opts, missing_mass,
+                              ce[start:stop], soft[start:stop], G,
+                              None if label_terms is None else label_terms[start:stop])
+            if compute_grad:
+                backend.grad_products(work, G, xs[start:stop], inv_n, grads, start, stop)
+        finish_gradients(backend, work, grads, G_all, hold_g, label_terms, target, xs, inv_n)
+        hard, soft = row_means(xp, ce, soft, inv_n)
+        loss = weighted_loss(xp, opts, hard, soft)
+    ctx = Context(hard, soft, grads, rows.valid_rows, arrays["student_input"].shape[0], xs.dtype, backend,
+                  run_opts.grad_weight_float32, device)
+    return loss, ctx
+
+
+class TopKDistillLoss:
+    """The top-k loss with its options held: loss_fn = TopKDistillLoss(beta=0.5, missing_mass="bucket");
+    loss, ctx = loss_fn(student_input, student_weight, teacher_indices, teacher_logprobs, target);
+    jsdgpu.backward(ctx) (or loss_fn.backward(ctx)). The options are checked here."""
+
+    def __init__(self, *, missing_mass="bucket", **options):
+        self.missing_mass = _check_missing_mass(missing_mass)
+        self.loss_options, self.run_options = split_options(options)
+
+    def __call__(self, student_input, student_weight, teacher_indices, teacher_logprobs, target,
+                 student_bias=None):
+        return forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target,
+                                 student_bias, self.loss_options, self.run_options, self.missing_mass)
+
+    @staticmethod
+    def backward(ctx, grad_output=1.0, out=None):
+        from .api import backward
+        return backward(ctx, grad_output, out)
+
+    def __repr__(self):
+        return f"TopKDistillLoss(missing_mass={self.missing_mass!r}, {self.loss_options!r}, {self.run_options!r})"
+
+
+def teacher_topk(teacher_input, teacher_weight, k, temperature=1.0, teacher_bias=None, *, chunk_size=None,
+                 memory_budget=None):
+    """(indices [T, k] int32, logprobs [T, k] float32): the k ids of the largest teacher logits of
+    each row, by descending log-probability (ties: the lower id first), and their log-softmax at
+    temperature, chunk by chunk: the [T, V] logits are never held. NumPy or CuPy arrays in, the
+    same kind out (torch and JAX tensors through their bridges: jsdgpu.torch, jsdgpu.jax)."""
+    arrays = dict(teacher_input=teacher_input, teacher_weight=teacher_weight, teacher_bias=teacher_bias)
+    kind = checks.check_teacher_arrays(arrays)
+    v = teacher_weight.shape[0]
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= v:
+        raise ValueError(f"k must be an integer in [1, {v}] (the teacher's vocabulary), got {k!r}")
+    split_options(dict(temperature=temperature, chunk_size=chunk_size, memory_budget=memory_budget))  # checks
+    backend = backend_for(kind)
+    xp = backend.xp
+    device = teacher_input.device.id if kind == "cupy" else None
+    with backend.on_device(device):
+        xt, wt = xp.ascontiguousarray(teacher_input), xp.ascontiguousarray(teacher_weight)
+        n = xt.shape[0]
+        budget = backend.default_memory_budget if memory_budget is None else memory_budget
+        chunk = chunk_size or max(1, budget // backend.topk_bytes_per_row(v, wt.dtype, False)[0])
+        work = backend.topk_prepare(wt, teacher_bias, min(chunk, n))
+        ids = xp.empty((n, k), np.int32)
+        logprobs = xp.empty((n, k), np.float32)
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            backend.student_logits(work, xt[start:stop])
+            backend.teacher_topk_rows(work, stop - start, int(k), float(temperature), ids[start:stop],
+                                      logprobs[start:stop])
+    return ids, logprobs

@@ -1,0 +1,462 @@
+"""Offline distillation (docs/contract.md, "Offline distillation"): the loss against a teacher's
+stored top-k log-probabilities, and teacher_topk, on both backends against the float64
+reference, whose own gradient is checked by finite differences here."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import jsdgpu
+from conftest import DTYPES, rel_err, to_numpy
+from jsdgpu.reference import reference_logits, reference_topk, reference_topk_logits
+
+MODES = ("bucket", "renormalize")
+BETAS = (0.0, 1e-6, 0.3, 0.5, 1.0 - 1e-6, 1.0)
+
+
+def teacher_logprobs(rng, T, vs, k, std, unused=0.0, teacher_temperature=1.0):
+    """(ids [T, k], logprobs [T, k]) of a random teacher over vs ids: its k most likely ids, in a
+    shuffled slot order, unused slots (-inf) with ids that would be bad if they were used."""
+    t = rng.standard_normal((T, vs)) * std / teacher_temperature
+    logq = t - np.log(np.exp(t - t.max(1, keepdims=True)).sum(1, keepdims=True)) - t.max(1, keepdims=True)
+    ids = np.argsort(-t, axis=1)[:, :k]
+    ids = np.take_along_axis(ids, rng.permuted(np.tile(np.arange(k), (T, 1)), axis=1), axis=1)
+    lq = np.take_along_axis(logq, ids, axis=1).astype(np.float32)
+    off = rng.random((T, k)) < unused
+    lq[off] = -np.inf
+    ids[off] = rng.choice([-7, vs + 3, 0], off.sum())  # ignored: out of range, or a repeat
+    return ids, lq
+
+
+def make_topk_case(rng, *, T=11, hs=16, vs=523, k=17, dtype=np.float32, bias=True, ignored=0.2, unused=0.15,
+                   logit_std=2.0, ignore_index=-100):
+    dtype = np.dtype(dtype)
+    ids, lq = teacher_logprobs(rng, T, vs, k, logit_std, unused)
+    target = rng.integers(0, vs, T)
+    target[rng.random(T) < ignored] = ignore_index
+    return dict(student_input=rng.standard_normal((T, hs)).astype(dtype),
+                student_weight=(rng.standard_normal((vs, hs)) * logit_std / np.sqrt(hs)).astype(dtype),
+                teacher_indices=ids, teacher_logprobs=lq, target=target,
+                student_bias=(rng.standard_normal(vs) * 0.5).astype(dtype) if bias else None)
+
+
+def to_xp(case, xp):
+    return {k: None if v is None else xp.asarray(v) for k, v in case.items()}
+
+
+def student_logits(case):
+    f = lambda k: case[k].astype(np.float64)  # noqa: E731
+    bias = 0.0 if case["student_bias"] is None else f("student_bias")
+    return f("student_input") @ f("student_weight").T + bias
+
+
+def check_against_reference(xp, case, opts, missing_mass, dtype, chunk_size=None, sharp=0.0):
+    """The loss, its parts and the gradients as the float64 reference's, about as close as the
+    float64 math is on the logits rounded to float32 (the floor), plus float32 (or the dtype's)
+    rounding of the results."""
+    loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp), missing_mass=missing_mass, chunk_size=chunk_size, **opts)
+    grads = jsdgpu.backward(ctx)
+    s = student_logits(case)
+    args = (case["teacher_indices"], case["teacher_logprobs"], case["target"], missing_mass)
+    ref = reference_topk_logits(s, *args, **opts)
+    floor = reference_topk_logits(s.astype(np.float32), *args, **opts)
+    for name, got, want, rounded in (("loss", loss, ref[0], floor[0]), ("soft", ctx.soft_loss, ref[2], floor[2]),
+                                     ("hard", ctx.hard_loss, ref[1], floor[1])):
+        got = float(got)
+        assert np.isfinite(got) == np.isfinite(want), (name, got, want)
+        if np.isfinite(want):
+            tol = 4 * abs(rounded - want) + max(1e-5 * abs(want), 1e-9)
+            assert abs(got - want) <= tol, (name, got, want, abs(got - want), tol)
+    assert float(ctx.soft_loss) >= 0.0
+    if not np.isfinite(ref[0]):
+        return  # an infinite divergence (below): its gradient is not defined
+    f = lambda k: case[k].astype(np.float64)  # noqa: E731
+    want = [ref[3] @ f("student_weight"), ref[3].T @ f("student_input"), ref[3].sum(0)]
+    rounded = [floor[3] @ f("student_weight"), floor[3].T @ f("student_input"), floor[3].sum(0)]
+    eps = {"float32": 1e-5, "bfloat16": 2.0**-8, "float16": 2.0**-11}[np.dtype(dtype).name]
+    for name, got, w, r in zip(("grad_input", "grad_weight", "grad_bias"), grads, want, rounded):
+        if got is None:
+            assert case["student_bias"] is None
+            continue
+        got = to_numpy(got).astype(np.float64)
+        assert got.shape == w.shape
+        assert rel_err(got, w) <= 4 * rel_err(r, w) + 2 * eps + sharp, (name, rel_err(got, w), rel_err(r, w))
+
+
+@pytest.mark.parametrize("missing_mass", MODES)
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_reference_gradient_matches_finite_differences(rng, missing_mass, beta):
+    T, vs, k = 4, 29, 6
+    s = rng.standard_normal((T, vs)) * 2
+    ids, lq = teacher_logprobs(rng, T, vs, k, 2.0, unused=0.2)
+    target = rng.integers(0, vs, T)
+    target[1] = -100
+    opts = dict(beta=beta, temperature=1.7, weight_hard_loss=0.3, weight_soft_loss=0.7)
+    G = reference_topk_logits(s, ids, lq, target, missing_mass, **opts)[3]
+    h = 1e-6
+    for i, j in zip(rng.integers(0, T, 40), rng.integers(0, vs, 40)):
+        up, down = s.copy(), s.copy()
+        up[i, j] += h
+        down[i, j] -= h
+        numeric = (reference_topk_logits(up, ids, lq, target, missing_mass, **opts)[0]
+                   - reference_topk_logits(down, ids, lq, target, missing_mass, **opts)[0]) / (2 * h)
+        assert abs(numeric - G[i, j]) <= 1e-7 + 1e-6 * abs(G[i, j]), (i, j, numeric, G[i, j])
+
+
+def test_reference_bucket_is_the_full_divergence_where_k_is_the_vocabulary(rng):
+    """With every id stored, the bucket's rest is empty and the top-k loss is the online loss
+    against the teacher's full distribution."""
+    T, vs = 5, 19
+    s = rng.standard_normal((T, vs))
+    t = rng.standard_normal((T, vs))
+    logq = t - np.log(np.exp(t).sum(1, keepdims=True))
+    ids = np.argsort(-t, axis=1)
+    lq = np.take_along_axis(logq, ids, axis=1)
+    target = rng.integers(0, vs, T)
+    for beta in (0.0, 0.5, 1.0):
+        got = reference_topk_logits(s, ids, lq, target, "bucket", beta=beta)
+        want = reference_logits(s, t, target, beta=beta)
+        assert abs(got[0] - want[0]) < 1e-9 and np.abs(got[3] - want[3]).max() < 1e-9
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("missing_mass", MODES)
+@pytest.mark.parametrize("beta", BETAS)
+def test_against_float64(xp, rng, dtype, missing_mass, beta):
+    if xp is np and dtype == "float16":
+        pytest.skip("float16 on the CPU: as float32 there")
+    case = make_topk_case(rng, dtype=DTYPES[dtype], T=int(rng.integers(5, 14)), k=int(rng.integers(1, 40)))
+    opts = dict(beta=beta, temperature=float(rng.choice([0.7, 1.0, 2.0])), weight_hard_loss=0.3,
+                weight_soft_loss=0.7)
+    check_against_reference(xp, case, opts, missing_mass, DTYPES[dtype], chunk_size=int(rng.integers(1, 6)))
+
+
+SCALES, TEMPERATURES = (1.0, 8.0, 40.0), (0.05, 1.0, 50.0)
+
+
+@pytest.mark.parametrize("missing_mass", MODES)
+@pytest.mark.parametrize("scale,temperature,beta", list(itertools.product(SCALES, TEMPERATURES, BETAS)))
+def test_extreme_scales_and_temperatures(xp, rng, scale, temperature, beta, missing_mass):
+    """Logits of std 1 to 40 at temperatures 0.05 to 50: finite wherever float64 is, within the
+    float32 floor of float64."""
+    case = make_topk_case(rng, T=7, vs=515, k=33, logit_std=scale)
+    opts = dict(beta=beta, temperature=temperature, weight_hard_loss=0.3, weight_soft_loss=0.7)
+    check_against_reference(xp, case, opts, missing_mass, np.float32)
+
+
+@pytest.mark.parametrize("shape", [dict(T=1, k=1), dict(T=1, k=64, vs=61), dict(T=9, k=1), dict(T=6, k=61, vs=61)])
+def test_edge_shapes(xp, rng, shape):
+    """T = 1, k = 1, and k = Vs (the bucket's rest empty)."""
+    case = make_topk_case(rng, ignored=0.0, unused=0.0, **{"vs": 37, **shape}) if shape["k"] <= shape.get("vs", 37) \
+        else None
+    if case is None:
+        pytest.skip("k > Vs")
+    for missing_mass in MODES:
+        check_against_reference(xp, case, dict(beta=0.5, temperature=1.3), missing_mass, np.float32)
+
+
+def test_every_row_ignored(xp, rng):
+    case = make_topk_case(rng, T=4)
+    case["target"][:] = -100
+    loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp))
+    gi, gw, gb = jsdgpu.backward(ctx)
+    assert float(loss) == 0.0 and not to_numpy(gi).any() and not to_numpy(gw).any() and not to_numpy(gb).any()
+
+
+def test_k_of_a_thousand_and_more(xp, rng):
+    case = make_topk_case(rng, T=5, vs=3001, k=1500, unused=0.3)
+    for missing_mass in MODES:
+        check_against_reference(xp, case, dict(beta=0.5, temperature=2.0), missing_mass, np.float32)
+
+
+def test_unused_slots_are_ignored(xp, rng):
+    """A row's unused slots (-inf) count for nothing, whatever their ids: the loss is the one of
+    the row with those slots left out (here: put at the end, with valid ids)."""
+    case = make_topk_case(rng, T=6, k=9, unused=0.0, ignored=0.0)
+    lq = case["teacher_logprobs"]
+    lq[:, 6:] = -np.inf
+    with_junk = dict(case, teacher_indices=case["teacher_indices"].copy())
+    with_junk["teacher_indices"][:, 6:] = [-3, 10**6, 0]
+    loss_a, _ = jsdgpu.forward_topk(**to_xp(case, xp), compute_grad=False)
+    loss_b, _ = jsdgpu.forward_topk(**to_xp(with_junk, xp), compute_grad=False)
+    cut = dict(case, teacher_indices=case["teacher_indices"][:, :6].copy(), teacher_logprobs=lq[:, :6].copy())
+    loss_c, _ = jsdgpu.forward_topk(**to_xp(cut, xp), compute_grad=False)
+    assert float(loss_a) == float(loss_b)
+    assert abs(float(loss_a) - float(loss_c)) <= 1e-6 * abs(float(loss_c))
+
+
+def test_ignored_rows_and_num_valid_tokens(xp, rng):
+    case = make_topk_case(rng, T=12, ignored=0.5)
+    n_valid = int((case["target"] != -100).sum())
+    loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp), num_valid_tokens=2 * max(1, n_valid))
+    ref = reference_topk(**case)
+    assert abs(2 * float(loss) - ref[0] * max(1, n_valid) / max(1, n_valid)) <= 1e-5 * abs(ref[0])
+    gi = to_numpy(jsdgpu.backward(ctx)[0])
+    assert np.all(gi[case["target"] == -100] == 0)
+
+
+def test_the_loss_object_and_grad_output(xp, rng):
+    case = make_topk_case(rng)
+    loss_fn = jsdgpu.TopKDistillLoss(beta=0.3, missing_mass="renormalize", chunk_size=4)
+    loss, ctx = loss_fn(**to_xp(case, xp))
+    gi, gw, gb = loss_fn.backward(ctx, 2.5)
+    ref = reference_topk(**case, missing_mass="renormalize", beta=0.3)
+    assert abs(float(loss) - ref[0]) <= 1e-5 * abs(ref[0])
+    assert rel_err(gw, 2.5 * ref[4]) <= 1e-4
+    assert "renormalize" in repr(loss_fn)
+
+
+def test_nan_logprobs_propagate(xp, rng):
+    case = make_topk_case(rng, ignored=0.0)
+    case["teacher_logprobs"][2, 0] = np.nan
+    loss, _ = jsdgpu.forward_topk(**to_xp(case, xp), compute_grad=False)
+    assert np.isnan(float(loss))
+
+
+BAD = {
+    "id out of range": (lambda c: c["teacher_indices"].__setitem__((3, 2), 523), ValueError, "outside"),
+    "negative id": (lambda c: c["teacher_indices"].__setitem__((0, 0), -1), ValueError, "outside"),
+    "repeated id": (lambda c: c["teacher_indices"].__setitem__((4, 1), c["teacher_indices"][4, 0]), ValueError,
+                    "twice"),
+    "sum above 1": (lambda c: c["teacher_logprobs"].__setitem__((5, slice(None)), np.log(0.25)), ValueError,
+                    "sum above 1"),
+    "shapes differ": (lambda c: c.__setitem__("teacher_logprobs", c["teacher_logprobs"][:, :-1].copy()), ValueError,
+                      "shape"),
+    "float ids": (lambda c: c.__setitem__("teacher_indices", c["teacher_indices"].astype(np.float32)), TypeError,
+                  "integer"),
+    "rows differ": (lambda c: c.__setitem__("teacher_indices", c["teacher_indices"][:-1].copy()), ValueError, "rows"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_bad_inputs_raise_before_any_work(xp, rng, bad):
+    case = make_topk_case(rng, T=8, k=5, unused=0.0, ignored=0.0)
+    spoil, error, words = BAD[bad]
+    spoil(case)
+    arrays = to_xp(case, xp)
+    before = {k: to_numpy(v).copy() for k, v in arrays.items() if v is not None}
+    with pytest.raises(error, match=words):
+        jsdgpu.forward_topk(**arrays)
+    for k, v in before.items():
+        np.testing.assert_array_equal(to_numpy(arrays[k]), v)
+
+
+def test_sum_above_one_is_allowed_renormalized_and_within_slack(xp, rng):
+    case = make_topk_case(rng, T=8, k=5, unused=0.0, ignored=0.0)
+    case["teacher_logprobs"][5] = np.log(0.2)
+    jsdgpu.forward_topk(**to_xp(case, xp), missing_mass="renormalize")
+    case["teacher_logprobs"][5] = np.log(1.0005 / 5)
+    jsdgpu.forward_topk(**to_xp(case, xp))
+
+
+def test_unknown_missing_mass(rng):
+    with pytest.raises(ValueError, match="missing_mass"):
+        jsdgpu.forward_topk(**make_topk_case(rng), missing_mass="drop")
+    with pytest.raises(ValueError, match="missing_mass"):
+        jsdgpu.TopKDistillLoss(missing_mass="rest")
+
+
+# ---- the teacher's top-k ----
+
+@pytest.mark.parametrize("k", [1, 7, 64, 523])
+def test_teacher_topk_against_float64(xp, rng, k):
+    T, ht, v = 9, 24, 523
+    xt = rng.standard_normal((T, ht)).astype(np.float32)
+    wt = (rng.standard_normal((v, ht)) * 3 / np.sqrt(ht)).astype(np.float32)
+    bt = (rng.standard_normal(v) * 0.5).astype(np.float32)
+    ids, logprobs = jsdgpu.teacher_topk(xp.asarray(xt), xp.asarray(wt), k, temperature=1.5,
+                                        teacher_bias=xp.asarray(bt), chunk_size=4)
+    ids, logprobs = to_numpy(ids), to_numpy(logprobs)
+    assert ids.shape == logprobs.shape == (T, k) and ids.dtype == np.int32 and logprobs.dtype == np.float32
+    t = (xt.astype(np.float64) @ wt.T.astype(np.float64) + bt) / 1.5
+    logq = t - np.log(np.exp(t - t.max(1, keepdims=True)).sum(1, keepdims=True)) - t.max(1, keepdims=True)
+    want = np.argsort(-t, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(ids, want)
+    np.testing.assert_allclose(logprobs, np.take_along_axis(logq, want, axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_teacher_topk_bad_k(rng):
+    xt, wt = np.zeros((2, 4), np.float32), np.zeros((10, 4), np.float32)
+    for k in (0, 11, 2.0, True):
+        with pytest.raises(ValueError, match="k must be"):
+            jsdgpu.teacher_topk(xt, wt, k)
+
+
+def test_teacher_topk_round_trip_trains(xp, rng):
+    """The README's offline path: the teacher's top-k stored, then the student trained against
+    it by plain gradient descent: the loss decreases."""
+    T, hs, ht, v = 64, 16, 24, 301
+    xt = rng.standard_normal((T, ht)).astype(np.float32)
+    wt = (rng.standard_normal((v, ht)) * 2 / np.sqrt(ht)).astype(np.float32)
+    ids, logprobs = jsdgpu.teacher_topk(xp.asarray(xt), xp.asarray(wt), 16)
+    xs = xp.asarray(rng.standard_normal((T, hs)).astype(np.float32))
+    ws = xp.asarray((rng.standard_normal((v, hs)) * 0.1).astype(np.float32))
+    target = xp.asarray(rng.integers(0, v, T))
+    losses = []
+    for _ in range(30):
+        loss, ctx = jsdgpu.forward_topk(xs, ws, ids, logprobs, target, beta=0.0, weight_hard_loss=0.0,
+                                        weight_soft_loss=1.0)
+        ws = ws - 20.0 * jsdgpu.backward(ctx)[1]
+        losses.append(float(loss))
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+# ---- the front ends, as a user's training step uses them ----
+
+def _torch_case(torch, case, device):
+    t = {}
+    for name, a in case.items():
+        if a is None:
+            t[name] = None
+            continue
+        x = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == DTYPES["bfloat16"] else \
+            torch.from_numpy(a)
+        t[name] = x.to(device)
+    return t
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def torch_device(request):
+    return request.param
+
+
+@pytest.mark.parametrize("missing_mass", MODES)
+def test_torch_module_against_reference(rng, torch_device, missing_mass):
+    torch = pytest.importorskip("torch")
+    jtorch = pytest.importorskip("jsdgpu.torch")
+    case = make_topk_case(rng)
+    t = _torch_case(torch, case, torch_device)
+    for name in ("student_input", "student_weight", "student_bias"):
+        t[name].requires_grad_(True)
+    opts = dict(beta=0.3, temperature=1.5, weight_hard_loss=0.4, weight_soft_loss=0.6)
+    loss_fn = jtorch.FusedLinearTopKJSDLoss(**opts, missing_mass=missing_mass, chunk_size=4,
+                                            return_soft_hard_loss=True)
+    loss, soft, hard = loss_fn(t["student_input"], t["student_weight"], t["teacher_indices"], t["teacher_logprobs"],
+                               t["target"], t["student_bias"])
+    (2.0 * loss).backward()
+    ref = reference_topk(**case, missing_mass=missing_mass, **opts)
+    for got, want in ((loss, ref[0]), (hard, ref[1]), (soft, ref[2])):
+        assert abs(float(got.detach()) - want) <= 1e-5 * max(1.0, abs(want))
+    for name, want in zip(("student_input", "student_weight", "student_bias"), ref[3:]):
+        assert rel_err(t[name].grad.cpu().numpy(), 2.0 * want) <= 1e-4
+
+
+def test_torch_training_step_compiled_and_under_autocast(rng, torch_device):
+    """A student (a linear body and an fp32 LM head) trained against a stored top-k with AdamW:
+    eager, torch.compile(fullgraph=True) and autocast(bfloat16) steps; compiled equals eager,
+    the loss falls, and the fp32 head's gradient stays fp32 under autocast."""
+    torch = pytest.importorskip("torch")
+    jtorch = pytest.importorskip("jsdgpu.torch")
+    T, h_in, h, v, k = 48, 12, 16, 257, 20
+    teacher_x = torch.from_numpy(rng.standard_normal((T, 24)).astype(np.float32)).to(torch_device)
+    teacher_w = torch.from_numpy((rng.standard_normal((v, 24)) * 0.6).astype(np.float32)).to(torch_device)
+    ids, logprobs = jtorch.teacher_topk(teacher_x.reshape(4, 12, 24), teacher_w, k)
+    x = torch.from_numpy(rng.standard_normal((4, 12, h_in)).astype(np.float32)).to(torch_device)
+    labels = torch.from_numpy(rng.integers(0, v, (4, 12))).to(torch_device)
+    loss_fn = jtorch.FusedLinearTopKJSDLoss(beta=0.5)
+
+    def run(compiled, autocast):
+        torch.manual_seed(0)
+        body = torch.nn.Linear(h_in, h).to(torch_device)
+        head = torch.nn.Linear(h, v, bias=False).to(torch_device)
+        opt = torch.optim.AdamW([*body.parameters(), *head.parameters()], lr=1e-2)
+        step = lambda: loss_fn(body(x), head.weight, ids, logprobs, labels)  # noqa: E731
+        if compiled:
+            torch._dynamo.reset()
+            step = torch.compile(step, fullgraph=True)
+        losses = []
+        for _ in range(4):
+            with torch.autocast(torch_device, dtype=torch.bfloat16, enabled=autocast):
+                loss = step()
+            loss.backward()
+            assert head.weight.grad.dtype == torch.float32
+            losses.append(float(loss.detach()))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return losses
+
+    eager, compiled = run(False, False), run(True, False)
+    assert np.allclose(eager, compiled, rtol=1e-5), (eager, compiled)
+    assert eager[-1] < eager[0]
+    mixed = run(False, True)
+    assert abs(mixed[0] - eager[0]) <= 2.0**-6 * eager[0] and mixed[-1] < mixed[0]
+
+
+def test_torch_opcheck(rng, torch_device):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("jsdgpu.torch")
+    case = make_topk_case(rng, T=5)
+    t = _torch_case(torch, case, torch_device)
+    for name in ("student_input", "student_weight", "student_bias"):
+        t[name].requires_grad_(True)
+    args = (t["student_input"], t["student_weight"], t["teacher_indices"], t["teacher_logprobs"], t["target"],
+            t["student_bias"])
+    for compute_grad in (True, False):
+        torch.library.opcheck(torch.ops.jsdgpu.fused_linear_topk_jsd.default,
+                              (*args, "bucket", 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None))
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def jax_device(request):
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("jsdgpu.jax")
+    try:
+        return jax.devices(request.param)[0]
+    except RuntimeError:
+        pytest.skip(f"JAX has no {request.param} device here")
+
+
+@pytest.mark.parametrize("missing_mass", MODES)
+def test_jax_jit_equals_eager_and_the_reference(rng, jax_device, missing_mass):
+    import jax
+    import jax.numpy as jnp
+
+    from jsdgpu.jax import fused_linear_topk_jsd_loss
+    case = make_topk_case(rng)
+    a = {k: None if v is None else jax.device_put(jnp.asarray(v), jax_device) for k, v in case.items()}
+    opts = dict(beta=0.3, temperature=1.5, missing_mass=missing_mass, chunk_size=4)
+
+    def f(xs, ws, bs):
+        return 2.0 * fused_linear_topk_jsd_loss(xs, ws, a["teacher_indices"], a["teacher_logprobs"], a["target"],
+                                                bs, **opts)
+    eager = jax.value_and_grad(f, argnums=(0, 1, 2))(a["student_input"], a["student_weight"], a["student_bias"])
+    jitted = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(a["student_input"], a["student_weight"],
+                                                               a["student_bias"])
+    ref = reference_topk(**case, beta=0.3, temperature=1.5, missing_mass=missing_mass)
+    assert abs(float(jitted[0]) - 2.0 * ref[0]) <= 1e-5 * 2.0 * ref[0]
+    for x, y, want in zip(jitted[1], eager[1], ref[3:]):
+        assert rel_err(np.asarray(x), np.asarray(y)) <= 1e-6
+        assert rel_err(np.asarray(x), 2.0 * want) <= 1e-4
+
+
+def test_jax_jitted_optax_step_trains(rng, jax_device):
+    """A jitted optax training step whose loss is the top-k loss, its top-k made by teacher_topk."""
+    import jax
+    import jax.numpy as jnp
+    optax = pytest.importorskip("optax")
+
+    from jsdgpu.jax import fused_linear_topk_jsd_loss, teacher_topk as jax_teacher_topk
+    T, h_in, h, v = 40, 12, 16, 211
+    put = lambda x: jax.device_put(jnp.asarray(x), jax_device)  # noqa: E731
+    ids, logprobs = jax_teacher_topk(put(rng.standard_normal((T, 24)).astype(np.float32)),
+                                     put((rng.standard_normal((v, 24)) * 0.6).astype(np.float32)), 16)
+    x, labels = put(rng.standard_normal((T, h_in)).astype(np.float32)), put(rng.integers(0, v, T))
+    params = dict(body=put(rng.standard_normal((h_in, h)).astype(np.float32) * 0.3),
+                  head=put(rng.standard_normal((v, h)).astype(np.float32) * 0.1))
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(params, state):
+        def loss_of(p):
+            return fused_linear_topk_jsd_loss(jnp.tanh(x @ p["body"]), p["head"], ids, logprobs, labels, beta=0.5)
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, state = opt.update(grads, state)
+        return optax.apply_updates(params, updates), state, loss
+
+    state = opt.init(params)
+    losses = []
+    for _ in range(10):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    assert losses[-1] < 0.9 * losses[0], losses
