@@ -116,8 +116,14 @@ class RunOptions:
             object.__setattr__(self, "capturable", bool(self.capturable))
 
     def normalizer(self, n_valid):
-        """N, the divisor of the summed row losses: num_valid_tokens, else max(1, n_valid)."""
-        return float(max(1, n_valid)) if self.num_valid_tokens is None else self.num_valid_tokens
+        """N, the divisor of the summed row losses (divisor)."""
+        return divisor(self.num_valid_tokens, n_valid)
+
+
+def divisor(num_valid_tokens, n_valid):
+    """N, the divisor of the summed row losses: num_valid_tokens where given, else max(1, n_valid)
+    (the capturable GPU call forms it on the device: targets.cu, mark_rows)."""
+    return float(max(1, n_valid)) if num_valid_tokens is None else float(num_valid_tokens)
 
 
 LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossOptions))

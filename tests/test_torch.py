@@ -207,6 +207,21 @@ def train(models, data, forward, steps_autocast=None):
     return losses, grads
 
 
+def train_each(device, seed, data, loss_fn, compile_options, bias=False, steps_autocast=None):
+    """train() once per entry of compile_options (None: eager; else torch.compile's keywords),
+    each from the same seeded models."""
+    results = []
+    for options in compile_options:
+        torch.manual_seed(seed)
+        models = Models(device, bias)
+        forward = lambda x, labels: models(x, labels, loss_fn)  # noqa: E731
+        if options is not None:
+            torch._dynamo.reset()
+            forward = torch.compile(forward, **options)
+        results.append(train(models, data, forward, steps_autocast))
+    return results
+
+
 def assert_same_training(a, b, tol):
     (la, ga), (lb, gb) = a, b
     assert np.allclose(la, lb, rtol=tol, atol=tol), (la, lb)
@@ -223,15 +238,7 @@ def test_training_step_compiled_fullgraph(rng, device, bias):
     loss falls)."""
     data = batches(rng, device, 1) * 3
     loss_fn = jtorch.FusedLinearJSDLoss(beta=0.3, temperature=2.0)
-    results = []
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        models = Models(device, bias)
-        forward = lambda x, labels: models(x, labels, loss_fn)  # noqa: E731
-        if compiled:
-            torch._dynamo.reset()
-            forward = torch.compile(forward, fullgraph=True)
-        results.append(train(models, data, forward))
+    results = train_each(device, 0, data, loss_fn, (None, dict(fullgraph=True)), bias=bias)
     assert_same_training(*results, 1e-4)
     assert results[0][0][-1] < results[0][0][0]  # it trains
 
@@ -242,15 +249,7 @@ def test_training_step_under_autocast(rng, device):
     gradient comes back in fp32; eager and compiled agree."""
     data = batches(rng, device, 2)
     loss_fn = jtorch.FusedLinearJSDLoss(beta=0.5)
-    results = []
-    for compiled in (False, True):
-        torch.manual_seed(1)
-        models = Models(device)
-        forward = lambda x, labels: models(x, labels, loss_fn)  # noqa: E731
-        if compiled:
-            torch._dynamo.reset()
-            forward = torch.compile(forward, fullgraph=True)
-        results.append(train(models, data, forward, steps_autocast=torch.bfloat16))
+    results = train_each(device, 1, data, loss_fn, (None, dict(fullgraph=True)), steps_autocast=torch.bfloat16)
     # the first step (the same parameters), at bf16 level: the bodies' products under autocast
     # round differently compiled and eager (and AdamW turns such differences into whole steps)
     assert_same_training(*[(r[0][:1], r[1][:1]) for r in results], 2.0**-7)
@@ -420,15 +419,7 @@ def test_compiled_reduce_overhead(rng):
     same losses and gradients as eager."""
     data = batches(rng, "cuda", 1) * 4
     loss_fn = jtorch.FusedLinearJSDLoss(beta=0.5)
-    results = []
-    for mode in (None, "reduce-overhead"):
-        torch.manual_seed(2)
-        models = Models("cuda")
-        forward = lambda x, labels: models(x, labels, loss_fn)  # noqa: E731
-        if mode:
-            torch._dynamo.reset()
-            forward = torch.compile(forward, mode=mode)
-        results.append(train(models, data, forward))
+    results = train_each("cuda", 2, data, loss_fn, (None, dict(mode="reduce-overhead")))
     assert_same_training(*results, 1e-4)
 
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import checks
 from ..backend import HeldG, Rows
+from ..options import divisor
 from .rows import finish_kernel, kl_kernel, stats_kernel
 from .topk import teacher_topk_rows, topk_rows
 
@@ -88,8 +89,7 @@ class CpuBackend:
         valid, bad = checks.target_masks(target, vocab, ignore_index)
         first_bad = int(np.flatnonzero(bad)[0]) if bad.any() else len(target)
         count = int(valid.sum())
-        n = num_valid_tokens if num_valid_tokens is not None else float(max(1, count))
-        inv_n = float("nan") if bad.any() else 1.0 / n
+        inv_n = float("nan") if bad.any() else 1.0 / divisor(num_valid_tokens, count)
         row_target = np.where(valid, np.asarray(target, np.int64), -1).astype(np.int32)
         return Rows(None, row_target, inv_n, None, masked=True, status=np.array([count, first_bad], np.int32))
 

@@ -80,14 +80,17 @@ def label_scatter(input_dtype, output_dtype):
     return f"label_scatter<{FORMATS[np.dtype(input_dtype)]}, {FORMATS[np.dtype(output_dtype)]}>"
 
 
+def _index(dtype):
+    """The C type of the int32 or int64 ids a kernel reads (targets, top-k ids)."""
+    return "int" if np.dtype(dtype) == np.int32 else "long long"
+
+
 def select_rows(target_dtype):
-    index = "int" if np.dtype(target_dtype) == np.int32 else "long long"
-    return f"select_rows<{index}, {SELECT_THREADS}, {SELECT_ITEMS}>"
+    return f"select_rows<{_index(target_dtype)}, {SELECT_THREADS}, {SELECT_ITEMS}>"
 
 
 def mark_rows(target_dtype):
-    index = "int" if np.dtype(target_dtype) == np.int32 else "long long"
-    return f"mark_rows<{index}, {MARK_THREADS}>"
+    return f"mark_rows<{_index(target_dtype)}, {MARK_THREADS}>"
 
 
 def label_order():
@@ -103,8 +106,7 @@ def topk_rows(dtype):
 
 
 def topk_check(ids_dtype):
-    index = "int" if np.dtype(ids_dtype).itemsize <= 4 else "long long"
-    return f"topk_check<{index}, {TOPK_THREADS}>"
+    return f"topk_check<{_index(ids_dtype)}, {TOPK_THREADS}>"
 
 
 def teacher_topk():

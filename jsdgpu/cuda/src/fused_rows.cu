@@ -90,8 +90,8 @@ struct FusedRow {
       t[k] = make_float4(hv[0], hv[1], hv[2], hv[3]);
       if (SOFTMAX_IS_P) s[k] = make_float4(pv[0], pv[1], pv[2], pv[3]);
     }
-    const float2 mine = block_merge<THREADS>(make_float2(a, b), make_float2(0.0f, 0.0f), sums_warp_merge<32>,
-                                             sums_warp_merge<tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER)>);
+    const float2 mine = block_merge<THREADS>(make_float2(a, b), make_float2(0.0f, 0.0f), sums_warp_merge<32, float2>,
+                                             sums_warp_merge<tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER), float2>);
     // this CTA's sums, pushed to every CTA (lane r to rank r)
     if (warp == 0 && lane < CLUSTER)
       push4(smem_addr(inbox_sums + rank), make_float4(mine.x, mine.y, 0.0f, 0.0f), sums_bar, lane);

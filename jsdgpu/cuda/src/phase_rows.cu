@@ -126,8 +126,8 @@ __global__ void __launch_bounds__(THREADS)
                        phase_row_math(stats, row, rows, inv_temp, beta, one_minus_beta, 0.0f, 0.0f),
                        make_float4(0.0f, 0.0f, 0.0f, 0.0f), 0.0f};
   mode_dispatch(mode, f);
-  const float4 sums = block_merge<THREADS>(f.sums, make_float4(0.0f, 0.0f, 0.0f, 0.0f), sums4_warp_merge<32>,
-                                           sums4_warp_merge<tree_lanes(THREADS / 32)>);
+  const float4 sums = block_merge<THREADS>(f.sums, make_float4(0.0f, 0.0f, 0.0f, 0.0f), sums_warp_merge<32, float4>,
+                                           sums_warp_merge<tree_lanes(THREADS / 32), float4>);
   __syncthreads();  // block_merge's shared memory, used again
   const float fast_a = block_merge<THREADS>(f.fast_a, 0.0f, warp_sum<32>, warp_sum<tree_lanes(THREADS / 32)>);
   if (threadIdx.x == 0) {

@@ -54,23 +54,21 @@ __device__ __forceinline__ Stats stats_warp_merge(Stats st) {
 
 // The xor trees below merge over groups of LANES lanes (a power of 2): where only the first
 // LANES lanes hold values, those lanes get the total in log2(LANES) steps, not 5.
-template <int LANES = 32>
-__device__ __forceinline__ float2 sums_warp_merge(float2 v) {
-  for (int mask = LANES / 2; mask > 0; mask >>= 1) {
-    v.x += __shfl_xor_sync(0xffffffffu, v.x, mask);
-    v.y += __shfl_xor_sync(0xffffffffu, v.y, mask);
-  }
-  return v;
+__device__ __forceinline__ void add_xor(float2& v, int mask) {
+  v.x += __shfl_xor_sync(0xffffffffu, v.x, mask);
+  v.y += __shfl_xor_sync(0xffffffffu, v.y, mask);
+}
+__device__ __forceinline__ void add_xor(float4& v, int mask) {
+  v.x += __shfl_xor_sync(0xffffffffu, v.x, mask);
+  v.y += __shfl_xor_sync(0xffffffffu, v.y, mask);
+  v.z += __shfl_xor_sync(0xffffffffu, v.z, mask);
+  v.w += __shfl_xor_sync(0xffffffffu, v.w, mask);
 }
 
-template <int LANES = 32>
-__device__ __forceinline__ float4 sums4_warp_merge(float4 v) {
-  for (int mask = LANES / 2; mask > 0; mask >>= 1) {
-    v.x += __shfl_xor_sync(0xffffffffu, v.x, mask);
-    v.y += __shfl_xor_sync(0xffffffffu, v.y, mask);
-    v.z += __shfl_xor_sync(0xffffffffu, v.z, mask);
-    v.w += __shfl_xor_sync(0xffffffffu, v.w, mask);
-  }
+// the sums of a float2 or float4 of sums over the lanes
+template <int LANES, typename V>
+__device__ __forceinline__ V sums_warp_merge(V v) {
+  for (int mask = LANES / 2; mask > 0; mask >>= 1) add_xor(v, mask);
   return v;
 }
 
