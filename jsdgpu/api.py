@@ -101,7 +101,7 @@ def bridged(arrays, compute):
         return bridge.from_native(loss), ctx
 
 
-def _capturable(run_opts, kind):
+def runs_capturable(run_opts, kind):
     """Whether the call runs capturable: as asked, else while CuPy's current stream is capturing.
     During a capture the memory must come from an allocator of the caller's (a pool of its own,
     or torch's through jsdgpu.torch), not CuPy's default pool, whose blocks freed during the
@@ -123,7 +123,7 @@ def _forward(arrays, opts, run_opts):
     comm = parallel.communicator(run_opts.vocab_parallel)
     kind = checks.check_arrays(arrays)
     backend = backend_for(kind)
-    capturable = _capturable(run_opts, kind)
+    capturable = runs_capturable(run_opts, kind)
     if capturable and comm is not None:
         raise NotImplementedError("vocab_parallel in a capturable call: the shard layout is read on the "
                                   "host; run vocab parallel with capturable=False, outside a capture")

@@ -11,7 +11,7 @@ products where the online loss has four.
 import numpy as np
 
 from . import checks
-from .api import Context, _capturable, backend_for, bridged, weighted_loss
+from .api import Context, backend_for, backward, bridged, runs_capturable, weighted_loss
 from .chunks import chunk_g, finish_gradients, plan_chunks, row_means, row_outputs
 from .options import split_options
 
@@ -52,7 +52,7 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
     if run_opts.vocab_parallel is not None:
         raise NotImplementedError("vocab_parallel with the top-k loss: not built; the student's logits of one "
                                   "GPU are needed")
-    if _capturable(run_opts, kind):
+    if runs_capturable(run_opts, kind):
         raise NotImplementedError("the top-k loss in a capturable call (or a CUDA-graph capture): its checks of "
                                   "the teacher's ids and log-probabilities read on the host")
     backend = backend_for(kind)
@@ -112,10 +112,7 @@ class TopKDistillLoss:
         return forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target,
                                  student_bias, self.loss_options, self.run_options, self.missing_mass)
 
-    @staticmethod
-    def backward(ctx, grad_output=1.0, out=None):
-        from .api import backward
-        return backward(ctx, grad_output, out)
+    backward = staticmethod(backward)
 
     def __repr__(self):
         return f"TopKDistillLoss(missing_mass={self.missing_mass!r}, {self.loss_options!r}, {self.run_options!r})"
