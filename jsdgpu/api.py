@@ -44,13 +44,15 @@ class Context:
     gradient sums (or G held for grad_weight's product). bad_target_row, in a capturable call:
     a 0-d int32 array of the first row whose target is neither ignore_index nor in [0, Vs), T
     where there is none (the loss and gradients are NaN where there is one); None in a default
-    call, which raises ValueError for a bad target instead."""
+    call, which raises ValueError for a bad target instead. bad_topk_row: likewise for the rows
+    of a top-k call's teacher (jsdgpu.forward_topk), None elsewhere."""
 
     def __init__(self, hard_loss, soft_loss, grads, valid_rows, n_rows, dtype, backend,
                  grad_weight_float32, device, bad_target_row=None):
         self.hard_loss = hard_loss
         self.soft_loss = soft_loss
         self.bad_target_row = bad_target_row
+        self.bad_topk_row = None
         self._grads = grads
         self._valid_rows = valid_rows
         self._n_rows = n_rows

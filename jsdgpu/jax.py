@@ -68,20 +68,23 @@ def _native(buffer, gpu):
     return np.asarray(buffer)
 
 
-def _online(arrays, options, with_grads, gpu):
-    """jsdgpu.forward on the callback's arrays (xs, ws, xt, wt, target, bs, bt); on the GPU
-    capturable: nothing waits on the host, nothing blocks XLA's stream."""
+def _options(options, with_grads, gpu):
+    """(LossOptions, RunOptions) of a callback's static options; on the GPU capturable: nothing
+    waits on the host, nothing blocks XLA's stream."""
     loss_opts = LossOptions(**{k: v for k, v in options if k in LOSS_FIELDS})
     run = {k: v for k, v in options if k in _RUN_FIELDS}
-    return api.forward_with(*arrays, loss_opts, RunOptions(compute_grad=with_grads, capturable=gpu or None, **run))
+    return loss_opts, RunOptions(compute_grad=with_grads, capturable=gpu or None, **run)
+
+
+def _online(arrays, options, with_grads, gpu):
+    """jsdgpu.forward on the callback's arrays (xs, ws, xt, wt, target, bs, bt)."""
+    return api.forward_with(*arrays, *_options(options, with_grads, gpu))
 
 
 def _topk(arrays, options, with_grads, gpu):
-    """jsdgpu.forward_topk on the callback's arrays (xs, ws, ids, logprobs, target, bs). Its checks
-    of the top-k read on the host: on the GPU the callback waits once for XLA's stream."""
-    loss_opts = LossOptions(**{k: v for k, v in options if k in LOSS_FIELDS})
-    run = {k: v for k, v in options if k in _RUN_FIELDS}
-    return topk.forward_topk_with(*arrays, loss_opts, RunOptions(compute_grad=with_grads, **run),
+    """jsdgpu.forward_topk on the callback's arrays (xs, ws, ids, logprobs, target, bs); a bad row
+    of the top-k, like a bad target, makes the loss NaN on the GPU."""
+    return topk.forward_topk_with(*arrays, *_options(options, with_grads, gpu),
                                   dict(options).get("missing_mass", "bucket"))
 
 
@@ -147,8 +150,8 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
                                student_bias=None, **options):
     """Offline distillation (jsdgpu.forward_topk): the loss against a teacher's stored top-k
     log-probabilities; differentiable with respect to the student input, weight and bias.
-    options: those of fused_linear_jsd_loss and missing_mass; static under jit. On the GPU the
-    callback waits once for XLA's stream (the top-k's checks read on the host)."""
+    options: those of fused_linear_jsd_loss and missing_mass; static under jit. On the GPU it runs
+    capturable on XLA's stream, as fused_linear_jsd_loss does."""
     if "missing_mass" in options:
         topk._check_missing_mass(options["missing_mass"])
     return _loss(_topk, (teacher_indices, teacher_logprobs), student_input, student_weight, student_bias, target,

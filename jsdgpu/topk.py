@@ -31,8 +31,10 @@ def forward_topk(student_input, student_weight, teacher_indices, teacher_logprob
     fp16: the teacher's log-probabilities of those ids, used as given; -inf marks an unused slot).
     missing_mass: "bucket" (the teacher's and the student's mass outside the k ids as one more
     category) or "renormalize" (both renormalized over the k ids). options: as forward's, but
-    vocab_parallel and capturable, which the top-k loss does not take (its input checks read on
-    the host). jsdgpu.backward(ctx) gives the student's gradients."""
+    vocab_parallel, which the top-k loss does not take. In a capturable call a bad row of the
+    top-k, like a bad target, cannot raise: the loss and gradients are NaN, and ctx.bad_topk_row
+    (a 0-d int32 device array) is the first such row, T where there is none (None in a default
+    call). jsdgpu.backward(ctx) gives the student's gradients."""
     loss_opts, run_opts = split_options(options)
     _check_missing_mass(missing_mass)
     return forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target,
@@ -52,9 +54,7 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
     if run_opts.vocab_parallel is not None:
         raise NotImplementedError("vocab_parallel with the top-k loss: not built; the student's logits of one "
                                   "GPU are needed")
-    if runs_capturable(run_opts, kind):
-        raise NotImplementedError("the top-k loss in a capturable call (or a CUDA-graph capture): its checks of "
-                                  "the teacher's ids and log-probabilities read on the host")
+    capturable = runs_capturable(run_opts, kind)
     backend = backend_for(kind)
     xp = backend.xp
     xs, ws, bs = arrays["student_input"], arrays["student_weight"], arrays["student_bias"]
@@ -64,10 +64,15 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
         ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) below
         lq = xp.ascontiguousarray(arrays["teacher_logprobs"], dtype=np.float32)
         vs, hs = ws.shape
-        # the top-k's checks and the valid rows' selection, read at one wait
-        check = backend.topk_check(arrays["teacher_indices"], lq, vs, missing_mass == "bucket")
-        rows = backend.select_rows(arrays["target"], vs, opts.ignore_index).wait(run_opts.normalizer)
-        check.wait()
+        check = backend.topk_check(arrays["teacher_indices"], lq, vs, missing_mass == "bucket", capturable)
+        bad_topk_row = None
+        if capturable:  # every row computed, the ignored ones masked; a bad row makes 1/N NaN
+            rows = backend.mark_rows(arrays["target"], vs, opts.ignore_index, run_opts.num_valid_tokens)
+            rows.inv_n, bad_topk_row = check.poisoned(rows.inv_n, xs.shape[0])
+            ids = xp.clip(ids, 0, vs - 1)  # a bad id (its row's results NaN) is read nowhere outside the row
+        else:  # the top-k's checks and the valid rows' selection, read at one wait
+            rows = backend.select_rows(arrays["target"], vs, opts.ignore_index).wait(run_opts.normalizer)
+            check.wait()
         if rows.valid_rows is not None:
             xs, ids = backend.take_rows(rows.valid_rows, xs, ids)
             lq = lq[rows.valid_rows]
@@ -89,12 +94,15 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
                               ce[start:stop], soft[start:stop], G,
                               None if label_terms is None else label_terms[start:stop])
             if compute_grad:
+                if rows.masked:
+                    backend.zero_masked_rows(G, target[start:stop])
                 backend.grad_products(work, G, xs[start:stop], inv_n, grads, start, stop)
         finish_gradients(backend, work, grads, G_all, hold_g, label_terms, target, xs, inv_n)
-        hard, soft = row_means(xp, ce, soft, inv_n)
+        hard, soft = row_means(xp, ce, soft, inv_n, target if rows.masked else None)
         loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, arrays["student_input"].shape[0], xs.dtype, backend,
-                  run_opts.grad_weight_float32, device)
+                  run_opts.grad_weight_float32, device, None if rows.status is None else rows.status[1])
+    ctx.bad_topk_row = bad_topk_row
     return loss, ctx
 
 

@@ -345,8 +345,8 @@ class FusedLinearTopKJSDLoss(torch.nn.Module):
         loss = loss_fn(student_hidden, student_lm_head.weight, topk_indices, topk_logprobs, labels)
 
     The attributes are read at every call. Through the operator jsdgpu::fused_linear_topk_jsd
-    (torch.compile fullgraph, autocast over fp32 weights). Unlike the online loss it checks the
-    top-k on the host, so it does not run inside a CUDA graph."""
+    (torch.compile fullgraph, autocast over fp32 weights); inside a CUDA-graph capture the core
+    runs capturable by itself, and a bad row of the top-k makes the loss NaN (jsdgpu.forward_topk)."""
 
     def __init__(self, weight_hard_loss=DEFAULTS.weight_hard_loss, weight_soft_loss=DEFAULTS.weight_soft_loss,
                  beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,

@@ -266,6 +266,82 @@ def test_unknown_missing_mass(rng):
         jsdgpu.TopKDistillLoss(missing_mass="rest")
 
 
+# ---- without host synchronization (capturable) ----
+
+@pytest.mark.parametrize("missing_mass", MODES)
+@pytest.mark.parametrize("memory_budget", [None, 1])  # G held for all rows; G per chunk
+def test_capturable_masks_rows_as_the_reference(xp, rng, missing_mass, memory_budget):
+    case = make_topk_case(rng, T=17, ignored=0.4)
+    opts = dict(beta=0.3, temperature=1.5)
+    loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp), missing_mass=missing_mass, capturable=True, chunk_size=5,
+                                    memory_budget=memory_budget, **opts)
+    gi, gw, gb = jsdgpu.backward(ctx, 2.0)
+    ref = reference_topk(**case, missing_mass=missing_mass, **opts)
+    assert int(ctx.bad_topk_row) == 17 and int(ctx.bad_target_row) == 17
+    for got, want in ((loss, ref[0]), (ctx.hard_loss, ref[1]), (ctx.soft_loss, ref[2])):
+        assert abs(float(got) - want) <= 1e-5 * max(1.0, abs(want)), (float(got), want)
+    for got, want in zip((gi, gw, gb), ref[3:]):
+        assert rel_err(got, 2.0 * want) <= 1e-4
+    assert not to_numpy(gi)[case["target"] == -100].any()  # exactly zero: their G rows were zeroed
+
+
+@pytest.mark.parametrize("bad", ["id out of range", "repeated id", "sum above 1"])
+def test_capturable_bad_topk_gives_nan_and_the_row(xp, rng, bad):
+    """No ValueError (a capture cannot raise): the loss and every gradient NaN, and
+    ctx.bad_topk_row the first bad row."""
+    case = make_topk_case(rng, T=8, k=5, unused=0.0, ignored=0.0)
+    BAD[bad][0](case)
+    row = {"id out of range": 3, "repeated id": 4, "sum above 1": 5}[bad]
+    loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp), capturable=True)
+    assert int(ctx.bad_topk_row) == row and int(ctx.bad_target_row) == 8
+    assert np.isnan(float(loss))
+    assert all(np.isnan(to_numpy(g)).all() for g in jsdgpu.backward(ctx))
+
+
+def test_default_call_has_no_bad_topk_row(xp, rng):
+    assert jsdgpu.forward_topk(**to_xp(make_topk_case(rng), xp))[1].bad_topk_row is None
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_on_new_inputs(rng):
+    """forward_topk + backward captured once (capturable by itself: the stream is capturing),
+    replayed after new inputs, top-k and targets are copied into the captured buffers: the same
+    bits as a capturable eager call, and the reference's answer; then a bad row copied in: NaN
+    and the row, with no exception."""
+    import cupy
+    shape = dict(T=40, hs=32, vs=1031, k=24, dtype=DTYPES["bfloat16"])
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with stream, cupy.cuda.using_allocator(pool.malloc):
+        static = to_xp(make_topk_case(rng, **shape), cupy)
+        run = dict(beta=0.5, temperature=2.0, chunk_size=16)
+        for _ in range(2):  # warm-up: the kernels compiled, the products' algorithms chosen
+            jsdgpu.backward(jsdgpu.forward_topk(**static, capturable=True, **run)[1])
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            loss, ctx = jsdgpu.forward_topk(**static, **run)
+            outputs = (loss, ctx.bad_topk_row, *jsdgpu.backward(ctx))
+        finally:
+            graph = stream.end_capture()
+        case = make_topk_case(rng, **shape)
+        for k, v in case.items():
+            static[k][...] = cupy.asarray(v)
+        graph.launch(stream)
+        captured = [to_numpy(a).copy() for a in outputs]
+        eager_loss, ctx = jsdgpu.forward_topk(**static, capturable=True, **run)
+        eager = [to_numpy(a) for a in (eager_loss, ctx.bad_topk_row, *jsdgpu.backward(ctx))]
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(captured, eager))
+        ref = reference_topk(**case, beta=0.5, temperature=2.0)
+        assert abs(float(captured[0]) - ref[0]) <= 1e-5 * ref[0] and int(captured[1]) == shape["T"]
+        for got, want in zip(captured[2:], ref[3:]):
+            assert rel_err(got, want) <= 2.0**-7
+        ids = to_numpy(static["teacher_indices"]).copy()
+        ids[13, 2] = ids[13, 1]
+        static["teacher_indices"][...] = cupy.asarray(ids)
+        graph.launch(stream)
+        assert np.isnan(float(outputs[0])) and int(outputs[1]) == 13
+
+
 # ---- the teacher's top-k ----
 
 @pytest.mark.parametrize("k", [1, 7, 64, 523])
@@ -397,6 +473,45 @@ def test_torch_training_step_compiled_and_under_autocast(rng, torch_device):
     assert eager[-1] < eager[0]
     mixed = run(False, True)
     assert abs(mixed[0] - eager[0]) <= 2.0**-6 * eager[0] and mixed[-1] < mixed[0]
+
+
+@pytest.mark.gpu
+def test_torch_training_step_in_a_cuda_graph(rng):
+    """The top-k loss's forward + backward captured by torch.cuda.graph (capturable by itself),
+    replayed on new hidden states and labels: the loss and gradients of an eager step on them."""
+    torch = pytest.importorskip("torch")
+    jtorch = pytest.importorskip("jsdgpu.torch")
+    T, h_in, h, v, k = 64, 12, 16, 1031, 24
+    ids, logprobs = teacher_logprobs(rng, T, v, k, 2.0, unused=0.1)
+    ids, logprobs = torch.from_numpy(ids).cuda(), torch.from_numpy(logprobs).cuda()
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(h_in, h).cuda(), torch.nn.Linear(h, v, bias=False).cuda()
+    params = [*body.parameters(), head.weight]
+    loss_fn = jtorch.FusedLinearTopKJSDLoss(beta=0.3, temperature=2.0)
+    draw = lambda: (torch.from_numpy(rng.standard_normal((T, h_in)).astype(np.float32)).cuda(),  # noqa: E731
+                    torch.from_numpy(rng.integers(0, v, T)).cuda())
+    step = lambda x, labels: loss_fn(body(x), head.weight, ids, logprobs, labels)  # noqa: E731
+    static_x, static_labels = draw()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: kernels compiled, products' algorithms chosen
+        for _ in range(2):
+            torch.autograd.grad(step(static_x, static_labels), params)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(static_x, static_labels)
+        static_grads = torch.autograd.grad(static_loss, params)
+    for _ in range(2):
+        x, labels = draw()
+        static_x.copy_(x)
+        static_labels.copy_(labels)
+        graph.replay()
+        loss = step(x, labels)
+        grads = torch.autograd.grad(loss, params)
+        assert abs(float(static_loss) - float(loss)) <= 1e-5 * abs(float(loss))
+        for a, b in zip(static_grads, grads):
+            assert rel_err(a.cpu().numpy(), b.cpu().numpy()) <= 1e-4
 
 
 def test_torch_opcheck(rng, torch_device):

@@ -38,12 +38,22 @@ class TopKWork:
     s: object
 
 
-class _CheckedNow:
-    """topk_check's result on the CPU: checked at once, nothing to wait for."""
+class CheckedTopK:
+    """topk_check's result on the CPU, checked at once: problem, (row, code) of the first bad row
+    or None. As the GPU's: wait() raises for it; poisoned(inv_n, n_rows) gives (1/N, NaN where a
+    row is bad; the first bad row, n_rows where none), for a capturable call."""
 
-    @staticmethod
-    def wait():
-        pass
+    def __init__(self, problem, vocab):
+        self.problem, self._vocab = problem, vocab
+
+    def wait(self):
+        if self.problem is not None:
+            raise checks.topk_error(*self.problem, self._vocab)
+
+    def poisoned(self, inv_n, n_rows):
+        if self.problem is None:
+            return inv_n, np.int32(n_rows)
+        return float("nan"), np.int32(self.problem[0])
 
 
 # what the finish kernel takes for G and label_terms without gradients: arrays of the types Numba
@@ -138,12 +148,9 @@ class CpuBackend:
     # ---- the top-k loss (jsdgpu.topk) and teacher_topk ----
 
     @staticmethod
-    def topk_check(ids, lq, vocab, bucket):
-        """checks.topk_error's ValueError for the first bad row of the top-k, raised now."""
-        problem = checks.topk_problem(ids, lq, vocab, bucket)
-        if problem is not None:
-            raise checks.topk_error(*problem, vocab)
-        return _CheckedNow
+    def topk_check(ids, lq, vocab, bucket, capturable):
+        """The top-k checked (CheckedTopK)."""
+        return CheckedTopK(checks.topk_problem(ids, lq, vocab, bucket), vocab)
 
     @staticmethod
     def topk_bytes_per_row(vs, dtype, compute_grad):

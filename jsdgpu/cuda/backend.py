@@ -69,17 +69,22 @@ class TopKWork:
 
 
 class PendingTopKCheck:
-    """The top-k's checks launched; wait() (after the selection's wait, which follows them on the
-    stream) raises checks.topk_error's ValueError for the first bad row."""
+    """The top-k's checks launched. Default call: wait() (after the selection's wait, which
+    follows them on the stream) raises checks.topk_error's ValueError for the first bad row.
+    Capturable call: poisoned(inv_n, n_rows) gives 1/N, NaN where a row is bad, and the first bad
+    row (n_rows where none), on the device."""
 
-    def __init__(self, ids, lq, vocab, bucket):
+    def __init__(self, ids, lq, vocab, bucket, capturable):
         self._vocab = vocab
-        self._pending = kernels.PendingTopKCheck(ids, lq, vocab, bucket, checks.TOPK_SUM_SLACK)
+        self._pending = kernels.PendingTopKCheck(ids, lq, vocab, bucket, checks.TOPK_SUM_SLACK, not capturable)
 
     def wait(self):
         problem = self._pending.result()
         if problem is not None:
             raise checks.topk_error(*problem, self._vocab)
+
+    def poisoned(self, inv_n, n_rows):
+        return self._pending.poisoned(inv_n, n_rows)
 
 
 def _kernel_targets(target):
@@ -202,11 +207,12 @@ class CudaBackend:
     # ---- the top-k loss (jsdgpu.topk) and teacher_topk ----
 
     @staticmethod
-    def topk_check(ids, lq, vocab, bucket):
-        """The checks of the top-k, launched; their wait() must follow the selection's."""
+    def topk_check(ids, lq, vocab, bucket, capturable):
+        """The checks of the top-k, launched (PendingTopKCheck); a default call's wait() must
+        follow the selection's."""
         if ids.dtype not in (np.int32, np.int64):
             ids = ids.astype(np.int64)
-        return PendingTopKCheck(cupy.ascontiguousarray(ids), lq, vocab, bucket)
+        return PendingTopKCheck(cupy.ascontiguousarray(ids), lq, vocab, bucket, capturable)
 
     @staticmethod
     def topk_bytes_per_row(vs, dtype, compute_grad):

@@ -314,28 +314,42 @@ def topk_rows(logits_s, bias_s, target, vs, ids, lq, opts, bucket, ce, soft, G, 
 
 
 class PendingTopKCheck:
-    """topk_check launched: its result (the first bad row and its code) copied into page-locked
-    memory on the stream, so the host reads it at the call's one wait (select_rows', queued
-    after it) without waiting again."""
+    """topk_check launched: first, a 1-element uint64 device array, (first bad row << 2 | its code),
+    or all ones where there is none. With to_host, it is copied into page-locked memory on the
+    stream, so the host reads it at the call's one wait (select_rows', queued after it) without
+    waiting again; without (a capturable call), nothing crosses to the host."""
 
-    def __init__(self, ids, lq, vocab, bucket, slack):
+    def __init__(self, ids, lq, vocab, bucket, slack, to_host):
         rows, k = ids.shape
-        first = cupy.full(1, np.iinfo(np.uint64).max, np.uint64)
+        self.first = cupy.full(1, _NONE_BAD, np.uint64)
         if rows:
             name = sources.topk_check(ids.dtype)
             kernel = _with_shared(function("topk_rows", name), _bitmap_bytes(vocab))
             kernel((rows,), (sources.TOPK_THREADS,),
-                   (ids, lq, np.int32(k), np.int32(vocab), np.int32(bucket), np.float64(slack), first),
+                   (ids, lq, np.int32(k), np.int32(vocab), np.int32(bucket), np.float64(slack), self.first),
                    shared_mem=_bitmap_bytes(vocab))
-        self._host = _pinned_uint64(cupy.cuda.Device().id)
-        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, first.data.ptr, 8,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, cupy.cuda.get_current_stream().ptr)
-        self._first = first  # alive until the copy has run
+        self._host = None
+        if to_host:
+            self._host = _pinned_uint64(cupy.cuda.Device().id)
+            cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self.first.data.ptr, 8,
+                                          cupy.cuda.runtime.memcpyDeviceToHost, cupy.cuda.get_current_stream().ptr)
 
     def result(self):
         """(row, code) of the first bad row, or None; valid once a later wait on the stream returned."""
         value = int(self._host[0])
-        return None if value == np.iinfo(np.uint64).max else (value >> 2, value & 3)
+        return None if value == _NONE_BAD else (value >> 2, value & 3)
+
+    def poisoned(self, inv_n, n_rows):
+        """(1/N, NaN where a row is bad; the first bad row, n_rows where none), 0-d device arrays,
+        with no host wait."""
+        return _poison(self.first.reshape(()), inv_n, np.int32(n_rows))
+
+
+_NONE_BAD = np.iinfo(np.uint64).max
+_poison = cupy.ElementwiseKernel(
+    "uint64 first, float32 inv_n, int32 n_rows", "float32 poisoned, int32 bad_row",
+    "const bool bad = first != 0xffffffffffffffffull; poisoned = bad ? __int_as_float(0x7fc00000) : inv_n; "
+    "bad_row = bad ? (int)(first >> 2) : n_rows;", "jsdgpu_topk_poison")
 
 
 def _pinned_uint64(device_id):

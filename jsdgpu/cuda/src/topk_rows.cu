@@ -183,7 +183,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     for (int c = threadIdx.x; c < k; c += THREADS)
       if (rlq[c] != NEG_INF) atomicOr(bitmap + (rids[c] >> 5), 1u << (rids[c] & 31));
   }
-  if (threadIdx.x == 0) target_logit = logit(y);
+  if (threadIdx.x == 0) target_logit = y >= 0 ? logit(y) : 0.0f;  // y = -1: a masked row (capturable)
   __syncthreads();
 
   // 1. the row statistics over the vocabulary
