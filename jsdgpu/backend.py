@@ -120,7 +120,7 @@ class Backend(Protocol):
     def weight_product(self, held, scale, dtype):
         """grad_weight from held G, times scale (None for 1), in dtype."""
 
-    # ---- offline distillation (jsdgpu.topk): the student's logits and the top-k row work ----
+    # ---- offline distillation (jsdgpu.topk): one head's logits and the top-k row work ----
 
     def topk_check(self, ids, lq, vocab, bucket):
         """The checks of the teacher's top-k (checks.topk_problem's), started; its wait(), after
@@ -136,7 +136,7 @@ class Backend(Protocol):
     def topk_gradient_rows(self, work, g_rows):
         """G's memory for g_rows rows, apart from the logits."""
 
-    def student_logits(self, work, xs):
+    def head_logits(self, work, xs):
         """The chunk's logits of the head of topk_prepare."""
 
     def topk_rows(self, work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms):

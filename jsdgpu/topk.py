@@ -88,7 +88,7 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
         ce, soft, grads, label_terms = row_outputs(xp, n_rows, hs, vs, hold_g, bs is not None, compute_grad)
         for start in range(0, n_rows, chunk or 1):
             stop = min(start + chunk, n_rows)
-            backend.student_logits(work, xs[start:stop])
+            backend.head_logits(work, xs[start:stop])
             G = chunk_g(G_all, hold_g, start, stop)
             backend.topk_rows(work, ids[start:stop], lq[start:stop], target[start:stop], opts, missing_mass,
                               ce[start:stop], soft[start:stop], G,
@@ -151,7 +151,7 @@ def teacher_topk(teacher_input, teacher_weight, k, temperature=1.0, teacher_bias
         logprobs = xp.empty((n, k), np.float32)
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
-            backend.student_logits(work, xt[start:stop])
+            backend.head_logits(work, xt[start:stop])
             backend.teacher_topk_rows(work, stop - start, int(k), float(temperature), ids[start:stop],
                                       logprobs[start:stop])
     return ids, logprobs

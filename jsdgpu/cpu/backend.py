@@ -167,7 +167,7 @@ class CpuBackend:
         return np.empty((g_rows, work.ws.shape[0]), np.float32)
 
     @staticmethod
-    def student_logits(work, xs):
+    def head_logits(work, xs):
         """The chunk's logits, biased, into work.s."""
         s = work.s[:xs.shape[0]]
         np.matmul(xs.astype(np.float32), work.ws.T, out=s)

@@ -232,7 +232,7 @@ class CudaBackend:
         return cupy.empty((g_rows, leading_dim(work.ws.shape[0])), work.ws.dtype)
 
     @staticmethod
-    def student_logits(work, xs):
+    def head_logits(work, xs):
         """The chunk's logits (unbiased: the kernels add the bias) into work.logits_s."""
         products.logits(xs, work.ws, work.logits_s[:xs.shape[0]])
 
