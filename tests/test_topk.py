@@ -205,14 +205,17 @@ def test_ignored_rows_and_num_valid_tokens(xp, rng):
     assert np.all(gi[case["target"] == -100] == 0)
 
 
-def test_the_loss_object_and_grad_output(xp, rng):
-    case = make_topk_case(rng)
-    loss_fn = jsdgpu.TopKDistillLoss(beta=0.3, missing_mass="renormalize", chunk_size=4)
+def test_the_loss_object_grad_output_and_options(xp, rng):
+    """TopKDistillLoss with another ignore_index, grad_weight_float32 and a grad_output."""
+    case = make_topk_case(rng, dtype=DTYPES["bfloat16"], ignore_index=7)
+    loss_fn = jsdgpu.TopKDistillLoss(beta=0.3, missing_mass="renormalize", chunk_size=4, ignore_index=7,
+                                     grad_weight_float32=True)
     loss, ctx = loss_fn(**to_xp(case, xp))
     gi, gw, gb = loss_fn.backward(ctx, 2.5)
-    ref = reference_topk(**case, missing_mass="renormalize", beta=0.3)
+    ref = reference_topk(**case, missing_mass="renormalize", beta=0.3, ignore_index=7)
     assert abs(float(loss) - ref[0]) <= 1e-5 * abs(ref[0])
-    assert rel_err(gw, 2.5 * ref[4]) <= 1e-4
+    assert gw.dtype == np.float32 and gb.dtype == np.float32 and gi.dtype == DTYPES["bfloat16"]
+    assert rel_err(gw, 2.5 * ref[4]) <= 2.0**-7
     assert "renormalize" in repr(loss_fn)
 
 
