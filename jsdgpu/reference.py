@@ -11,13 +11,18 @@ import numpy as np
 from .options import LossOptions
 
 
-def _logsumexp(xp, x):
-    m = x.max(axis=1, keepdims=True)
-    return (m + xp.log(xp.exp(x - m).sum(axis=1, keepdims=True)))[:, 0]
+def row_logsumexp(x):
+    """logsumexp over each row's last axis (NumPy or CuPy), -inf for a row of -infs (NaN stays
+    NaN)."""
+    xp = _array_module(x)
+    m = x.max(axis=-1, keepdims=True)
+    m_safe = xp.where(xp.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return (m_safe + xp.log(xp.exp(x - m_safe).sum(axis=-1, keepdims=True)))[..., 0]
 
 
-def _log_softmax(xp, x):
-    return x - _logsumexp(xp, x)[:, None]
+def _log_softmax(x):
+    return x - row_logsumexp(x)[:, None]
 
 
 def _xlogy_diff(xp, w, a, b):
@@ -40,8 +45,23 @@ def reference(student_input, student_weight, teacher_input, teacher_weight, targ
     s = xs @ ws.T + (0.0 if bs is None else bs)
     t = xt @ wt.T + (0.0 if bt is None else bt)
     loss, hard, soft, G = reference_logits(s, t, target, **options)
-    grad_bias = None if bs is None else G.sum(axis=0)
-    return loss, hard, soft, G @ ws, G.T @ xs, grad_bias
+    return (loss, hard, soft, *_student_gradients(G, xs, ws, bs))
+
+
+def _student_gradients(G, xs, ws, bs):
+    """(grad_input, grad_weight, grad_bias) from G, the gradient in the student's logits."""
+    return G @ ws, G.T @ xs, None if bs is None else G.sum(axis=0)
+
+
+def _mean_loss(xp, opts, valid, n, ce, soft, d_hard, dz):
+    """(loss, hard_loss, soft_loss, G): the valid rows' means and the gradient in the student's
+    logits, from the rows' CE and soft part and their gradients in s (hard) and z = s / T (soft)."""
+    hard = float(xp.where(valid, ce, 0.0).sum()) / n
+    soft = float(xp.where(valid, soft, 0.0).sum()) / n
+    loss = opts.weight_hard_loss * hard + opts.weight_soft_loss * soft
+    G = (opts.weight_hard_loss * d_hard + (opts.weight_soft_loss / opts.temperature) * dz) / n
+    G[~valid] = 0.0
+    return loss, hard, soft, G
 
 
 def _array_module(a):
@@ -54,7 +74,7 @@ def _hard_part(xp, s, target, ignore_index):
     T = s.shape[0]
     valid = target != ignore_index
     safe_target = xp.where(valid, target, 0)
-    log_sm = _log_softmax(xp, s)
+    log_sm = _log_softmax(s)
     ce = -log_sm[xp.arange(T), safe_target]
     onehot = xp.zeros_like(s)
     onehot[xp.arange(T), safe_target] = 1.0
@@ -65,18 +85,17 @@ def reference_logits(s, t, target, **options):
     """The loss from the logits: (loss, hard_loss, soft_loss, G), G [T, Vs] the gradient of the
     loss with respect to the student logits s [T, Vs]; t [T, Vt] the teacher's; float64."""
     opts = LossOptions(**options)
-    beta, temperature, ignore_index = opts.beta, opts.temperature, opts.ignore_index
-    weight_hard_loss, weight_soft_loss = opts.weight_hard_loss, opts.weight_soft_loss
+    beta, temperature = opts.beta, opts.temperature
     xp = _array_module(s)
     s, t = xp.asarray(s).astype(xp.float64), xp.asarray(t).astype(xp.float64)
     target = xp.asarray(target).astype(xp.int64)
     T, Vs, Vt = s.shape[0], s.shape[1], t.shape[1]
-    valid, n, ce, d_hard = _hard_part(xp, s, target, ignore_index)
+    valid, n, ce, d_hard = _hard_part(xp, s, target, opts.ignore_index)
 
     # soft part: tempered logits, the student padded with zero logits up to Vt
     z = xp.concatenate([s / temperature, xp.zeros((T, Vt - Vs))], axis=1)
-    logp = _log_softmax(xp, z)
-    logq = _log_softmax(xp, t / temperature)
+    logp = _log_softmax(z)
+    logq = _log_softmax(t / temperature)
     p, q = xp.exp(logp), xp.exp(logq)
     if beta == 0:  # forward KL(q || p)
         jsd = _xlogy_diff(xp, q, logq, logp)
@@ -94,13 +113,7 @@ def reference_logits(s, t, target, **options):
         dz = p * (g - (1 - beta) * kl_pm[:, None])
     dz = dz[:, :Vs]  # the pad columns are constants: no gradient
 
-    hard = float(xp.where(valid, ce, 0.0).sum()) / n
-    soft = float(xp.where(valid, jsd, 0.0).sum()) / n
-    loss = weight_hard_loss * hard + weight_soft_loss * soft
-
-    G = (weight_hard_loss * d_hard + (weight_soft_loss / temperature) * dz) / n
-    G[~valid] = 0.0
-    return loss, hard, soft, G
+    return _mean_loss(xp, opts, valid, n, ce, jsd, d_hard, dz)
 
 
 # ---- offline distillation: the teacher as stored top-k log-probabilities ----
@@ -115,15 +128,7 @@ def reference_topk(student_input, student_weight, teacher_indices, teacher_logpr
     s = xs @ ws.T + (0.0 if bs is None else bs)
     loss, hard, soft, G = reference_topk_logits(s, teacher_indices, teacher_logprobs, target, missing_mass,
                                                 **options)
-    return loss, hard, soft, G @ ws, G.T @ xs, None if bs is None else G.sum(axis=0)
-
-
-def _row_logsumexp(xp, x):
-    """logsumexp over each row's last axis, -inf for a row of -infs (NaN stays NaN)."""
-    m = x.max(axis=-1, keepdims=True)
-    m_safe = xp.where(xp.isfinite(m), m, 0.0)
-    with np.errstate(divide="ignore"):
-        return (m_safe + xp.log(xp.exp(x - m_safe).sum(axis=-1, keepdims=True)))[..., 0]
+    return (loss, hard, soft, *_student_gradients(G, xs, ws, bs))
 
 
 def topk_categories(logp, teacher_indices, teacher_logprobs, missing_mass):
@@ -137,15 +142,15 @@ def topk_categories(logp, teacher_indices, teacher_logprobs, missing_mass):
     ids = xp.where(used, xp.asarray(teacher_indices).astype(xp.int64), 0)
     rows = xp.arange(T)[:, None]
     lp = xp.where(used, logp[rows, ids], -np.inf)
-    lse_q = _row_logsumexp(xp, lq)
+    lse_q = row_logsumexp(lq)
     if missing_mass == "renormalize":  # a row with no used slot has no category
         with np.errstate(invalid="ignore"):
-            return (xp.where(used, lp - _row_logsumexp(xp, lp)[:, None], -np.inf),
+            return (xp.where(used, lp - row_logsumexp(lp)[:, None], -np.inf),
                     xp.where(used, lq - lse_q[:, None], -np.inf), used, None)
     # the rest: the student's mass on every other id, summed over those ids (no cancellation)
     rest = xp.ones((T, vs), bool)
     rest[xp.broadcast_to(rows, ids.shape)[used], ids[used]] = False
-    lp_rest = _row_logsumexp(xp, xp.where(rest, logp, -np.inf))
+    lp_rest = row_logsumexp(xp.where(rest, logp, -np.inf))
     with np.errstate(divide="ignore", invalid="ignore"):
         lq_rest = xp.where(lse_q < 0, xp.log(-xp.expm1(xp.minimum(lse_q, 0.0))), -np.inf)
         lq_rest = xp.where(xp.isnan(lse_q), np.nan, lq_rest)
@@ -168,7 +173,7 @@ def reference_topk_logits(s, teacher_indices, teacher_logprobs, target, missing_
     T = s.shape[0]
     valid, n, ce, d_hard = _hard_part(xp, s, target, opts.ignore_index)
 
-    logp = _log_softmax(xp, s / temperature)
+    logp = _log_softmax(s / temperature)
     p = xp.exp(logp)
     LP, LQ, used, rest = topk_categories(logp, teacher_indices, teacher_logprobs, missing_mass)
     P, Q = xp.exp(LP), xp.exp(LQ)
@@ -208,9 +213,4 @@ def reference_topk_logits(s, teacher_indices, teacher_logprobs, target, missing_
             dz += xp.where(rest, PdD[:, k:] * xp.exp(logp - LP[:, k:]), 0.0)
             dz -= (w.sum(axis=1, keepdims=True) + PdD[:, k:]) * p
 
-    hard = float(xp.where(valid, ce, 0.0).sum()) / n
-    soft_mean = float(xp.where(valid, soft, 0.0).sum()) / n
-    loss = opts.weight_hard_loss * hard + opts.weight_soft_loss * soft_mean
-    G = (opts.weight_hard_loss * d_hard + (opts.weight_soft_loss / temperature) * dz) / n
-    G[~valid] = 0.0
-    return loss, hard, soft_mean, G
+    return _mean_loss(xp, opts, valid, n, ce, soft, d_hard, dz)

@@ -4,12 +4,7 @@ over a chunk's student logits, and the teacher's top-k of a chunk's logits."""
 import numpy as np
 
 from ..options import Divergence
-from ..reference import topk_categories
-
-
-def _logsumexp(x):
-    m = x.max(axis=1, keepdims=True)
-    return m[:, 0] + np.log(np.exp(x - m).sum(axis=1))
+from ..reference import row_logsumexp, topk_categories
 
 
 def topk_rows(s, ids, lq, target, opts, missing_mass, ce, soft, G):
@@ -20,7 +15,7 @@ def topk_rows(s, ids, lq, target, opts, missing_mass, ce, soft, G):
     n, vs = s.shape
     s = s.astype(np.float64)
     z = s / opts.temperature
-    logp = z - _logsumexp(z)[:, None]
+    logp = z - row_logsumexp(z)[:, None]
     LP, LQ, used, _ = topk_categories(logp, ids, lq, missing_mass)
     P, Q = np.exp(LP), np.exp(LQ)
     beta, mode = opts.beta, opts.divergence
@@ -42,7 +37,7 @@ def topk_rows(s, ids, lq, target, opts, missing_mass, ce, soft, G):
             u = np.where(P != 0, u, 0.0)
             u_bar = terms.sum(axis=1)
         soft[soft < 0] = 0.0  # a divergence is >= 0; below that by rounding alone (NaN passes)
-        lse_s = _logsumexp(s)
+        lse_s = row_logsumexp(s)
         rows = np.arange(n)
         ce[:] = lse_s - s[rows, target]
         if G is None:
@@ -75,5 +70,5 @@ def teacher_topk_rows(t, k, temperature):
     order = np.lexsort((part, -values), axis=1)
     ids = np.take_along_axis(part, order, axis=1)
     z = t.astype(np.float64) / temperature
-    lse = _logsumexp(z)
+    lse = row_logsumexp(z)
     return ids.astype(np.int64), (np.take_along_axis(z, ids, axis=1) - lse[:, None]).astype(np.float32)
