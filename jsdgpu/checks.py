@@ -41,36 +41,19 @@ def check_arrays(arrays):
     _check_ranks(arrays, dict(student_input=2, student_weight=2, teacher_input=2, teacher_weight=2, target=1,
                               student_bias=1, teacher_bias=1))
 
-    xs, ws = arrays["student_input"], arrays["student_weight"]
-    xt, wt = arrays["teacher_input"], arrays["teacher_weight"]
-    target = arrays["target"]
-    T = xs.shape[0]
-    for name in ("teacher_input", "target"):
-        if arrays[name].shape[0] != T:
-            raise ValueError(f"{name} has {arrays[name].shape[0]} rows but student_input has {T}")
-    if ws.shape[1] != xs.shape[1]:
-        raise ValueError(f"student_weight has hidden size {ws.shape[1]} but student_input has "
-                         f"{xs.shape[1]}")
-    if wt.shape[1] != xt.shape[1]:
-        raise ValueError(f"teacher_weight has hidden size {wt.shape[1]} but teacher_input has "
-                         f"{xt.shape[1]}")
+    ws, wt, target = arrays["student_weight"], arrays["teacher_weight"], arrays["target"]
+    _check_rows(arrays, ("teacher_input", "target"))
+    _check_head(arrays, "student")
+    _check_head(arrays, "teacher")
     if wt.shape[0] < ws.shape[0]:
         raise ValueError(f"teacher_weight has a vocabulary of {wt.shape[0]}, smaller than "
                          f"student_weight's {ws.shape[0]} (Vt >= Vs is required)")
-    if ws.shape[0] < 1:
-        raise ValueError("student_weight must have at least one vocabulary row")
-    for bias, weight in (("student_bias", ws), ("teacher_bias", wt)):
-        b = arrays[bias]
-        if b is not None and b.shape[0] != weight.shape[0]:
-            raise ValueError(f"{bias} has length {b.shape[0]} but its weight has "
-                             f"{weight.shape[0]} rows")
-
+    _check_bias(arrays, "student")
+    _check_bias(arrays, "teacher")
     _check_float(arrays, ("student_input", "student_weight", "teacher_input", "teacher_weight", "student_bias",
                           "teacher_bias"))
-    for x, w in (("student_input", "student_weight"), ("teacher_input", "teacher_weight")):
-        if arrays[x].dtype != arrays[w].dtype:
-            raise TypeError(f"{x} ({arrays[x].dtype}) and {w} ({arrays[w].dtype}) must have "
-                            "the same dtype")
+    _check_same_dtype(arrays, "student")
+    _check_same_dtype(arrays, "teacher")
     if target.dtype.kind not in "iu":
         raise TypeError(f"target must have an integer dtype, got {target.dtype}")
     return kind
@@ -103,6 +86,36 @@ def _check_ranks(arrays, ranks):
             raise ValueError(f"{name} must have rank {rank}, got shape {tuple(a.shape)}")
 
 
+def _check_rows(arrays, names):
+    """The named arrays have student_input's T rows."""
+    T = arrays["student_input"].shape[0]
+    for name in names:
+        if arrays[name].shape[0] != T:
+            raise ValueError(f"{name} has {arrays[name].shape[0]} rows but student_input has {T}")
+
+
+def _check_head(arrays, who):
+    """who's ("student" or "teacher") input and weight fit together: the hidden size, and at least
+    one vocabulary row."""
+    x, w = arrays[f"{who}_input"], arrays[f"{who}_weight"]
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"{who}_weight has hidden size {w.shape[1]} but {who}_input has {x.shape[1]}")
+    if w.shape[0] < 1:
+        raise ValueError(f"{who}_weight must have at least one vocabulary row")
+
+
+def _check_bias(arrays, who):
+    b, w = arrays[f"{who}_bias"], arrays[f"{who}_weight"]
+    if b is not None and b.shape[0] != w.shape[0]:
+        raise ValueError(f"{who}_bias has length {b.shape[0]} but its weight has {w.shape[0]} rows")
+
+
+def _check_same_dtype(arrays, who):
+    x, w = arrays[f"{who}_input"], arrays[f"{who}_weight"]
+    if x.dtype != w.dtype:
+        raise TypeError(f"{who}_input ({x.dtype}) and {who}_weight ({w.dtype}) must have the same dtype")
+
+
 def _check_float(arrays, names):
     for name in names:
         a = arrays.get(name)
@@ -117,25 +130,16 @@ def check_topk_arrays(arrays):
     kind = _kind(arrays)
     _check_ranks(arrays, dict(student_input=2, student_weight=2, teacher_indices=2, teacher_logprobs=2, target=1,
                               student_bias=1))
-    xs, ws, ids, lq = (arrays[k] for k in ("student_input", "student_weight", "teacher_indices", "teacher_logprobs"))
-    T = xs.shape[0]
-    for name in ("teacher_indices", "teacher_logprobs", "target"):
-        if arrays[name].shape[0] != T:
-            raise ValueError(f"{name} has {arrays[name].shape[0]} rows but student_input has {T}")
+    ids, lq = arrays["teacher_indices"], arrays["teacher_logprobs"]
+    _check_rows(arrays, ("teacher_indices", "teacher_logprobs", "target"))
     if ids.shape != lq.shape:
         raise ValueError(f"teacher_indices has shape {tuple(ids.shape)} but teacher_logprobs has {tuple(lq.shape)}")
     if ids.shape[1] < 1:
         raise ValueError("teacher_indices must hold at least one id per row (k >= 1)")
-    if ws.shape[1] != xs.shape[1]:
-        raise ValueError(f"student_weight has hidden size {ws.shape[1]} but student_input has {xs.shape[1]}")
-    if ws.shape[0] < 1:
-        raise ValueError("student_weight must have at least one vocabulary row")
-    bs = arrays["student_bias"]
-    if bs is not None and bs.shape[0] != ws.shape[0]:
-        raise ValueError(f"student_bias has length {bs.shape[0]} but its weight has {ws.shape[0]} rows")
+    _check_head(arrays, "student")
+    _check_bias(arrays, "student")
     _check_float(arrays, ("student_input", "student_weight", "teacher_logprobs", "student_bias"))
-    if xs.dtype != ws.dtype:
-        raise TypeError(f"student_input ({xs.dtype}) and student_weight ({ws.dtype}) must have the same dtype")
+    _check_same_dtype(arrays, "student")
     for name in ("teacher_indices", "target"):
         if arrays[name].dtype.kind not in "iu":
             raise TypeError(f"{name} must have an integer dtype, got {arrays[name].dtype}")
@@ -146,14 +150,10 @@ def check_teacher_arrays(arrays):
     """teacher_topk's arrays (teacher_input, teacher_weight, teacher_bias). Returns the kind."""
     kind = _kind(arrays)
     _check_ranks(arrays, dict(teacher_input=2, teacher_weight=2, teacher_bias=1))
-    xt, wt, bt = arrays["teacher_input"], arrays["teacher_weight"], arrays["teacher_bias"]
-    if wt.shape[1] != xt.shape[1]:
-        raise ValueError(f"teacher_weight has hidden size {wt.shape[1]} but teacher_input has {xt.shape[1]}")
-    if bt is not None and bt.shape[0] != wt.shape[0]:
-        raise ValueError(f"teacher_bias has length {bt.shape[0]} but its weight has {wt.shape[0]} rows")
+    _check_head(arrays, "teacher")
+    _check_bias(arrays, "teacher")
     _check_float(arrays, ("teacher_input", "teacher_weight", "teacher_bias"))
-    if xt.dtype != wt.dtype:
-        raise TypeError(f"teacher_input ({xt.dtype}) and teacher_weight ({wt.dtype}) must have the same dtype")
+    _check_same_dtype(arrays, "teacher")
     return kind
 
 
