@@ -44,7 +44,7 @@ class Selection:
 
     def __init__(self, target, vocab, ignore_index):
         self._target, self._vocab, self._ignore_index = target, vocab, ignore_index
-        self._pending = kernels.PendingSelection(_kernel_targets(target), vocab, ignore_index)
+        self._pending = kernels.PendingSelection(_kernel_ids(target), vocab, ignore_index)
         self.rows = self._pending.rows
 
     def wait(self, normalizer):
@@ -87,11 +87,11 @@ class PendingTopKCheck:
         return self._pending.poisoned(inv_n, n_rows)
 
 
-def _kernel_targets(target):
-    """The targets as the target kernels take them: int32 or int64, C-contiguous."""
-    if target.dtype not in (np.int32, np.int64):
-        target = target.astype(np.int64)
-    return cupy.ascontiguousarray(target)
+def _kernel_ids(ids):
+    """Ids (targets, top-k ids) as the kernels take them: int32 or int64, C-contiguous."""
+    if ids.dtype not in (np.int32, np.int64):
+        ids = ids.astype(np.int64)
+    return cupy.ascontiguousarray(ids)
 
 
 def _device_scalar(x):
@@ -128,7 +128,7 @@ class CudaBackend:
         """Every row, the ignored ones masked, with nothing read by the host (a capturable call):
         the Rows, with 1/N on the device (NaN where a target is bad) and the status of
         kernels.mark_rows."""
-        row_target, status, inv_n = kernels.mark_rows(_kernel_targets(target), vocab, ignore_index, num_valid_tokens)
+        row_target, status, inv_n = kernels.mark_rows(_kernel_ids(target), vocab, ignore_index, num_valid_tokens)
         return Rows(None, row_target, inv_n, None, masked=True, status=status)
 
     take_rows = staticmethod(kernels.gather_rows)
@@ -210,9 +210,7 @@ class CudaBackend:
     def topk_check(ids, lq, vocab, bucket, capturable):
         """The checks of the top-k, launched (PendingTopKCheck); a default call's wait() must
         follow the selection's."""
-        if ids.dtype not in (np.int32, np.int64):
-            ids = ids.astype(np.int64)
-        return PendingTopKCheck(cupy.ascontiguousarray(ids), lq, vocab, bucket, capturable)
+        return PendingTopKCheck(_kernel_ids(ids), lq, vocab, bucket, capturable)
 
     @staticmethod
     def topk_bytes_per_row(vs, dtype, compute_grad):

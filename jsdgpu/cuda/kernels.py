@@ -215,13 +215,14 @@ class _SelectionOutput:
 _per_thread = threading.local()
 
 
-def _selection_output(device_id):
-    outputs = getattr(_per_thread, "selection_outputs", None)
-    if outputs is None:
-        outputs = _per_thread.selection_outputs = {}
-    if device_id not in outputs:
-        outputs[device_id] = _SelectionOutput()
-    return outputs[device_id]
+def _per_thread_and_device(make):
+    """make() made once per thread and current device (page-locked buffers the host reads back:
+    one call's, until its wait, on this thread alone)."""
+    made = _per_thread.__dict__.setdefault("made", {})
+    key = (make, cupy.cuda.Device().id)
+    if key not in made:
+        made[key] = make()
+    return made[key]
 
 
 def _ignore_args(ignore_index):
@@ -238,7 +239,7 @@ class PendingSelection:
         n = len(targets)
         selected = cupy.zeros(2 * n, np.int32)  # one allocation: the rows, then their targets
         self.rows, self.row_target = selected[:n], selected[n:]
-        self._out = _selection_output(cupy.cuda.Device().id)
+        self._out = _per_thread_and_device(_SelectionOutput)
         function("targets", sources.select_rows(targets.dtype))(
             (1,), (sources.SELECT_THREADS,),
             (targets, np.int32(n), *_ignore_args(ignore_index), np.int64(vocab), self.rows, self.row_target,
@@ -330,7 +331,7 @@ class PendingTopKCheck:
                    shared_mem=_bitmap_bytes(vocab))
         self._host = None
         if to_host:
-            self._host = _pinned_uint64(cupy.cuda.Device().id)
+            self._host = _per_thread_and_device(_pinned_uint64)
             cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self.first.data.ptr, 8,
                                           cupy.cuda.runtime.memcpyDeviceToHost, cupy.cuda.get_current_stream().ptr)
 
@@ -352,13 +353,8 @@ _poison = cupy.ElementwiseKernel(
     "bad_row = bad ? (int)(first >> 2) : n_rows;", "jsdgpu_topk_poison")
 
 
-def _pinned_uint64(device_id):
-    outputs = getattr(_per_thread, "topk_check_outputs", None)
-    if outputs is None:
-        outputs = _per_thread.topk_check_outputs = {}
-    if device_id not in outputs:
-        outputs[device_id] = np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.uint64, 1)
-    return outputs[device_id]
+def _pinned_uint64():
+    return np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.uint64, 1)
 
 
 TEACHER_TOPK_MAX_K = 16384  # its sort's 8 bytes per entry, rounded up to a power of 2: 128 KiB of shared memory
