@@ -77,14 +77,16 @@ def _options(options, with_grads, gpu):
 
 
 def _online(arrays, options, with_grads, gpu):
-    """jsdgpu.forward on the callback's arrays (xs, ws, xt, wt, target, bs, bt)."""
-    return api.forward_with(*arrays, *_options(options, with_grads, gpu))
+    """jsdgpu.forward on the callback's arrays (xs, ws, bs, target, then the teacher's xt, wt, bt)."""
+    xs, ws, bs, target, xt, wt, bt = arrays
+    return api.forward_with(xs, ws, xt, wt, target, bs, bt, *_options(options, with_grads, gpu))
 
 
 def _topk(arrays, options, with_grads, gpu):
-    """jsdgpu.forward_topk on the callback's arrays (xs, ws, ids, logprobs, target, bs); a bad row
-    of the top-k, like a bad target, makes the loss NaN on the GPU."""
-    return topk.forward_topk_with(*arrays, *_options(options, with_grads, gpu),
+    """jsdgpu.forward_topk on the callback's arrays (xs, ws, bs, target, then the teacher's ids and
+    logprobs); a bad row of the top-k, like a bad target, makes the loss NaN on the GPU."""
+    xs, ws, bs, target, ids, lq = arrays
+    return topk.forward_topk_with(xs, ws, ids, lq, target, bs, *_options(options, with_grads, gpu),
                                   dict(options).get("missing_mass", "bucket"))
 
 
@@ -158,24 +160,16 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
                  _check_options(options, ("missing_mass",)))
 
 
-def _arrays(forward, teacher, xs, ws, bs, target):
-    """forward's arrays, in its order."""
-    if forward is _online:
-        xt, wt, bt = teacher
-        return (xs, ws, xt, wt, target, bs, bt)
-    ids, lq = teacher
-    return (xs, ws, ids, lq, target, bs)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
 def _loss(forward, teacher, student_input, student_weight, student_bias, target, options):
-    arrays = _arrays(forward, teacher, student_input, student_weight, student_bias, target)
-    return _call(forward, options, False, arrays, (student_input, student_weight, student_bias))[0]
+    """forward's loss: the student's arrays, the target, then the teacher's (its tuple)."""
+    student = (student_input, student_weight, student_bias)
+    return _call(forward, options, False, (*student, target, *teacher), student)[0]
 
 
 def _loss_fwd(forward, teacher, student_input, student_weight, student_bias, target, options):
-    arrays = _arrays(forward, teacher, student_input, student_weight, student_bias, target)
-    loss, *grads = _call(forward, options, True, arrays, (student_input, student_weight, student_bias))
+    student = (student_input, student_weight, student_bias)
+    loss, *grads = _call(forward, options, True, (*student, target, *teacher), student)
     return loss, (tuple(grads), teacher)
 
 

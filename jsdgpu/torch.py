@@ -139,7 +139,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, grad_soft, grad_hard, *unused):
     """The gradients computed in forward, times the loss's grad_output (the parts' own
-    gradients, where they are wanted, come from calls of their own: _parts)."""
+    gradients, where they are wanted, come from calls of their own: _operator_loss)."""
     if not ctx.has_grads:  # the wrapper asks for none only where no student tensor requires one
         return (None,) * 16
     gi, gw, gb = ctx.saved_tensors
@@ -184,32 +184,41 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
     xs, xt, target = student_input.reshape(-1, hs), teacher_input.reshape(-1, ht), true_labels.reshape(-1)
     compute_dtype = _autocast_dtype(xs.device.type)
     _check_dtypes(compute_dtype, ("student", xs, student_weight), ("teacher", xt, teacher_weight))
+    compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
+                                          weight_soft_loss, beta, temperature, ignore_index)
+    if vocab_parallel is not None:  # a process group is no operator argument: the eager autograd Function
+        parts = _VocabParallel.apply(xs, student_weight, xt, teacher_weight, target, student_bias, teacher_bias,
+                                     options, chunk_size, num_valid_tokens, vocab_parallel, compute_grad)
+        return parts if return_soft_hard_loss else parts[0]
+
+    def call(w_hard, w_soft, with_grads):
+        return _fused_linear_jsd(xs, student_weight, xt, teacher_weight, target, student_bias, teacher_bias, w_hard,
+                                 w_soft, *options[2:], chunk_size, num_valid_tokens, with_grads, compute_dtype)
+    return _operator_loss(call, options, compute_grad, return_soft_hard_loss)
+
+
+def _call_options(student_input, student_weight, student_bias, *loss_options):
+    """(compute_grad, options): whether a student tensor wants a gradient, and the loss options
+    (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index) as the operators take
+    them, checked before any work."""
     compute_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
-    options = (float(weight_hard_loss), float(weight_soft_loss), float(beta), float(temperature), int(ignore_index))
-    LossOptions(*options)  # its checks, before any work
-    if vocab_parallel is not None:  # a process group is no operator argument: the eager autograd Function
-        loss, soft, hard = _VocabParallel.apply(xs, student_weight, xt, teacher_weight, target, student_bias,
-                                                teacher_bias, options, chunk_size, num_valid_tokens,
-                                                vocab_parallel, compute_grad)
-    elif return_soft_hard_loss and compute_grad:
-        loss, soft, hard = _parts(
-            lambda w_hard, w_soft: _fused_linear_jsd(xs, student_weight, xt, teacher_weight, target, student_bias,
-                                                     teacher_bias, w_hard, w_soft, *options[2:], chunk_size,
-                                                     num_valid_tokens, True, compute_dtype)[0], options)
-    else:
-        loss, soft, hard, *_ = _fused_linear_jsd(xs, student_weight, xt, teacher_weight, target, student_bias,
-                                                 teacher_bias, *options, chunk_size, num_valid_tokens,
-                                                 compute_grad, compute_dtype)
+    w_hard, w_soft, beta, temperature, ignore_index = loss_options
+    options = (float(w_hard), float(w_soft), float(beta), float(temperature), int(ignore_index))
+    LossOptions(*options)
+    return compute_grad, options
+
+
+def _operator_loss(call, options, compute_grad, return_soft_hard_loss):
+    """The loss by call(w_hard, w_soft, with_grads), one of the operators; with
+    return_soft_hard_loss (loss, soft, hard), each differentiable with its own gradient: where a
+    gradient is wanted, the hard part's and the soft part's are two calls, with weights (1, 0)
+    and (0, 1), and the loss's their combination (twice the work of the loss alone)."""
+    if return_soft_hard_loss and compute_grad:
+        hard, soft = call(1.0, 0.0, True)[0], call(0.0, 1.0, True)[0]  # each call's loss is its one part
+        return options[0] * hard + options[1] * soft, soft, hard
+    loss, soft, hard, *_ = call(*options[:2], compute_grad)
     return (loss, soft, hard) if return_soft_hard_loss else loss
-
-
-def _parts(loss_with_weights, weights):
-    """(loss, soft, hard), each differentiable with its own gradient: the hard part's and the
-    soft part's gradients are two calls of the operator, loss_with_weights(w_hard, w_soft) with
-    weights (1, 0) and (0, 1), the loss's their combination. Twice the work of the loss alone."""
-    hard, soft = loss_with_weights(1.0, 0.0), loss_with_weights(0.0, 1.0)  # each call's loss is its one part
-    return weights[0] * hard + weights[1] * soft, soft, hard
 
 
 class _VocabParallel(torch.autograd.Function):
@@ -321,20 +330,14 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
     ids, lq = teacher_indices.reshape(-1, k), teacher_logprobs.reshape(-1, teacher_logprobs.shape[-1])
     compute_dtype = _autocast_dtype(xs.device.type)
     _check_dtypes(compute_dtype, ("student", xs, student_weight))
-    compute_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
-    options = (float(weight_hard_loss), float(weight_soft_loss), float(beta), float(temperature), int(ignore_index))
-    LossOptions(*options)  # its checks, before any work
+    compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
+                                          weight_soft_loss, beta, temperature, ignore_index)
     topk._check_missing_mass(missing_mass)
 
-    def call(w_hard, w_soft, compute_grad):
+    def call(w_hard, w_soft, with_grads):
         return _fused_linear_topk_jsd(xs, student_weight, ids, lq, target, student_bias, missing_mass, w_hard, w_soft,
-                                      *options[2:], chunk_size, num_valid_tokens, compute_grad, compute_dtype)
-    if return_soft_hard_loss and compute_grad:
-        loss, soft, hard = _parts(lambda w_hard, w_soft: call(w_hard, w_soft, True)[0], options)
-    else:
-        loss, soft, hard, *_ = call(*options[:2], compute_grad)
-    return (loss, soft, hard) if return_soft_hard_loss else loss
+                                      *options[2:], chunk_size, num_valid_tokens, with_grads, compute_dtype)
+    return _operator_loss(call, options, compute_grad, return_soft_hard_loss)
 
 
 class FusedLinearTopKJSDLoss(torch.nn.Module):
