@@ -399,16 +399,9 @@ def test_teacher_topk_round_trip_trains(xp, rng):
 
 # ---- the front ends, as a user's training step uses them ----
 
-def _torch_case(torch, case, device):
-    t = {}
-    for name, a in case.items():
-        if a is None:
-            t[name] = None
-            continue
-        x = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == DTYPES["bfloat16"] else \
-            torch.from_numpy(a)
-        t[name] = x.to(device)
-    return t
+def _torch_case(case, device):
+    from jsdgpu.torch import from_native  # NumPy to torch, bfloat16 included
+    return {name: None if a is None else from_native(a).to(device) for name, a in case.items()}
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -418,10 +411,10 @@ def torch_device(request):
 
 @pytest.mark.parametrize("missing_mass", MODES)
 def test_torch_module_against_reference(rng, torch_device, missing_mass):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     jtorch = pytest.importorskip("jsdgpu.torch")
     case = make_topk_case(rng)
-    t = _torch_case(torch, case, torch_device)
+    t = _torch_case(case, torch_device)
     for name in ("student_input", "student_weight", "student_bias"):
         t[name].requires_grad_(True)
     opts = dict(beta=0.3, temperature=1.5, weight_hard_loss=0.4, weight_soft_loss=0.6)
@@ -521,7 +514,7 @@ def test_torch_opcheck(rng, torch_device):
     torch = pytest.importorskip("torch")
     pytest.importorskip("jsdgpu.torch")
     case = make_topk_case(rng, T=5)
-    t = _torch_case(torch, case, torch_device)
+    t = _torch_case(case, torch_device)
     for name in ("student_input", "student_weight", "student_bias"):
         t[name].requires_grad_(True)
     args = (t["student_input"], t["student_weight"], t["teacher_indices"], t["teacher_logprobs"], t["target"],

@@ -25,8 +25,7 @@ def tensors(case, device, requires_grad=True):
         if a is None:
             out.append(None)
             continue
-        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == BF16 else torch.from_numpy(a)
-        t = t.to(device)
+        t = jtorch.from_native(a).to(device)  # bfloat16 included
         if requires_grad and name != "target":
             t.requires_grad_(True)
         out.append(t)
