@@ -48,7 +48,7 @@ PHASE_THREADS = 256  # one CTA of these per row in each phase kernel
 SELECT_THREADS, SELECT_ITEMS = 1024, 8  # select_rows: one CTA, tiles of 8192 targets
 MARK_THREADS = 1024  # mark_rows: one CTA
 ORDER_THREADS = 128  # label_order: one thread per row, so that small T spreads over many SMs
-TOPK_THREADS = 256  # topk_rows, topk_check, teacher_topk: one CTA of these per row (topk_rows: 84 registers a thread, 3 CTAs per SM)
+TOPK_THREADS = 256  # topk_rows, topk_check, teacher_topk: one CTA of these per row (topk_rows: 80 registers a thread, 3 CTAs per SM)
 
 
 def fused_rows(dtype, shape=FUSED):

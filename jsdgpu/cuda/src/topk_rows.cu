@@ -122,11 +122,6 @@ __device__ __forceinline__ double log_add_exp(double a, double b) {
   return m == -D_INF ? m : m + log1p(exp(-fabs(a - b)));
 }
 
-// the slot bitmap of a row (bucket mode): bit id is set where id is a used slot's
-__device__ __forceinline__ bool is_slot(const unsigned* bitmap, int column) {
-  return bitmap[column >> 5] >> (column & 31) & 1u;
-}
-
 // One category's share of the divergence (d) and of u_bar (pu = P u), and u, for log P = lp,
 // log q = lq (natural); u is dD/dP up to a constant (which cancels in the gradient), and in forward
 // KL, where u = -q / P, the gradient takes P u = -q, so u is not formed.
@@ -147,6 +142,110 @@ __device__ __forceinline__ Category category(double lp, double lq, double beta, 
   const double u = P != 0.0 ? one_minus_beta * (lp - lm) : 0.0;
   return {beta * (q != 0.0 ? q * (lq - lm) : 0.0) + P * u, P * u, u};
 }
+
+// A thread's share of the row statistics, built over batches of its columns: the max of its
+// logits, the max of those that are no slot's id (the rest), and the sums of 2^(x scale - max
+// scale) of s, z and the rest (bits). A batch's max comes first, then its sums with no
+// data-dependent branch (rescaled where the max grows; inv_temp > 0, so the max of x scale is
+// max(x) scale). The rest's sum shares z's exps; rest_apart() says where the rest's largest term
+// is 2^-64 of z's max or less, where terms that matter may have underflowed: the caller then sums
+// the rest again against its own max (rest_term). A thread with no finite value sums against 0
+// (its NaNs must reach the row).
+struct ThreadStats {
+  float scale2;
+  bool bucket, tempered;
+  float mx, mr, sz, ss, sr;
+
+  __device__ __forceinline__ ThreadStats(float scale2_, bool bucket_, bool tempered_)
+      : scale2(scale2_), bucket(bucket_), tempered(tempered_), mx(NEG_INF), mr(NEG_INF), sz(0.0f), ss(0.0f),
+        sr(0.0f) {}
+  __device__ __forceinline__ float m_z() const { return mx == NEG_INF ? 0.0f : mx * scale2; }
+  __device__ __forceinline__ float m_s() const { return mx == NEG_INF ? 0.0f : mx * LOG2E; }
+  __device__ __forceinline__ float m_rest() const { return mr == NEG_INF ? 0.0f : mr * scale2; }
+  __device__ __forceinline__ bool rest_apart() const { return bucket && m_z() - m_rest() > 64.0f; }
+  // a rest column's term against the rest's own max (where rest_apart)
+  __device__ __forceinline__ float rest_term(float x) const { return ex2(fmaf(x, scale2, -m_rest())); }
+
+  // N float4s of logits (-inf: no column); bit 4 g + j of slot_bits: x[g]'s value j is a slot's id
+  template <int N>
+  __device__ __forceinline__ void add(const float4 (&x)[N], unsigned slot_bits) {
+    float bm = NEG_INF, brm = NEG_INF;
+#pragma unroll
+    for (int g = 0; g < N; ++g) {
+      bm = fmaxf(bm, max4(x[g]));
+      const unsigned b = slot_bits >> (4 * g);
+      brm = fmaxf(brm, fmaxf(fmaxf(b & 1u ? NEG_INF : x[g].x, b & 2u ? NEG_INF : x[g].y),
+                             fmaxf(b & 4u ? NEG_INF : x[g].z, b & 8u ? NEG_INF : x[g].w)));
+    }
+    if (bucket) mr = fmaxf(mr, brm);
+    if (bm > mx) {  // the sums against the new max (none before: no sums to move)
+      if (mx != NEG_INF) {
+        const float to_z = ex2(m_z() - bm * scale2);
+        sz *= to_z;
+        sr *= to_z;
+        if (tempered) ss *= ex2(m_s() - bm * LOG2E);
+      }
+      mx = bm;
+    }
+    const float mz = m_z(), ms = m_s();
+#pragma unroll
+    for (int g = 0; g < N; ++g) {
+      const float xv[4] = {x[g].x, x[g].y, x[g].z, x[g].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float e = ex2(fmaf(xv[j], scale2, -mz));
+        sz += e;
+        if (bucket && !(slot_bits >> (4 * g + j) & 1u)) sr += e;
+        if (tempered) ss += ex2(fmaf(xv[j], LOG2E, -ms));
+      }
+    }
+  }
+
+  // the thread's RowLse; rest_sum: the rest's sum against m_rest() where rest_apart(), else sr
+  __device__ __forceinline__ RowLse parts(float rest_sum) const {
+    const float mz = m_z();
+    return {{tempered ? m_s() : mz, tempered ? ss : sz}, {mz, sz}, {rest_apart() ? m_rest() : mz, rest_sum}};
+  }
+};
+
+// the slot bits of the 4 columns of a float4 group that starts at column c (a multiple of 4) of bitmap
+__device__ __forceinline__ unsigned group_slots(const unsigned* bitmap, int c) { return bitmap[c >> 5] >> (c & 31) & 15u; }
+
+// The gradient of a column that is no slot's id: w_hard (softmax - onehot) + w_soft_over_t dz,
+// with dz = A p + B r (p = 2^(z - lse_p2), normalized as the categories are; r = 2^(z - lse_r2);
+// in the bucket mode A = u_rest - u_bar and B = 0, or in forward KL A = -u_bar and B = -q_rest, r
+// being p / P_rest; both 0 in the renormalize mode). p and r differ by a factor of the row, and so
+// do softmax and p without a temperature: the factors are folded in float64 where the result is a
+// float, so that a column takes one ex2 (no temperature), two (a temperature), or three (forward
+// KL with a rest too small for float32). Logsumexps in bits.
+struct RestGradient {
+  Split lse_s2, lse_p2, lse_r2;
+  float scale2, w_hard, w_soft_over_t;
+  float e;     // path 1: the factor of softmax
+  float c;     // path 2: w_soft_over_t (A + B 2^(lse_p2 - lse_r2)), the factor of p
+  float a, b;  // path 3: A and B
+  int path;
+
+  __device__ __forceinline__ RestGradient(double lse_s2_, double lse_p2_, double lse_r2_, double A, double B,
+                                          float scale2_, float w_hard_, float w_soft_over_t_)
+      : lse_s2(split(lse_s2_)), lse_p2(split(lse_p2_)), lse_r2(split(lse_r2_)), scale2(scale2_), w_hard(w_hard_),
+        w_soft_over_t(w_soft_over_t_), a((float)A), b((float)B) {
+    const double C = w_soft_over_t_ * (A + (B != 0.0 ? B * exp2(lse_p2_ - lse_r2_) : 0.0));
+    const double E = w_hard_ + (C != 0.0 ? C * exp2(lse_s2_ - lse_p2_) : 0.0);
+    c = (float)C;
+    e = (float)E;
+    // fabs(NaN) <= x is false: a NaN row takes path 3, which makes its NaN
+    path = C == 0.0 || (scale2_ == LOG2E && fabs(E) <= FLT_MAX_FINITE) ? 1 : fabs(C) <= FLT_MAX_FINITE ? 2 : 3;
+  }
+
+  __device__ __forceinline__ float value(float x, bool onehot) const {
+    const float softmax = ex2_minus(x, LOG2E, lse_s2), hot = onehot ? w_hard : 0.0f;
+    if (path == 1) return fmaf(e, softmax, -hot);
+    const float p = ex2_minus(x, scale2, lse_p2);
+    if (path == 2) return fmaf(w_hard, softmax, fmaf(c, p, -hot));
+    return fmaf(w_hard, softmax, fmaf(w_soft_over_t, fmaf(a, p, b * ex2_minus(x, scale2, lse_r2)), -hot));
+  }
+};
 
 // ---- the loss's row work ----
 //
@@ -186,21 +285,50 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   if (threadIdx.x == 0) target_logit = y >= 0 ? logit(y) : 0.0f;  // y = -1: a masked row (capturable)
   __syncthreads();
 
-  // 1. the row statistics over the vocabulary
-  RowLse st = {{NEG_INF, 0.0f}, {NEG_INF, 0.0f}, {NEG_INF, 0.0f}};
-  for (int i = 4 * threadIdx.x; i < vs; i += 4 * THREADS) {
-    float4 x4 = *reinterpret_cast<const float4*>(srow + i);
-    if (bias_s) x4 = add4(x4, *reinterpret_cast<const float4*>(bias_s + i));
-    const float xv[4] = {x4.x, x4.y, x4.z, x4.w};
+  // 1. the row statistics over the vocabulary, UNROLL float4 groups of a thread at a time (their
+  //    loads in flight together)
+  constexpr int UNROLL = 4;
+  auto batch = [&](int base, float4 (&x)[UNROLL]) {  // groups base + u 4 THREADS (-inf past vs), biased
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (i + j >= vs) break;
-      lse_add(st.s, xv[j] * LOG2E);
-      lse_add(st.z, xv[j] * scale2);
-      if (bucket && !is_slot(bitmap, i + j)) lse_add(st.rest, xv[j] * scale2);
+    for (int u = 0; u < UNROLL; ++u) {
+      const int i = base + 4 * THREADS * u;
+      x[u] = i < vs ? *reinterpret_cast<const float4*>(srow + i) : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+      if (i < vs && bias_s) x[u] = add4(x[u], *reinterpret_cast<const float4*>(bias_s + i));
+      if (i < vs && i + 4 > vs) x[u] = fill(x[u], vs - i, 4, NEG_INF);
+    }
+  };
+  auto batch_slots = [&](int base) {  // bit 4 u + j: column j of group u is a slot's id
+    unsigned bits = 0u;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int i = base + 4 * THREADS * u;
+      if (bucket && i < vs) bits |= group_slots(bitmap, i) << (4 * u);
+    }
+    return bits;
+  };
+  ThreadStats ts(scale2, bucket, scale2 != LOG2E);
+  for (int base = 4 * threadIdx.x; base < vs; base += 4 * THREADS * UNROLL) {
+    float4 x[UNROLL];
+    batch(base, x);
+    ts.add(x, batch_slots(base));
+  }
+  float rest_sum = ts.sr;
+  if (ts.rest_apart()) {  // rare: the rest far below the max; its sum again, against its own max
+    rest_sum = 0.0f;
+    for (int base = 4 * threadIdx.x; base < vs; base += 4 * THREADS * UNROLL) {
+      float4 x[UNROLL];
+      batch(base, x);
+      const unsigned bits = batch_slots(base);
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const float xv[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (!(bits >> (4 * u + j) & 1u)) rest_sum += ts.rest_term(xv[j]);
+      }
     }
   }
-  st = block_all<THREADS>(st);
+  const RowLse st = block_all<THREADS>(ts.parts(rest_sum));
   const double lse_s = lse_bits(st.s) * LN2, lse_z2 = lse_bits(st.z), lse_rest2 = lse_bits(st.rest);
 
   // 2. the categories' normalizations: log P_c = z_c - lse_z, normalized by the sum of every
@@ -255,32 +383,26 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   }
   if (G == nullptr) return;
 
-  // 4. the gradient row: every column as the rest's (dz = p A + B 2^(z - lse_rest) in bits; in
-  //    forward KL p (-u_bar) - q_rest p / P_rest), then the slots' columns written over
-  float A = 0.0f, B = 0.0f;
-  if (bucket) {
-    A = (float)(MODE == FORWARD_KL ? -u_bar : rest.u - u_bar);
-    B = MODE == FORWARD_KL ? (float)-exp(lq_rest) : 0.0f;
-  }
-  const Split lse_s2 = split(lse_s * LOG2E), lse_p2 = split(lse_z2 + p_shift * LOG2E), lse_r2 = split(lse_rest2);
+  // 4. the gradient row: every column as the rest's (RestGradient), then the slots' columns
+  //    written over
+  const RestGradient g(lse_s * LOG2E, lse_z2 + p_shift * LOG2E, lse_rest2,
+                       bucket ? (MODE == FORWARD_KL ? -u_bar : rest.u - u_bar) : 0.0,
+                       bucket && MODE == FORWARD_KL ? -exp(lq_rest) : 0.0, scale2, w_hard, w_soft_over_t);
   void* grow = static_cast<char*>(G) + row * ldg * (OUT == OUT_F32 ? 4 : 2);
-  for (int i = 4 * threadIdx.x; i < vs; i += 4 * THREADS) {
-    float4 x4 = *reinterpret_cast<const float4*>(srow + i);
-    if (bias_s) x4 = add4(x4, *reinterpret_cast<const float4*>(bias_s + i));
-    const float xv[4] = {x4.x, x4.y, x4.z, x4.w};
-    float g[4];
+  const int label = label_apart ? -1 : y;  // where G takes the label's one-hot term
+  for (int base = 4 * threadIdx.x; base < vs; base += 4 * THREADS * UNROLL) {
+    float4 x[UNROLL];
+    batch(base, x);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float softmax = ex2_minus(xv[j], LOG2E, lse_s2);
-      float dz = 0.0f;
-      if (bucket) {
-        dz = A * ex2_minus(xv[j], scale2, lse_p2);  // p, normalized as the categories are
-        if (MODE == FORWARD_KL) dz = fmaf(B, ex2_minus(xv[j], scale2, lse_r2), dz);
-      }
-      const float onehot = i + j == y && !label_apart ? 1.0f : 0.0f;
-      g[j] = fmaf(w_hard, softmax - onehot, w_soft_over_t * dz);
+    for (int u = 0; u < UNROLL; ++u) {
+      const int i = base + 4 * THREADS * u;
+      if (i >= vs) break;
+      const float xv[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+      float out[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[j] = g.value(xv[j], i + j == label);
+      store4<OUT>(grow, i, out, min(4, vs - i));
     }
-    store4<OUT>(grow, i, g, min(4, vs - i));
   }
   __syncthreads();  // the streaming pass's writes come before the slots' own
   for (int c = threadIdx.x; c < k; c += THREADS) {
@@ -291,14 +413,14 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     const double P = exp(lp);
     const double dz = MODE == FORWARD_KL ? P * -u_bar - exp(lq) : P * (cat.u - u_bar);
     const int id = rids[c];
-    const float softmax = ex2_minus(logit(id), LOG2E, lse_s2);
-    const float g = fmaf(w_hard, softmax - (id == y && !label_apart ? 1.0f : 0.0f), (float)(w_soft_over_t * dz));
-    store4<OUT>(grow, id, &g, 1);
+    const float softmax = ex2_minus(logit(id), LOG2E, g.lse_s2);
+    const float value = fmaf(w_hard, softmax - (id == y && !label_apart ? 1.0f : 0.0f), (float)(w_soft_over_t * dz));
+    store4<OUT>(grow, id, &value, 1);
   }
 }
 
 template <int OUT, int THREADS>
-__global__ void __launch_bounds__(THREADS, 2) topk_rows(const float* S, long long lds, const float* bias_s,
+__global__ void __launch_bounds__(THREADS, 3) topk_rows(const float* S, long long lds, const float* bias_s,
                                                      const int* target, int vs, const int* ids, const float* lq,
                                                      int k, float scale2, int mode, int bucket, double beta,
                                                      double one_minus_beta, float w_hard, float w_soft_over_t,
