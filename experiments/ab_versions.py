@@ -10,6 +10,8 @@ mode"): the code after the capturable mode took 4.85-4.89 ms at T = 1024 where t
 jsdgpu (the one PYTHONPATH gives: this script puts no path of its own first) forward + backward
 at the benchmark shape, medians of 15 CUDA-event-timed steps after 3, for T = 1024 (all rows
 valid and half ignored), 2048 and 8192 (half ignored). Run the versions in turns, as above.
+With --jax: the CuPy call and jax.jit(jax.value_and_grad(loss)) of jsdgpu.jax, each call's wall
+time (the benchmark's measure), at T = 1024 and 8192, all rows valid.
 """
 
 import argparse
@@ -21,7 +23,11 @@ import numpy as np
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("label", help="what to print before the times (the version's path)")
+    p.add_argument("--jax", action="store_true", help="the CuPy call against the jitted JAX step")
     a = p.parse_args()
+    if a.jax:
+        import os
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import cupy  # needs the GPU: after --help
     import ml_dtypes
 
@@ -32,15 +38,8 @@ def main():
     ws = (rng.standard_normal((V, HS), dtype=np.float32) * (4 / HS**0.5)).astype(bf16)
     wt = (rng.standard_normal((V, HT), dtype=np.float32) * (4 / HT**0.5)).astype(bf16)
     out = []
-    for T, valid in ((1024, 1.0), (1024, 0.5), (2048, 0.5), (8192, 0.5)):
-        xs = rng.standard_normal((T, HS), dtype=np.float32).astype(bf16)
-        xt = rng.standard_normal((T, HT), dtype=np.float32).astype(bf16)
-        target = np.random.default_rng(1).integers(0, V, T)
-        target[np.random.default_rng(2).permutation(T)[:int(T * (1 - valid))]] = -100
-        target = cupy.asarray(target)
 
-        def step():
-            jsdgpu.backward(jsdgpu.forward(xs, ws, xt, wt, target)[1])
+    def timed(step):
         for _ in range(3):
             step()
         start, stop, times = cupy.cuda.Event(), cupy.cuda.Event(), []
@@ -50,7 +49,26 @@ def main():
             stop.record()
             stop.synchronize()
             times.append(cupy.cuda.get_elapsed_time(start, stop))
-        out.append(f"T={T} valid={valid}: {statistics.median(times):.3f} ms")
+        return statistics.median(times)
+    cases = ((1024, 1.0), (8192, 1.0)) if a.jax else ((1024, 1.0), (1024, 0.5), (2048, 0.5), (8192, 0.5))
+    for T, valid in cases:
+        xs = rng.standard_normal((T, HS), dtype=np.float32).astype(bf16)
+        xt = rng.standard_normal((T, HT), dtype=np.float32).astype(bf16)
+        target = np.random.default_rng(1).integers(0, V, T)
+        target[np.random.default_rng(2).permutation(T)[:int(T * (1 - valid))]] = -100
+        target = cupy.asarray(target)
+
+        def step():
+            jsdgpu.backward(jsdgpu.forward(xs, ws, xt, wt, target)[1])
+        out.append(f"T={T} valid={valid}: {timed(step):.3f} ms")
+        if a.jax:
+            import jax
+            import jax.numpy as jnp
+
+            from jsdgpu.jax import fused_linear_jsd_loss
+            args = [jnp.from_dlpack(x) for x in (xs, ws, xt, wt, target)]
+            jitted = jax.jit(jax.value_and_grad(fused_linear_jsd_loss, argnums=(0, 1)))
+            out.append(f"jax: {timed(lambda: jax.block_until_ready(jitted(*args))):.3f} ms")
     print(a.label, "; ".join(out))
 
 
