@@ -63,7 +63,7 @@ def main():
     for sync in calls:
         around = [f for f in frames if f["tid"] == sync["tid"] and f["ts"] <= sync["ts"] <= f["ts"] + f.get("dur", 0)]
         print(sync["name"], "called from:", " > ".join(f["name"] for f in sorted(around, key=lambda f: f["ts"])) or
-              "no Python frame (the profiler's own, or XLA's threads)")
+              "no Python frame around it")
 
 
 if __name__ == "__main__":
