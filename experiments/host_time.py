@@ -24,19 +24,64 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 
-def host_before_first_product(step, repeats):
-    """Median host ms from the call to its first product's launch, over repeats steps."""
+def host_before_first_product(step, repeats, profile=None):
+    """Median host ms from the call to its first product's launch, over repeats steps; with a
+    cProfile.Profile, that part of each step profiled (and the time then includes its cost)."""
     import cupy
     from jsdgpu.cuda import products
     times = []
     for _ in range(repeats):
         marks = []
+
+        def mark(m, n, k):
+            if not marks:
+                marks.append(time.perf_counter())
+                if profile is not None:
+                    profile.disable()
         cupy.cuda.Device().synchronize()
-        with products.observing(lambda m, n, k: marks.append(time.perf_counter())):
+        with products.observing(mark):
             start = time.perf_counter()
+            if profile is not None:
+                profile.enable()
             step()
         times.append(1e3 * (marks[0] - start))
     return statistics.median(times)
+
+
+def trace_before_first_product(step, shortest_us):
+    """One step's calls (Python and C) before its first product, from sys.setprofile: printed in
+    order, indented by depth, each with its start and duration in µs where it took at least
+    shortest_us (the tracer's own cost, about 1 µs a call, is in the times)."""
+    import cupy
+    from jsdgpu.cuda import products
+    stack, calls, end = [], [], []
+
+    def tracer(frame, event, arg):
+        now = time.perf_counter_ns()
+        if event in ("call", "c_call"):
+            code = frame.f_code
+            name = (f"{pathlib.Path(code.co_filename).name}:{code.co_name}" if event == "call"
+                    else getattr(arg, "__qualname__", repr(arg)))
+            stack.append(len(calls))
+            calls.append([len(stack) - 1, name, now, None])
+        elif stack:
+            calls[stack.pop()][3] = now
+
+    def mark(m, n, k):
+        if not end:
+            sys.setprofile(None)
+            end.append(time.perf_counter_ns())
+    cupy.cuda.Device().synchronize()
+    with products.observing(mark):
+        start = time.perf_counter_ns()
+        sys.setprofile(tracer)
+        step()
+    sys.setprofile(None)
+    for depth, name, t0, t1 in calls:
+        took = ((t1 or end[0]) - t0) / 1e3
+        if took >= shortest_us:
+            print(f"{(t0 - start) / 1e3:8.1f} {took:7.1f}  {'  ' * depth}{name}")
+    print(f"{(end[0] - start) / 1e3:8.1f}          the first product")
 
 
 def main():
@@ -45,7 +90,10 @@ def main():
     p.add_argument("--valid", type=float, nargs="+", default=[1.0, 0.5], help="fractions of valid rows")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--capturable", action="store_true", help="the capturable mode (no host synchronization)")
-    p.add_argument("--profile", action="store_true", help="also the host's time by function (cProfile)")
+    p.add_argument("--profile", action="store_true",
+                   help="also the host's time before the first product by function (cProfile)")
+    p.add_argument("--trace", type=float, metavar="US",
+                   help="also one step's calls before its first product that took at least US µs")
     a = p.parse_args()
     import harness  # needs the GPU: after --help
     import jsdgpu
@@ -64,12 +112,15 @@ def main():
             host = host_before_first_product(step, a.repeats)
             ms = harness.time_ms(lambda i: step(), 1, 3, a.repeats)
             print(f"| {T} | {valid:.0%} | {options or 'default'} | {host:.3f} | {ms:.3f} |")
-            if a.profile:
+            if a.trace is not None:
+                trace_before_first_product(step, a.trace)
+            if a.profile:  # the host's work before the first product, by function
                 import cProfile
                 import pstats
                 profile = cProfile.Profile()
-                profile.runcall(lambda: [jsdgpu.forward(*args, **options) for _ in range(a.repeats)])
-                pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+                host_before_first_product(step, a.repeats, profile)
+                pstats.Stats(profile).sort_stats("tottime").print_stats(40)
+                pstats.Stats(profile).sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":

@@ -141,10 +141,11 @@ def _forward(arrays, opts, run_opts):
         shard = None if comm is None else parallel.shard_layout(comm, xp, ws.shape[0], wt.shape[0])
         vocab = ws.shape[0] if shard is None else shard.vs_total
         if capturable:  # every row computed, the ignored ones masked: nothing read on the host
-            selection = backend.mark_rows(arrays["target"], vocab, opts.ignore_index, run_opts.num_valid_tokens)
+            select = functools.partial(backend.mark_rows, arrays["target"], vocab, opts.ignore_index,
+                                       run_opts.num_valid_tokens)
         else:  # the valid rows, gathered: the call's one wait for the GPU
-            selection = backend.select_rows(arrays["target"], vocab, opts.ignore_index)
-        hard, soft, grads, rows = run(backend, xs, ws, xt, wt, bs, bt, opts, selection=selection,
+            select = functools.partial(backend.select_rows, arrays["target"], vocab, opts.ignore_index)
+        hard, soft, grads, rows = run(backend, xs, ws, xt, wt, bs, bt, opts, select=select, capturable=capturable,
                                       normalizer=run_opts.normalizer, chunk_size=run_opts.chunk_size,
                                       memory_budget=budget, compute_grad=run_opts.compute_grad, shard=shard)
         loss = weighted_loss(xp, opts, hard, soft)

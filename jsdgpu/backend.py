@@ -29,6 +29,7 @@ class Rows:
     count: Any            # the valid rows' count, None where masked
     masked: bool = False
     status: Any = None
+    leading: int = 0      # a default call's: its first rows that are valid, all before its first ignored one
 
 
 @dataclasses.dataclass

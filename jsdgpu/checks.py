@@ -27,10 +27,6 @@ def gpu_available():
         return False
 
 
-def _device_of(a):
-    return a.device.id if array_kind(a) == "cupy" else "cpu"
-
-
 def check_arrays(arrays):
     """arrays: dict name -> array (biases may be None). Returns the kind, 'numpy' or 'cupy'.
 
@@ -61,22 +57,24 @@ def check_arrays(arrays):
 
 def _kind(arrays):
     """The arrays' kind, 'numpy' or 'cupy' (None entries left out): all of one kind, on one device."""
-    present = {k: v for k, v in arrays.items() if v is not None}
-    for name, a in present.items():
-        if array_kind(a) is None:
-            raise TypeError(f"{name} must be a NumPy or CuPy array (or a DLPack tensor of "
-                            f"PyTorch or JAX), got {type(a).__module__}.{type(a).__name__}")
-    kinds = {array_kind(a) for a in present.values()}
-    if len(kinds) > 1:
-        host = [k for k, a in present.items() if array_kind(a) == "numpy"]
+    kinds = {}
+    for name, a in arrays.items():
+        if a is not None:
+            kinds[name] = array_kind(a)
+            if kinds[name] is None:
+                raise TypeError(f"{name} must be a NumPy or CuPy array (or a DLPack tensor of "
+                                f"PyTorch or JAX), got {type(a).__module__}.{type(a).__name__}")
+    kind = next(iter(kinds.values()))
+    if any(k != kind for k in kinds.values()):
+        host = [name for name, k in kinds.items() if k == "numpy"]
         raise ValueError(f"a mix of host and device arrays: {', '.join(host)} on the host, "
                          "the rest on the GPU")
-    devices = {_device_of(a) for a in present.values()}
-    if len(devices) > 1:
-        where = ", ".join(f"{k} on GPU {_device_of(a)}" for k, a in present.items())
-        raise ValueError(f"arrays on different devices: {where}")
-
-    return kinds.pop()
+    if kind == "cupy":
+        devices = {name: arrays[name].device.id for name in kinds}
+        if len(set(devices.values())) > 1:
+            where = ", ".join(f"{name} on GPU {d}" for name, d in devices.items())
+            raise ValueError(f"arrays on different devices: {where}")
+    return kind
 
 
 def _check_ranks(arrays, ranks):

@@ -24,14 +24,22 @@ G is written without the 1/N of the mean: it stays O(1), which keeps float16 G c
 underflow, and 1/N goes into the matrix products' alpha.
 """
 
+import threading
+
 import numpy as np
 
-from .backend import Gradients, Rows
+from .backend import Gradients
 
 
 # chunks of several are cut to a multiple of this many rows where the budget allows: cuBLAS's
 # tiles span 128 rows, and a chunk of 1366 rows left 3% of the last tiles' work idle
 ROW_ALIGN = 128
+# a default call's head: the products of its first rows, queued before the host reads the
+# selection (run). Two ROW_ALIGNs: the rest of a chunk cut at 128 rows left cuBLAS's 256-row
+# tiles half idle (docs/design.md, "The host before the first product")
+HEAD_ROWS = 2 * ROW_ALIGN
+# per thread: whether the last default call's first HEAD_ROWS rows were all valid (run)
+_last_head = threading.local()
 
 
 def _split(n_rows, most):
@@ -88,22 +96,27 @@ def _row_work(backend, work, comm, target, opts, ce, jsd, G, label_terms):
     backend.row_finish(work, target, stats, kl, opts, ce, jsd, G, label_terms)
 
 
-def run(backend, xs, ws, xt, wt, bs, bt, opts, *, selection, normalizer, chunk_size, memory_budget,
+def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer, chunk_size, memory_budget,
         compute_grad, shard=None):
     """Compute the per-row losses and, with compute_grad, the gradient sums.
 
-    selection: the backend's select_rows (the valid rows, known once waited for) or, for a
-    capturable call, the Rows of its mark_rows (every row computed, the ignored ones masked).
-    normalizer(count): N, the divisor of the summed row losses. shard: under vocab parallelism,
-    this rank's parallel.Shard (its weights and biases are then its shards of the vocabulary),
-    else None. Returns (hard_loss, soft_loss, Gradients or None, Rows); the losses are 0-d
-    float32 backend arrays.
+    select(): the rows, called once the first products are queued: in a default call the
+    backend's select_rows (the valid rows, known once waited for), in a capturable one the Rows of
+    its mark_rows (every row computed, the ignored ones masked). normalizer(count): N, the divisor
+    of the summed row losses. shard: under vocab parallelism, this rank's parallel.Shard (its
+    weights and biases are then its shards of the vocabulary), else None. Returns (hard_loss,
+    soft_loss, Gradients or None, Rows); the losses are 0-d float32 backend arrays.
 
     Nothing here waits for the GPU but the selection (and a torch process group's all-reduces,
     parallel.py, and the first product of each shape class in a process, jsdgpu.cuda.products).
-    So that the GPU does not idle while the host reads the selection and sets up the chunks, the
-    products of the first ROW_ALIGN selected rows are queued before that read: the buffers are
-    made for the most rows the call can have, the chunks cut once their count is known.
+    So that the GPU does not idle while the host sets the call up and reads the selection, the
+    first products are the call's first GPU work, queued with as little host work before them as
+    there can be (docs/design.md, "The host before the first product"): a capturable call's
+    first chunk (its rows are the call's own); a default call's first HEAD_ROWS rows as they are,
+    where the last default call's were all valid (kept where these are too, else computed again),
+    and otherwise its first HEAD_ROWS selected rows, gathered on the device from the selection
+    kernel's output before the host reads it. The buffers are made for the most rows the call
+    can have, the chunks cut once their count is known.
     """
     xp = backend.xp
     comm = None if shard is None else shard.comm
@@ -114,14 +127,22 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, selection, normalizer, chunk_s
     per_row = backend.bytes_per_row(*widest, ws.dtype, compute_grad, fused=comm is None)
     most = min(plan_chunks(n_all, chunk_size, *per_row, memory_budget)[0], n_all) if n_all else 0
     work = backend.prepare(ws, wt, bs, bt, most, fused=comm is None) if n_all else None
-    head = 0
-    if isinstance(selection, Rows):
+    as_they_are = n_all and (capturable or getattr(_last_head, "valid", True))
+    head = (most if capturable else min(HEAD_ROWS, most)) if as_they_are else 0
+    if head:
+        backend.logits(work, xs[:head], xt[:head])
+    selection = select()
+    if capturable:
         rows = selection
     else:
-        if n_all:  # the head's products, queued before the selection is read
-            head = min(ROW_ALIGN, most)
+        if n_all and not head:  # the first selected rows' products, queued before the selection is read
+            head = min(HEAD_ROWS, most)
             backend.logits(work, *backend.take_rows(selection.rows[:head], xs, xt))
         rows = selection.wait(normalizer)
+        if n_all:
+            _last_head.valid = rows.leading >= min(HEAD_ROWS, most)
+            if as_they_are and not _last_head.valid:  # not the first selected rows: the loop computes them
+                head = 0
     if rows.valid_rows is not None:
         xs, xt = backend.take_rows(rows.valid_rows, xs, xt)
     target, inv_n = rows.target, rows.inv_n

@@ -7,6 +7,7 @@ the reference and the benchmark all build from these two.
 
 import dataclasses
 import enum
+import functools
 import math
 import numbers
 
@@ -132,7 +133,22 @@ DEFAULTS = LossOptions()  # the defaults, for signatures that must spell them ou
 
 
 def split_options(options):
-    """(LossOptions, RunOptions) from keyword options; TypeError for an unknown one."""
+    """(LossOptions, RunOptions) from keyword options; TypeError for an unknown one. The same
+    options (values of the same types) give the same, checked once: the checks took a tenth of a
+    call's host time before its first product (docs/design.md, "The host before the first
+    product")."""
+    try:
+        return _split_once(tuple((k, type(v), v) for k, v in options.items()))
+    except TypeError:  # an unhashable value (or a bad one: raised again below)
+        return _split(options)
+
+
+@functools.lru_cache(maxsize=64)
+def _split_once(items):
+    return _split({k: v for k, _, v in items})
+
+
+def _split(options):
     unknown = set(options) - set(LOSS_FIELDS) - set(RUN_FIELDS)
     if unknown:
         raise TypeError(f"unknown options: {', '.join(sorted(unknown))}")

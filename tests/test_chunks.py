@@ -48,3 +48,21 @@ def test_plan_chunks():
     # ...and one chunk where G held for all rows (200 bytes) would make 2
     assert plan_chunks(100, None, 10, 2, 0, 1000) == (100, False)
     assert plan_chunks(100, None, 10, 2, 0, 1200) == (100, True)
+
+
+def test_head_as_the_rows_are_or_selected(xp, rng):
+    """A default call's first chunk products come from its first rows as they are where the last
+    call's were all valid, else from its first selected rows (chunks.run): a run of calls whose
+    first rows are valid or not takes every path (kept, computed again, selected), and each gives
+    the reference's answer."""
+    T, chunk = 17, 5
+    for first_ignored in (None, 2, None, 9, 9, 0, None):
+        case = make_case(rng, T=T, bias=True, ignored=0.0)
+        if first_ignored is not None:  # that row and some after the first chunk ignored
+            case["target"][[first_ignored, 12, 15]] = -100
+        loss, ctx = jsdgpu.forward(**to_xp(case, xp), chunk_size=chunk, beta=0.4)
+        gi, gw, gb = jsdgpu.backward(ctx)
+        ref = jsdgpu.reference(**case, beta=0.4)
+        assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0], first_ignored
+        for got, want in zip((gi, gw, gb), ref[3:]):
+            assert rel_err(got, want) <= 1e-4, first_ignored

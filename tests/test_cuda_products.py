@@ -25,7 +25,8 @@ def fresh_tuning(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("tuning", [True, False])
-def test_logits_against_float64(rng, fresh_tuning, dtype, tuning):
+@pytest.mark.parametrize("workspace_mib", [0, 32])
+def test_logits_against_float64(rng, fresh_tuning, dtype, tuning, workspace_mib):
     import cupy
 
     from jsdgpu.cuda.backend import leading_dim
@@ -37,7 +38,9 @@ def test_logits_against_float64(rng, fresh_tuning, dtype, tuning):
     for c in (37, 40, 64, 1, 65):
         x = rng.standard_normal((c, h)).astype(DTYPES[dtype])
         out = cupy.full((c, leading_dim(v)), np.nan, np.float32)  # poisoned: every logit must be written
-        lt.logits(cupy.asarray(x), cupy.asarray(w), out)
+        # out^T [v, c] = w [h, v]^T @ x [h, c], as products.logits forms it
+        lt.gemm(lt.T, lt.N, v, c, h, 1.0, cupy.asarray(w), h, cupy.asarray(x), h, 0.0, out, out.shape[1],
+                workspace_bytes=workspace_mib << 20)
         want = x.astype(np.float64) @ w.astype(np.float64).T
         assert rel_err(out[:, :v], want) <= 1e-5, (c, rel_err(out[:, :v], want))
     assert len(lt._tuned) == 3  # the classes, timed or (untuned) at their first candidate
@@ -64,3 +67,20 @@ def test_accumulating_products(rng, fresh_tuning, device_alpha):
         want = np.float32(alpha) * (G.astype(np.float64).T @ xs.astype(np.float64)) + beta * want
         assert rel_err(out, want) <= 1e-5, (c, rel_err(out, want))
     assert len(lt._tuned) == 1
+
+
+def test_long_sums_against_float64(rng, fresh_tuning):
+    """grad_input's form, few outputs over a long sum (k the vocabulary): the shape whose fastest
+    algorithms split k over CTAs, which takes the workspace."""
+    import cupy
+
+    lt = fresh_tuning(True)
+    bf16 = DTYPES["bfloat16"]
+    c, hs, v = int(rng.integers(1, 40)), int(rng.integers(8, 100)), int(rng.integers(40000, 60000))
+    G, ws = rng.standard_normal((c, v)).astype(bf16), rng.standard_normal((v, hs)).astype(bf16)
+    out = cupy.full((c, hs), np.nan, np.float32)
+    lt.input_gradient(cupy.asarray(G), cupy.asarray(ws), 0.5, out)
+    want = 0.5 * G.astype(np.float64) @ ws.astype(np.float64)
+    # float32 sums of 40000-60000 terms: about 1e-5 from their rounding; a split's sums lost or
+    # added twice are O(1)
+    assert rel_err(out, want) <= 1e-4, rel_err(out, want)

@@ -73,8 +73,9 @@ class Selection:
     def wait(self, normalizer):
         n, valid = len(self._target), self._valid
         count = len(valid)
+        moved = np.flatnonzero(valid != np.arange(count))  # the selected rows that are not where they were
         return Rows(None if count == n else valid, self._target[valid].astype(np.int32), 1.0 / normalizer(count),
-                    count)
+                    count, leading=int(moved[0]) if len(moved) else count)
 
 
 class CpuBackend:

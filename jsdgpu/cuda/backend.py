@@ -51,11 +51,12 @@ class Selection:
         """The Rows (normalizer(count): N); raises checks.target_error's ValueError for a bad
         target."""
         n = len(self._target)
-        count, first_bad = self._pending.wait()
+        count, first_bad, first_ignored = self._pending.wait()
         if first_bad < n:
             raise checks.target_error(first_bad, int(self._target[first_bad]), self._vocab, self._ignore_index)
         valid_rows = None if count == n else self.rows[:count]
-        return Rows(valid_rows, self._pending.row_target[:count], 1.0 / normalizer(count), count)
+        return Rows(valid_rows, self._pending.row_target[:count], 1.0 / normalizer(count), count,
+                    leading=first_ignored)
 
 
 @dataclasses.dataclass

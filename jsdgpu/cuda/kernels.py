@@ -35,7 +35,14 @@ def _module(device_id, family, names, source=None):
 
 def function(family, name):
     """A kernel of the family, by its name expression (sources.FAMILIES), for the current device."""
-    return _module(cupy.cuda.Device().id, family, tuple(sources.FAMILIES[family])).get_function(name)
+    return _function(cupy.cuda.Device().id, family, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _function(device_id, family, name):
+    # kept: RawModule.get_function looks the name expression up anew each time (tens of µs a call
+    # on the H200's host, several calls a step)
+    return _module(device_id, family, tuple(sources.FAMILIES[family])).get_function(name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,14 +207,14 @@ def label_scatter(label_terms, target, xs, inv_n, scale, grad_weight, grad_bias)
 # ---- the valid rows ----
 
 class _SelectionOutput:
-    """select_rows's two results (the count and the first bad row) in 8 bytes of page-locked host
-    memory, which the kernel writes straight into (with unified addressing, CUDA maps it into the
+    """select_rows's three results (the count, the first bad row and the first ignored row) in 12
+    bytes of page-locked host memory, which the kernel writes straight into (with unified addressing, CUDA maps it into the
     devices' address space at the same address), and an event recorded after the kernel, which
     the host waits on (not on the stream: the products queued after the kernel run on). One per
     thread and device, made once (an allocation a call took tens of µs inside a step)."""
 
     def __init__(self):
-        self.view = np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.int32, 2)  # keeps it alive
+        self.view = np.frombuffer(cupy.cuda.alloc_pinned_memory(12), np.int32, 3)  # keeps it alive
         self.address = np.uint64(self.view.ctypes.data)
         self.done = cupy.cuda.Event(block=False, disable_timing=True)
 
@@ -233,11 +240,12 @@ def _ignore_args(ignore_index):
 class PendingSelection:
     """select_rows launched: rows [n] (the valid rows' indices first, in order; 0 past their count,
     so any prefix can be gathered before the count is known) and row_target [n] (their int32
-    targets). wait() waits for the kernel alone and returns (count, first bad row, n where none)."""
+    targets). wait() waits for the kernel alone and returns (count, first bad row, first ignored
+    row), each row n where there is none."""
 
     def __init__(self, targets, vocab, ignore_index):
         n = len(targets)
-        selected = cupy.zeros(2 * n, np.int32)  # one allocation: the rows, then their targets
+        selected = cupy.empty(2 * n, np.int32)  # one allocation: the rows, then their targets
         self.rows, self.row_target = selected[:n], selected[n:]
         self._out = _per_thread_and_device(_SelectionOutput)
         function("targets", sources.select_rows(targets.dtype))(

@@ -17,9 +17,13 @@ same algorithm (and bits) in every process. With tuning, two processes may pick 
 algorithms, whose float32 results differ in the last bits.
 
 cuBLASLt is called through ctypes (CuPy does not wrap it, and CuPy's cuBLAS has loaded it) on a
-handle of its own, with no workspace: so the products can be captured in a CUDA graph, which
-CuPy's cuBLAS refuses. cublasGemmEx (CuPy's) serves only a shape for which the heuristic offers
-no candidate.
+handle of its own, so the products can be captured in a CUDA graph, which CuPy's cuBLAS refuses.
+The candidates include algorithms that take a workspace (up to WORKSPACE_BYTES): those that split
+the sum over k need one, and grad_input's product, whose [T, Hs] output is too few tiles to fill
+the GPU at T = 1024, runs fastest by one (docs/design.md, "Products"). A product whose algorithm
+takes one allocates it from the current allocator as it is queued (CuPy's pool hands the same
+block to the next product on the stream; in a capture, the memory is the caller's).
+cublasGemmEx (CuPy's) serves only a shape for which the heuristic offers no candidate.
 """
 
 import contextlib
@@ -46,6 +50,7 @@ _POINTER_MODE_DEVICE = 1
 _PREF_MAX_WORKSPACE_BYTES = 1
 N, T = 0, 1  # cublasOperation_t: as stored, transposed
 _CANDIDATES = 8  # heuristic results asked for (8 came back for the benchmark's shapes)
+WORKSPACE_BYTES = 32 << 20  # cuBLAS's recommended workspace on Hopper
 _ROUNDS = 5  # of timing, each timing every candidate once
 
 
@@ -92,9 +97,10 @@ class _Product:
     cuBLASLt's algorithms for it, best first by its heuristic."""
 
     def __init__(self, device_id, trans_a, trans_b, m, n, k, lda, ldb, ldd, a_type, b_type, d_type,
-                 device_scalars):
+                 device_scalars, workspace_bytes):
         self.lib, self.handle = _library(device_id)
         self.device_scalars = device_scalars  # alpha and beta: device pointers, else host floats
+        self.workspace_bytes = workspace_bytes  # the most an algorithm may take
         self.desc = ctypes.c_void_p()
         _check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _R_32F), "desc")
         attributes = [(_DESC_TRANSA, trans_a), (_DESC_TRANSB, trans_b)]
@@ -109,13 +115,23 @@ class _Product:
         self.b_layout = self._layout(b_type, *((n, k) if trans_b == T else (k, n)), ldb)
         self.d_layout = self._layout(d_type, m, n, ldd)
         self.algo = _UNSET  # the algorithm this shape runs with (None: cuBLAS's default)
+        self.workspace = 0  # the bytes of workspace it takes
 
     def candidates(self):
+        """The heuristic's algorithms that need no workspace, then the others of those that fit
+        workspace_bytes (asked for apart: with room for a workspace, the heuristic's list may
+        leave out the fastest of those that need none)."""
+        found = {}
+        for most in sorted({0, self.workspace_bytes}):
+            found.update((bytes(algo), algo) for algo in self._heuristic(most) if bytes(algo) not in found)
+        return list(found.values())
+
+    def _heuristic(self, most_bytes):
         pref = ctypes.c_void_p()
         _check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
-        no_workspace = ctypes.c_uint64(0)  # the candidates that need none (the fastest ones did not)
+        most = ctypes.c_uint64(most_bytes)
         _check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES,
-                                                             ctypes.byref(no_workspace), 8), "preference attribute")
+                                                             ctypes.byref(most), 8), "preference attribute")
         results, n = (_Heuristic * _CANDIDATES)(), ctypes.c_int()
         _check(self.lib.cublasLtMatmulAlgoGetHeuristic(
             self.handle, self.desc, self.a_layout, self.b_layout, self.d_layout, self.d_layout, pref,
@@ -128,21 +144,26 @@ class _Product:
         _check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype_code, rows, cols, ld), "layout")
         return layout
 
-    def supports(self, algo):
+    def workspace_of(self, algo):
+        """The workspace bytes algo takes for this shape; None where it cannot run this shape (or
+        needs more than workspace_bytes)."""
         result = _Heuristic()
-        return self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, self.a_layout, self.b_layout, self.d_layout,
-                                                self.d_layout, ctypes.byref(algo), ctypes.byref(result)) == 0
+        if self.lib.cublasLtMatmulAlgoCheck(self.handle, self.desc, self.a_layout, self.b_layout, self.d_layout,
+                                            self.d_layout, ctypes.byref(algo), ctypes.byref(result)):
+            return None
+        return result.workspace_size if result.workspace_size <= self.workspace_bytes else None
 
-    def run(self, algo, a, b, d, alpha, beta):
+    def run(self, algo, a, b, d, alpha, beta, workspace):
         """d = alpha op(a) op(b) + beta d by algo; alpha, beta: floats, or with device_scalars
-        0-d float32 device arrays."""
+        0-d float32 device arrays; workspace: a uint8 device array, or None."""
         if self.device_scalars:
             alpha, beta = alpha.data.ptr, beta.data.ptr
         else:
             alpha, beta = ctypes.byref(ctypes.c_float(alpha)), ctypes.byref(ctypes.c_float(beta))
+        space, size = (None, 0) if workspace is None else (workspace.data.ptr, workspace.nbytes)
         _check(self.lib.cublasLtMatmul(
             self.handle, self.desc, alpha, a.data.ptr, self.a_layout, b.data.ptr, self.b_layout, beta,
-            d.data.ptr, self.d_layout, d.data.ptr, self.d_layout, ctypes.byref(algo), None, 0,
+            d.data.ptr, self.d_layout, d.data.ptr, self.d_layout, ctypes.byref(algo), space, size,
             cupy.cuda.get_current_stream().ptr), "matmul")
 
     def __del__(self):  # what __init__ made, where it failed part way
@@ -207,44 +228,50 @@ def observing(callback):
 
 
 def _choose(product, key, run, timed):
-    """The algorithm for the product's shape (None: no cuBLASLt candidate), kept for the shape
-    once its class has a choice: the class's, the fastest candidate (run(algo) runs the product
-    by it), or, not timed, the first candidate for this call alone."""
+    """(algorithm, workspace bytes) for the product's shape (algorithm None: no cuBLASLt
+    candidate), kept for the shape once its class has a choice: the class's, the fastest
+    candidate (run(algo) runs the product by it), or, not timed, the first candidate for this
+    call alone."""
     if key not in _tuned:
         candidates = product.candidates()
         if candidates and TUNING and not timed:
-            return candidates[0]
+            return candidates[0], product.workspace_of(candidates[0])
         _tuned[key] = None if not candidates else candidates[_fastest([functools.partial(run, c) for c in candidates])
                                                              if TUNING else 0]
     algo = _tuned[key]
-    if algo is not None and not product.supports(algo):  # its class's choice, which this shape cannot run
+    need = None if algo is None else product.workspace_of(algo)
+    if algo is not None and need is None:  # its class's choice, which this shape cannot run
         candidates = product.candidates()
         algo = candidates[0] if candidates else None
-    product.algo = algo
-    return algo
+        need = None if algo is None else product.workspace_of(algo)
+    product.algo, product.workspace = algo, need or 0
+    return product.algo, product.workspace
 
 
-def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd):
+def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd, workspace_bytes=WORKSPACE_BYTES):
     """d [m, n] = alpha op(a) op(b) + beta d, column-major, float32 accumulation; a, b, d CuPy
     arrays (views allowed) whose dtypes give the cuBLAS data types. alpha: a float, or a 0-d
     float32 device array (read by cuBLAS when the product runs: no wait for the GPU); beta: a
-    float. By the cuBLASLt algorithm that ran fastest for the shape class (above)."""
+    float. By the cuBLASLt algorithm that ran fastest for the shape class (above), among those
+    that take at most workspace_bytes of workspace."""
     callback = getattr(_observed, "callback", None)
     if callback is not None:
         callback(m, n, k)
     types = (_CUDA_TYPE[a.dtype], _CUDA_TYPE[b.dtype], _CUDA_TYPE[d.dtype])
     device = cupy.cuda.Device().id
     device_scalars = isinstance(alpha, cupy.ndarray)
-    product = _product(device, trans_a, trans_b, m, n, k, lda, ldb, ldd, *types, device_scalars)
-    algo = product.algo
+    product = _product(device, trans_a, trans_b, m, n, k, lda, ldb, ldd, *types, device_scalars, workspace_bytes)
+    algo, workspace = product.algo, product.workspace
     if algo is _UNSET:
-        algo = _choose(product, (device, trans_a, trans_b, _bucket(m), _bucket(n), _bucket(k), lda, ldb, ldd, types),
-                       functools.partial(product.run, a=a, b=b, d=d, alpha=alpha,
-                                         beta=_device_constant(0.0) if device_scalars else 0.0),
-                       timed=beta == 0.0 and not cupy.cuda.get_current_stream().is_capturing())
+        key = (device, trans_a, trans_b, _bucket(m), _bucket(n), _bucket(k), lda, ldb, ldd, types, workspace_bytes)
+        room = cupy.empty(workspace_bytes, np.uint8) if workspace_bytes else None  # for every candidate
+        algo, workspace = _choose(product, key, functools.partial(
+            product.run, a=a, b=b, d=d, alpha=alpha, beta=_device_constant(0.0) if device_scalars else 0.0,
+            workspace=room), timed=beta == 0.0 and not cupy.cuda.get_current_stream().is_capturing())
     if algo is None:  # no cuBLASLt candidate for the shape
         return _gemm_default(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd)
-    product.run(algo, a, b, d, alpha, _device_constant(beta) if device_scalars else beta)
+    product.run(algo, a, b, d, alpha, _device_constant(beta) if device_scalars else beta,
+                cupy.empty(workspace, np.uint8) if workspace else None)
 
 
 def _gemm_default(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):

@@ -48,7 +48,8 @@
 template <int OUT, int CLUSTER, int THREADS, int GROUPS>
 struct FusedRow {
   static constexpr int WARPS = THREADS / 32;
-  float4 s[GROUPS], t[GROUPS];  // student logits (later p where softmax(s) == p), teacher (later h)
+  float4 s[GROUPS], t[GROUPS];  // student logits (later p where softmax(s) == p), teacher (later h;
+                                // in reverse KL relative to h_ref: row_math.cuh, "A sharp row")
   int n, ns, lo, label_column;  // label_column: the label's column in the slice if its one-hot
                                 // term goes into G, else -1
   long long row;
@@ -60,7 +61,6 @@ struct FusedRow {
   long long ldg;
   float4* inbox_sums;  // the cluster's CTAs' (a, b), by rank (pushed there); then this row's eps_z, eps_t
   unsigned sums_bar, parity;  // their mbarrier, and the parity of this row's phase
-  float target_logit;         // the row's logit at its label (for the CE)
   // rows whose soft part comes out below precise_below (bits) are left to the phase kernels,
   // whose sums do not cancel (row_math.cuh): redo_rows[row] = 1 there and nothing is written
   float precise_below;
@@ -68,11 +68,15 @@ struct FusedRow {
 
   __device__ __forceinline__ int column(int k) const { return 4 * (threadIdx.x + k * THREADS); }
 
+  // stats: the row's statistics in shared memory (row_values). What only the results and pass 3
+  // need of them (lse_s, the label's logit, the unshifted lse_t2 of reverse KL: rm.lse_t2 is
+  // shifted there, row_math.cuh "A sharp row") is read once the sums are in: held in registers
+  // through pass 2, they left the kernel closer to spilling (it has 64 a thread).
   template <int MODE, bool SOFTMAX_IS_P>
-  __device__ __forceinline__ void passes() {
+  __device__ __forceinline__ void passes(const float* stats) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // 2. a and b; t becomes h, and s becomes p where softmax(s) == p (no temperature, no pad),
-    //    so that pass 3 needs no exp
+    // 2. a and b (in reverse KL, a_rel); t becomes h, and s becomes p where softmax(s) == p (no
+    //    temperature, no pad), so that pass 3 needs no exp
     float a = 0.0f, b = 0.0f;
 #pragma unroll
     for (int k = 0; k < GROUPS; ++k) {
@@ -107,14 +111,17 @@ struct FusedRow {
     }
     sums = sums_warp_merge<32>(sums);  // the other lanes hold zeros: every lane gets the CLUSTER lanes' tree's bits
     const float4 eps = inbox_sums[CLUSTER];  // the logsumexps' roundings (row_math.cuh, unrounded_sums)
+    // r.x: a_n (in reverse KL kl_rel, and a_n = h_ref + kl_rel, h_ref the shift of lse_t2)
     const float2 r = unrounded_sums<MODE>(sums.x, sums.y, eps.x, eps.y);
+    const float a_n = MODE == REVERSE_KL ? (stats[6] - rm.lse_t2) + r.x : r.x;
+    rm.lse_s = stats[0];
     // the same bits in every CTA, so every CTA takes the same branch (a NaN keeps the row here)
-    const float soft = unrounded_soft_bits<MODE>(r, eps.x, eps.y, rm);
+    const float soft = unrounded_soft_bits<MODE>(make_float2(a_n, r.y), eps.x, eps.y, rm);
     const bool redo = soft < precise_below;
     if (warp == 0 && lane == 0 && rank == 0) {
       redo_rows[row] = redo;
       if (!redo)
-        write_row_results(row, target_logit, soft, label_apart, rm, G != nullptr, ce_out, jsd_out, label_terms);
+        write_row_results(row, stats[3], soft, label_apart, rm, G != nullptr, ce_out, jsd_out, label_terms);
     }
     if (redo) return;
     // 3. the gradient row: the loop writes the groups of 4 student columns, without the
@@ -123,7 +130,7 @@ struct FusedRow {
     //    value over its group's. So the loop holds one check per group. Group k's values go to
     //    g0 + 4 k THREADS: offsets the stores take as immediates.
     if (G != nullptr) {
-      const float kl = r.x;
+      const float kl = r.x;  // a_n; in reverse KL kl_rel, as h is
       const long long g0 = row * ldg + lo + column(0);
       const int ns4 = ns & ~3;
 #pragma unroll
@@ -184,18 +191,20 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   // k * THREADS + i is thread i's group k.
   extern __shared__ float4 next_row[];
   __shared__ Lse warp_lse[3][WARPS];
+  __shared__ float2 warp_ref[WARPS];  // each warp's largest student logit, and the teacher's there
   __shared__ float target_logit;  // in the CTA that holds the label's column
   // The cluster's CTAs push their partial results here: the statistics by statistic (s, t with
-  // the label's logit, z where it is apart), then rank; then the KL sums, by rank. Row i + 1's
+  // the label's logit, z where it is apart, then in reverse KL each CTA's largest student logit
+  // and the teacher's there), then rank; then the KL sums, by rank. Row i + 1's
   // pushes cannot come before this CTA has read row i's: a CTA pushes its statistics of row i + 1
   // only after it has all sums of row i, this CTA's among them, pushed after it read the
   // statistics of row i; likewise for the sums.
   // inbox_sums[CLUSTER]: this CTA's own slot, of the row's logsumexps' rounding errors (eps_z, eps_t),
   // written before the barrier after the statistics' merge, read after the sums' exchange: the
   // next row's comes after that row's first barrier, which every warp reaches after this row
-  __shared__ float4 inbox_stats[3 * CLUSTER], inbox_sums[CLUSTER + 1];
+  __shared__ float4 inbox_stats[4 * CLUSTER], inbox_sums[CLUSTER + 1];
   __shared__ unsigned long long bars[3];  // their mbarriers, and the copies': one phase per row
-  __shared__ float row_values[4];  // the cluster's statistics, for every thread
+  __shared__ float row_values[7];  // the cluster's statistics, for every thread
   __shared__ int row_after;        // the row after the next one (from rank 0), for every thread
   // vt - vs, read from here by the one lane that needs it: held in a register through the loop,
   // it was spilled in jsd_rows_f32
@@ -265,7 +274,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   for (unsigned parity = 0; row < rows; parity ^= 1) {
     int after = 0;  // the row after next: thread 0 of rank 0 takes it; every CTA gets it below
     if (threadIdx.x == 0) {  // the one arrival of this row's phases; the pushes bring the bytes
-      mbar_expect_bytes(stats_bar, (z_apart ? 3 : 2) * CLUSTER * sizeof(float4));
+      mbar_expect_bytes(stats_bar, ((z_apart ? 3 : 2) + (MODE == REVERSE_KL)) * CLUSTER * sizeof(float4));
       mbar_expect_bytes(f.sums_bar, CLUSTER * sizeof(float4));
       // 2 * clusters, from gridDim.x read again here (kept from above, ptxas spilled it)
       if (rank == 0) after = 2 * (grid_ctas() / CLUSTER) + atomicAdd(row_counter, 1);
@@ -293,14 +302,19 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
       }
     }
     // 1. the row statistics: the warp's max, then the sum of 2^(x - max) (no data-dependent
-    //    branch). inv_temp > 0, so the max of x * scale2 is max(x) * scale2.
-    float max_s = NEG_INF, max_t = NEG_INF;
+    //    branch). inv_temp > 0, so the max of x * scale2 is max(x) * scale2. In reverse KL, also
+    //    the teacher's logit where s is largest (h_ref's column).
+    float max_s = NEG_INF, max_t = NEG_INF, t_at_max_s = NEG_INF;
 #pragma unroll
     for (int k = 0; k < GROUPS; ++k) {
-      max_s = fmaxf(max_s, max4(f.s[k]));
+      if (MODE == REVERSE_KL)
+        argmax4(f.s[k], f.t[k], max_s, t_at_max_s);
+      else
+        max_s = fmaxf(max_s, max4(f.s[k]));
       max_t = fmaxf(max_t, max4(f.t[k]));
     }
-    max_s = warp_max(max_s);
+    const float2 ref = MODE == REVERSE_KL ? ref_lanes(make_float2(max_s, t_at_max_s)) : make_float2(0.0f, 0.0f);
+    max_s = MODE == REVERSE_KL ? ref.x : warp_max(max_s);
     max_t = warp_max(max_t);
     Lse ls = {max_s * LOG2E, 0.0f}, lz = {max_s * scale2, 0.0f}, lt = {max_t * scale2, 0.0f};
     // a warp with no column of s or t sums nothing (2^(-inf - -inf) would be NaN)
@@ -329,6 +343,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
       warp_lse[0][warp] = ls;
       warp_lse[1][warp] = lz;  // read only where tempered
       warp_lse[2][warp] = lt;
+      warp_ref[warp] = ref;    // read only in reverse KL
     }
     __syncthreads();  // after it every thread's reads of next_row are done: the next row's copies start
     if (threadIdx.x == COPIER && next < rows) copy_ahead(next);
@@ -348,7 +363,23 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
         push4(smem_addr(inbox_stats + stat * CLUSTER + rank),
               make_float4(mine.m, mine.s, stat == 1 && holds_label ? target_logit : 0.0f,
                           __int_as_float(after_of_rank)), stats_bar, lane);
+      // the CTA's largest student logit and the teacher's there, by warp 0 beside s's statistic
+      const bool refs = MODE == REVERSE_KL && stat == 0;
+      if (refs) {
+        const float2 cta_ref = ref_lanes(lane < WARPS ? warp_ref[lane] : make_float2(NEG_INF, NEG_INF));
+        if (lane < CLUSTER)
+          push4(smem_addr(inbox_stats + 3 * CLUSTER + rank), make_float4(cta_ref.x, cta_ref.y, 0.0f, 0.0f),
+                stats_bar, lane);
+      }
       mbar_wait(stats_bar, parity);
+      if (refs) {  // the row's: the same bits in every CTA
+        const float4 v = lane < CLUSTER ? inbox_stats[3 * CLUSTER + lane] : make_float4(NEG_INF, NEG_INF, 0.0f, 0.0f);
+        const float2 row_ref = ref_lanes(make_float2(v.x, v.y));
+        if (lane == 0) {
+          row_values[4] = row_ref.x;
+          row_values[5] = row_ref.y;
+        }
+      }
       float4 u = make_float4(NEG_INF, 0.0f, 0.0f, 0.0f);
       if (lane < CLUSTER) u = inbox_stats[stat * CLUSTER + lane];
       if (stat == 0 && lane == 0) row_after = __float_as_int(u.w);  // rank 0's statistic s
@@ -378,6 +409,13 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
       }
     }
     __syncthreads();
+    if (MODE == REVERSE_KL) {  // lse_t2 shifted by h_ref (row_math.cuh, "A sharp row"), once for the CTA
+      if (threadIdx.x == 0) {
+        row_values[6] = row_values[2];
+        row_values[2] = shifted_lse_t2(row_values[4], row_values[5], scale2, row_values[1], row_values[2]);
+      }
+      __syncthreads();  // (with the shift in every thread, held through pass 2, the kernel spilled)
+    }
     if (n > ns) {  // the statistics are read: the pad columns become z = 0 for pass 2
 #pragma unroll
       for (int k = 0; k < GROUPS; ++k) {
@@ -388,15 +426,15 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
 
     f.row = row;
     const int after_row = row_after;  // read before the next row's statistics overwrite it
-    f.rm = RowMath{scale2, row_values[0], row_values[1], row_values[2], beta, one_minus_beta, w_hard, w_soft_over_t};
-    f.target_logit = row_values[3];
-    f.label_apart = G != nullptr && label_dominates(f.target_logit, row_values[0]);
+    // lse_s: set by passes (above)
+    f.rm = RowMath{scale2, 0.0f, row_values[1], row_values[2], beta, one_minus_beta, w_hard, w_soft_over_t};
+    f.label_apart = G != nullptr && label_dominates(row_values[3], row_values[0]);
     f.label_column = holds_label && !f.label_apart ? y - lo : -1;
     f.parity = parity;
     if (f.softmax_is_p)
-      f.template passes<MODE, true>();
+      f.template passes<MODE, true>(row_values);
     else
-      f.template passes<MODE, false>();
+      f.template passes<MODE, false>(row_values);
     row = next;
     next = after_row;
   }

@@ -9,6 +9,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "reduce.cuh"
 
 // What a row's KL sums and gradient need once its statistics are known.
 struct RowMath {
@@ -125,10 +126,48 @@ __device__ __forceinline__ PreciseTerms precise_kl_terms(float s, float t, const
 }
 
 
+// A sharp row's gradient in reverse KL: at a low temperature and large logits p is near
+// one-hot, and the gradient's h - kl (below) at p's large column is a small difference of two
+// numbers of hundreds of bits (h = lp - lq, with lq far below 0 where the teacher disagrees):
+// kl = sum p h in float32 would carry their rounding into it, 1e-3 of G and more. So the fused
+// kernel takes every column's h relative to the h of a reference column (the student's largest
+// logit, where p is largest: h_ref), by shifting lse_t2 by h_ref (shifted_lse_t2): lq and h of
+// the reference column come out near 0 and exact, the other columns' h - h_ref as before, and
+// a = sum p (h - h_ref) = kl_rel a sum of small terms. h - kl = (h - h_ref) - kl_rel, and the soft
+// part takes a_n = h_ref + kl_rel (docs/design.md, "Numerics"). In the JSD, h = lp - lm is never
+// far from 0 where p is large (lm >= lg2((1 - beta) p)), and forward KL's gradient is p - q.
+
+// reverse KL's lse_t2 less h_ref (above), from the reference column's logits s_ref and t_ref;
+// lse_t2 itself where h_ref is not finite (a teacher logit of -inf there: the divergence is inf)
+__device__ __forceinline__ float shifted_lse_t2(float s_ref, float t_ref, float scale2, float lse_z2, float lse_t2) {
+  const float h_ref = fmaf(s_ref, scale2, -lse_z2) - fmaf(t_ref, scale2, -lse_t2);  // as kl_terms forms h
+  return isfinite(h_ref) ? lse_t2 - h_ref : lse_t2;
+}
+
+// (m, t_at_m) taken on over the four columns of s and t: the largest s, and the t of its column
+// (the first of several that hold it)
+__device__ __forceinline__ void argmax4(float4 s, float4 t, float& m, float& t_at_m) {
+  const float sv[4] = {s.x, s.y, s.z, s.w}, tv[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if (sv[j] > m) {
+      m = sv[j];
+      t_at_m = tv[j];
+    }
+  }
+}
+
+// The largest s over the lanes of a warp (v.x), and the largest t (v.y) of the lanes that hold it:
+// every lane gets the same, whatever the order
+__device__ __forceinline__ float2 ref_lanes(float2 v) {
+  const float m = warp_max(v.x);
+  return make_float2(m, warp_max(v.x == m ? v.y : NEG_INF));
+}
+
 // One gradient value: w_hard (softmax(s) - onehot) + (w_soft / temperature) dz, with
 // dz = p - q (forward KL), else c p (h - kl) ln 2 with c = 1 - beta (JSD) or 1 (reverse KL) and kl
-// the row's a in bits (the KL(p || m) of SPEC.md); softmax: the column's softmax(s), which is p
-// where SOFTMAX_IS_P. There, except at the label and in forward KL, it takes two instructions as
+// the row's a in bits (the KL(p || m) of SPEC.md), or h and kl both relative to h_ref (above);
+// softmax: the column's softmax(s), which is p where SOFTMAX_IS_P. There, except at the label and in forward KL, it takes two instructions as
 // p (w_hard + k (h - kl)); that rounds w_hard - k kl where the general form rounds k (h - kl),
 // which differs only where h - kl is near 0, and G with it.
 template <int MODE, bool SOFTMAX_IS_P>
@@ -162,8 +201,8 @@ __device__ __forceinline__ float soft_bits(float a, float b, const RowMath& r) {
 // ones times 2^-eps, and their logs are off by -eps. That would reach a divergence of hundreds of
 // bits by as much, and the gradient's h - kl where p is near one-hot (kl is the h of that column
 // less a small part) by far more. The sums for the exact distributions, in their first order:
-// a_n = a 2^eps_z, b_n = b 2^eps_t (the gradient's kl is a_n: h's own offset cancels in h - a_n);
-// the soft part, in bits: a KL also takes its logs' offsets.
+// a_n = a 2^eps_z, b_n = b 2^eps_t; the soft part, in bits: a KL also takes its logs' offsets.
+// (The fused kernel's gradient takes kl_rel, normalized by the sum of p, instead: above.)
 template <int MODE>
 __device__ __forceinline__ float2 unrounded_sums(float a, float b, float eps_z, float eps_t) {
   return make_float2(fmaf(a, eps_z * LN2, a), fmaf(b, eps_t * LN2, b));

@@ -7,8 +7,10 @@
 //
 // One CTA scans the targets in order, in tiles of THREADS * ITEMS: rows gets the
 // indices of the rows whose target is not ignore_index (has_ignore: ignore_index is an int64), in
-// order, and row_target their targets as int32; out[0] = their count, out[1] = the first row
-// whose target is neither ignore_index nor in [0, vocab) (n where there is none). One CTA keeps
+// order, then 0 up to n (so that any prefix of rows can be gathered before the count is read),
+// and row_target their targets as int32; out[0] = their count, out[1] = the first row
+// whose target is neither ignore_index nor in [0, vocab), out[2] the first ignored row (each n
+// where there is none: the rows before out[2] are selected as they are). One CTA keeps
 // the order with no second kernel; the targets of T = 8192 rows are one tile.
 template <typename T, int THREADS, int ITEMS>
 __device__ __forceinline__ void select_rows_body(const T* __restrict__ target, int n, long long ignore_index,
@@ -16,17 +18,19 @@ __device__ __forceinline__ void select_rows_body(const T* __restrict__ target, i
                                             int* __restrict__ row_target, int* __restrict__ out) {
   constexpr int WARPS = THREADS / 32;
   __shared__ int warp_total[WARPS];
-  __shared__ int done, first_bad;  // rows selected by the tiles before; the first bad row
+  __shared__ int done, first_bad, first_ignored;  // rows selected by the tiles before; the first bad
+                                                  // and ignored rows
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) {
     done = 0;
-    first_bad = n;
+    first_bad = first_ignored = n;
   }
   __syncthreads();
   for (int tile = 0; tile < n; tile += THREADS * ITEMS) {
     const int i0 = tile + threadIdx.x * ITEMS;
     int v[ITEMS];  // the targets as int32 (where they are not bad, they fit)
     unsigned valid = 0;   // bit j: row i0 + j is selected
+    int ignored = n;      // the thread's first ignored row
 #pragma unroll
     for (int j = 0; j < ITEMS; ++j) {
       const long long t = i0 + j < n ? (long long)target[i0 + j] : 0;
@@ -35,8 +39,12 @@ __device__ __forceinline__ void select_rows_body(const T* __restrict__ target, i
         valid |= 1u << j;
         // as unsigned, a negative target is >= vocab too
         if ((unsigned long long)t >= (unsigned long long)vocab) atomicMin(&first_bad, i0 + j);
+      } else if (i0 + j < n) {
+        ignored = min(ignored, i0 + j);
       }
     }
+    ignored = __reduce_min_sync(0xffffffffu, ignored);  // one atomic a warp
+    if (lane == 0 && ignored < n) atomicMin(&first_ignored, ignored);
     // where this thread's rows go: an exclusive scan of the counts over the block
     const int mine = __popc(valid);
     int before = warp_inclusive_sum(mine);  // then made exclusive
@@ -58,9 +66,11 @@ __device__ __forceinline__ void select_rows_body(const T* __restrict__ target, i
     if (threadIdx.x == 0) done += warp_total[WARPS - 1];
     __syncthreads();
   }
+  for (int i = done + threadIdx.x; i < n; i += THREADS) rows[i] = 0;  // a prefix past the count: row 0 again
   if (threadIdx.x == 0) {
     out[0] = done;
     out[1] = first_bad;
+    out[2] = first_ignored;
   }
 }
 
