@@ -7,6 +7,7 @@ host before the first product"): measured by this script per release of the libr
 
     python experiments/host_time.py                 # T = 1024, all rows valid and half ignored
     python experiments/host_time.py --tokens 1024 8192 --valid 1 --capturable
+    python experiments/host_time.py --valid 1 --parts --trace 3    # where that time goes
 
 Each step starts from an idle GPU (the device synchronized), as bench.py's steps do. The first
 product is marked by jsdgpu.cuda.products.observing, a callback as each product is queued.
@@ -84,6 +85,52 @@ def trace_before_first_product(step, shortest_us):
     print(f"{(end[0] - start) / 1e3:8.1f}          the first product")
 
 
+def time_parts(args, repeats=200):
+    """Median µs of each piece of a default call's host work before its first product, each run
+    alone (the pieces in the order the call takes them): back to back, and each right after the
+    host has waited for an idle GPU, as a step of this script or the benchmark starts."""
+    import cupy
+
+    from jsdgpu import api, checks, options
+    from jsdgpu.chunks import HEAD_ROWS, plan_chunks
+    from jsdgpu.cuda import products
+    from jsdgpu.cuda.backend import CudaBackend as B
+    xs, ws, xt, wt, target = args
+    arrays = dict(student_input=xs, student_weight=ws, teacher_input=xt, teacher_weight=wt, target=target,
+                  student_bias=None, teacher_bias=None)
+    loss_opts, run_opts = options.split_options({})
+    per_row = B.bytes_per_row(ws.shape[0], wt.shape[0], ws.dtype, True, True)
+    most = plan_chunks(len(xs), None, *per_row, B.default_memory_budget)[0]
+    work = B.prepare(ws, wt, None, None, most, True)
+    head = min(HEAD_ROWS, most)
+    pieces = {
+        "split_options": lambda: options.split_options({}),
+        "bridge (none)": lambda: api._bridge_for(arrays),
+        "check_arrays": lambda: checks.check_arrays(arrays),
+        "runs_capturable": lambda: api.runs_capturable(run_opts, "cupy"),
+        "ascontiguousarray x4": lambda: [cupy.ascontiguousarray(a) for a in (xs, ws, xt, wt)],
+        "chunk plan": lambda: plan_chunks(len(xs), None, *B.bytes_per_row(ws.shape[0], wt.shape[0], ws.dtype,
+                                                                           True, True), B.default_memory_budget),
+        "prepare": lambda: B.prepare(ws, wt, None, None, most, True),
+        "cupy.empty": lambda: cupy.empty(1 << 20, np.uint8),
+        "student logits' product (launch)": lambda: products.logits(xs[:head], ws, work.logits_s[:head]),
+        "select_rows (launch)": lambda: B.select_rows(target, ws.shape[0], -100),
+    }
+    print("| piece | µs back to back | µs after a wait |")
+    print("| --- | --- | --- |")
+    for name, piece in pieces.items():
+        times = {False: [], True: []}
+        for after_wait in (False, True):
+            for _ in range(repeats):
+                if after_wait:
+                    cupy.cuda.Device().synchronize()
+                start = time.perf_counter()
+                piece()
+                times[after_wait].append(1e6 * (time.perf_counter() - start))
+            cupy.cuda.Device().synchronize()
+        print(f"| {name} | {statistics.median(times[False]):.1f} | {statistics.median(times[True]):.1f} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1024])
@@ -94,6 +141,8 @@ def main():
                    help="also the host's time before the first product by function (cProfile)")
     p.add_argument("--trace", type=float, metavar="US",
                    help="also one step's calls before its first product that took at least US µs")
+    p.add_argument("--parts", action="store_true",
+                   help="also the time of each piece of that host work, each alone (a default call's)")
     a = p.parse_args()
     import harness  # needs the GPU: after --help
     import jsdgpu
@@ -112,6 +161,8 @@ def main():
             host = host_before_first_product(step, a.repeats)
             ms = harness.time_ms(lambda i: step(), 1, 3, a.repeats)
             print(f"| {T} | {valid:.0%} | {options or 'default'} | {host:.3f} | {ms:.3f} |")
+            if a.parts:
+                time_parts(args)
             if a.trace is not None:
                 trace_before_first_product(step, a.trace)
             if a.profile:  # the host's work before the first product, by function

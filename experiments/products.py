@@ -1,7 +1,13 @@
 """How fast is each of the step's matrix products by cuBLASLt, by its workspace, and against
 cuBLAS's default algorithm (cublasGemmEx, CuPy's handle, its own workspace)?
 
-Answer: pending its first run (docs/design.md, "Products").
+Answer (one H200, 2026-12-02; docs/design.md, "Products" and "The host before the first
+product"): a workspace makes grad_input at T = 1024 faster (0.822 against 0.714 ms: its output is
+too few tiles for the GPU, and the algorithms that split the sum need one), but with room for one
+the heuristic's eight candidates left out the fastest logits algorithm (0.726 against 0.854), so
+both kinds are candidates now; the logits of 1024 rows cut at 256 rows took less than cut at 128
+(0.827 / 1.674 against 0.867 / 1.879 ms, student / teacher). Single products move by 5-10% from run
+to run on these machines.
 
     python experiments/products.py                          # the benchmark's shape, T = 1024 and 8192
     python experiments/products.py --workspace-mib 0 4 32

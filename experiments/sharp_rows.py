@@ -3,8 +3,11 @@ large logits), and would taking the KL sum relative to the h of the row's most l
 it? (The open item of docs/design.md, "Numerics": test_numerics' grid at std 8, temperature 0.05,
 beta 1 failed on some draws, 1.3e-3 against a bound of 5.2e-4.)
 
-Answer (a float32 emulation on the CPU, not the kernel; docs/design.md, "Numerics"): printed by
-this script, per beta, as the worst and median relative error of G over the draws.
+Answer (a float32 emulation on the CPU, not the kernel; docs/design.md, "Numerics"): yes, in
+reverse KL, where the error was: at std 8 and temperature 0.05 a worst 9.8e-3 of G before, 2.1e-5
+with h relative to the column of the student's largest logit, as the kernel now takes it (std 40:
+3.9e-2 and 5.1e-5); the JSD's stays below 1e-5 without it. Printed per beta as the worst and
+median relative error of G over the draws.
 
     python experiments/sharp_rows.py                      # std 8, temperature 0.05, beta 1, 1 - 1e-6, 0.5
     python experiments/sharp_rows.py --std 40 --temperature 0.25
