@@ -208,10 +208,11 @@ def label_scatter(label_terms, target, xs, inv_n, scale, grad_weight, grad_bias)
 
 class _SelectionOutput:
     """select_rows's three results (the count, the first bad row and the first ignored row) in 12
-    bytes of page-locked host memory, which the kernel writes straight into (with unified addressing, CUDA maps it into the
-    devices' address space at the same address), and an event recorded after the kernel, which
-    the host waits on (not on the stream: the products queued after the kernel run on). One per
-    thread and device, made once (an allocation a call took tens of µs inside a step)."""
+    bytes of page-locked host memory, which the kernel writes straight into (with unified
+    addressing, CUDA maps it into the devices' address space at the same address), and an event
+    recorded after the kernel, which the host waits on (not on the stream: the products queued
+    after the kernel run on). One per thread and device, made once (an allocation a call took
+    tens of µs inside a step)."""
 
     def __init__(self):
         self.view = np.frombuffer(cupy.cuda.alloc_pinned_memory(12), np.int32, 3)  # keeps it alive

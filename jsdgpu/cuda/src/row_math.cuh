@@ -133,8 +133,9 @@ __device__ __forceinline__ PreciseTerms precise_kl_terms(float s, float t, const
 // kernel takes every column's h relative to the h of a reference column (the student's largest
 // logit, where p is largest: h_ref), by shifting lse_t2 by h_ref (shifted_lse_t2): lq and h of
 // the reference column come out near 0 and exact, the other columns' h - h_ref as before, and
-// a = sum p (h - h_ref) = kl_rel a sum of small terms. h - kl = (h - h_ref) - kl_rel, and the soft
-// part takes a_n = h_ref + kl_rel (docs/design.md, "Numerics"). In the JSD, h = lp - lm is never
+// the sum a as a_rel = sum p (h - h_ref), a sum of small terms (kl_rel once unrounded_sums has
+// scaled it). h - kl = (h - h_ref) - kl_rel, and the soft part takes a_n = h_ref + kl_rel
+// (docs/design.md, "Numerics"). In the JSD, h = lp - lm is never
 // far from 0 where p is large (lm >= lg2((1 - beta) p)), and forward KL's gradient is p - q.
 
 // reverse KL's lse_t2 less h_ref (above), from the reference column's logits s_ref and t_ref;
@@ -167,9 +168,10 @@ __device__ __forceinline__ float2 ref_lanes(float2 v) {
 // One gradient value: w_hard (softmax(s) - onehot) + (w_soft / temperature) dz, with
 // dz = p - q (forward KL), else c p (h - kl) ln 2 with c = 1 - beta (JSD) or 1 (reverse KL) and kl
 // the row's a in bits (the KL(p || m) of SPEC.md), or h and kl both relative to h_ref (above);
-// softmax: the column's softmax(s), which is p where SOFTMAX_IS_P. There, except at the label and in forward KL, it takes two instructions as
-// p (w_hard + k (h - kl)); that rounds w_hard - k kl where the general form rounds k (h - kl),
-// which differs only where h - kl is near 0, and G with it.
+// softmax: the column's softmax(s), which is p where SOFTMAX_IS_P. There, except at the label and
+// in forward KL, it takes two instructions as p (w_hard + k (h - kl)); that rounds w_hard - k kl
+// where the general form rounds k (h - kl), which differs only where h - kl is near 0, and G with
+// it.
 template <int MODE, bool SOFTMAX_IS_P>
 __device__ __forceinline__ float grad_value(float softmax, float p, float h, bool onehot, float kl,
                                             const RowMath& r) {
@@ -201,8 +203,9 @@ __device__ __forceinline__ float soft_bits(float a, float b, const RowMath& r) {
 // ones times 2^-eps, and their logs are off by -eps. That would reach a divergence of hundreds of
 // bits by as much, and the gradient's h - kl where p is near one-hot (kl is the h of that column
 // less a small part) by far more. The sums for the exact distributions, in their first order:
-// a_n = a 2^eps_z, b_n = b 2^eps_t; the soft part, in bits: a KL also takes its logs' offsets.
-// (The fused kernel's gradient takes kl_rel, normalized by the sum of p, instead: above.)
+// a_n = a 2^eps_z, b_n = b 2^eps_t (the gradient's kl is a_n: h's own offset cancels in h - a_n;
+// in the fused kernel's reverse KL, a is a_rel and a_n kl_rel: "A sharp row", above); the soft
+// part, in bits: a KL also takes its logs' offsets.
 template <int MODE>
 __device__ __forceinline__ float2 unrounded_sums(float a, float b, float eps_z, float eps_t) {
   return make_float2(fmaf(a, eps_z * LN2, a), fmaf(b, eps_t * LN2, b));
