@@ -22,7 +22,6 @@ queues them at T = 1024 (its first rows, then the rest). Medians of 20 CUDA-even
 
 import argparse
 import pathlib
-import statistics
 import sys
 
 import numpy as np
@@ -32,17 +31,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 
 def timed(fn):
-    import cupy
-    for _ in range(3):
-        fn()
-    start, stop, times = cupy.cuda.Event(), cupy.cuda.Event(), []
-    for _ in range(20):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return statistics.median(times)
+    """Median ms of fn() over 20 runs after 3 (the benchmark's timing)."""
+    import harness
+    return harness.time_ms(lambda i: fn(), 1, 3, 20)
 
 
 def main():
