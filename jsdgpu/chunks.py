@@ -127,8 +127,9 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
     per_row = backend.bytes_per_row(*widest, ws.dtype, compute_grad, fused=comm is None)
     most = min(plan_chunks(n_all, chunk_size, *per_row, memory_budget)[0], n_all) if n_all else 0
     work = backend.prepare(ws, wt, bs, bt, most, fused=comm is None) if n_all else None
+    head_rows = most if capturable else min(HEAD_ROWS, most)
     as_they_are = n_all and (capturable or getattr(_last_head, "valid", True))
-    head = (most if capturable else min(HEAD_ROWS, most)) if as_they_are else 0
+    head = head_rows if as_they_are else 0
     if head:
         backend.logits(work, xs[:head], xt[:head])
     selection = select()
@@ -136,11 +137,11 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
         rows = selection
     else:
         if n_all and not head:  # the first selected rows' products, queued before the selection is read
-            head = min(HEAD_ROWS, most)
+            head = head_rows
             backend.logits(work, *backend.take_rows(selection.rows[:head], xs, xt))
         rows = selection.wait(normalizer)
         if n_all:
-            _last_head.valid = rows.leading >= min(HEAD_ROWS, most)
+            _last_head.valid = rows.leading >= head_rows
             if as_they_are and not _last_head.valid:  # not the first selected rows: the loop computes them
                 head = 0
     if rows.valid_rows is not None:
