@@ -5,9 +5,9 @@ mode"): the code after the capturable mode took 4.85-4.89 ms at T = 1024 where t
 (commit 682ba3f) took 4.18-4.34, and 2.72-2.79 against 2.41-2.51 with half the rows ignored.
 On 2026-12-02 (docs/design.md, "The step's speed since the capturable mode"), c658ff5 against
 the code that queues the first products ahead of the rest: T = 1024 4.87 / 4.41 and 4.78 / 4.83
-ms, half ignored 2.79 / 2.58 and 2.79 / 2.59. With --jax (docs/design.md, "The front ends"): the
-jitted JAX step took 7-19% more than the CuPy call at T = 1024 with c658ff5, and -4% to +13%
-since (five runs); +0.5% to +4.4% at T = 8192.
+ms, half ignored 2.79 / 2.58 and 2.79 / 2.59. With --jax (docs/design.md, "The front ends";
+three runs): back to back the jitted step took 1-4% less than the CuPy call at T = 1024 and
+0.2-0.7% less at T = 8192; each call waited for, -0.3% to +7% and -0.3% to +1.2%.
 
     mkdir -p /tmp/old && git archive 682ba3f jsdgpu | tar -x -C /tmp/old
     for v in /tmp/old . /tmp/old .; do PYTHONPATH=$v python experiments/ab_versions.py $v; done
@@ -15,12 +15,15 @@ since (five runs); +0.5% to +4.4% at T = 8192.
 jsdgpu (the one PYTHONPATH gives: this script puts no path of its own first) forward + backward
 at the benchmark shape, medians of 15 CUDA-event-timed steps after 3, for T = 1024 (all rows
 valid and half ignored), 2048 and 8192 (half ignored). Run the versions in turns, as above.
-With --jax: the CuPy call and jax.jit(jax.value_and_grad(loss)) of jsdgpu.jax, each call's wall
-time (the benchmark's measure), at T = 1024 and 8192, all rows valid.
+With --jax: the CuPy call and jax.jit(jax.value_and_grad(loss)) of jsdgpu.jax at T = 1024 and
+8192, all rows valid, each timed two ways: each call waited for (its wall time, the benchmark's
+measure), and ten calls back to back with one wait at the end (per call, the median of five
+rounds), as a training loop queues its steps.
 """
 
 import argparse
 import statistics
+import time
 
 import numpy as np
 
@@ -55,6 +58,17 @@ def main():
             stop.synchronize()
             times.append(cupy.cuda.get_elapsed_time(start, stop))
         return statistics.median(times)
+
+    def back_to_back(step, wait):
+        rounds = []
+        for _ in range(5):
+            cupy.cuda.Device().synchronize()
+            start = time.perf_counter()
+            results = [step() for _ in range(10)]
+            wait(results)
+            rounds.append((time.perf_counter() - start) * 1e3 / 10)
+            del results
+        return statistics.median(rounds)
     cases = ((1024, 1.0), (8192, 1.0)) if a.jax else ((1024, 1.0), (1024, 0.5), (2048, 0.5), (8192, 0.5))
     for T, valid in cases:
         xs = rng.standard_normal((T, HS), dtype=np.float32).astype(bf16)
@@ -67,13 +81,15 @@ def main():
             jsdgpu.backward(jsdgpu.forward(xs, ws, xt, wt, target)[1])
         out.append(f"T={T} valid={valid}: {timed(step):.3f} ms")
         if a.jax:
+            out.append(f"back to back {back_to_back(step, lambda r: cupy.cuda.Device().synchronize()):.3f} ms")
             import jax
             import jax.numpy as jnp
 
             from jsdgpu.jax import fused_linear_jsd_loss
             args = [jnp.from_dlpack(x) for x in (xs, ws, xt, wt, target)]
             jitted = jax.jit(jax.value_and_grad(fused_linear_jsd_loss, argnums=(0, 1)))
-            out.append(f"jax: {timed(lambda: jax.block_until_ready(jitted(*args))):.3f} ms")
+            out.append(f"jax: {timed(lambda: jax.block_until_ready(jitted(*args))):.3f} ms, back to back "
+                       f"{back_to_back(lambda: jitted(*args), jax.block_until_ready):.3f} ms")
     print(a.label, "; ".join(out))
 
 

@@ -25,10 +25,31 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 
-def host_before_first_product(step, repeats, profile=None):
-    """Median host ms from the call to its first product's launch, over repeats steps; with a
-    cProfile.Profile, that part of each step profiled (and the time then includes its cost)."""
+def wait_idle():
     import cupy
+    cupy.cuda.Device().synchronize()
+
+
+def wait_spinning():
+    """Wait for an idle GPU with the host thread busy (polling), not blocked in the driver."""
+    import cupy
+    done = cupy.cuda.Event()
+    done.record()
+    while not done.done:
+        pass
+
+
+def no_wait():
+    """The GPU still busy with the last step: the next is queued behind it, as in a training loop."""
+
+
+WAITS = {"synchronize": wait_idle, "spin": wait_spinning, "none": no_wait}
+
+
+def host_before_first_product(step, repeats, profile=None, wait=wait_idle):
+    """Median host ms from the call to its first product's launch, over repeats steps, each
+    started after wait(); with a cProfile.Profile, that part of each step profiled (and the time
+    then includes its cost)."""
     from jsdgpu.cuda import products
     times = []
     for _ in range(repeats):
@@ -39,7 +60,7 @@ def host_before_first_product(step, repeats, profile=None):
                 marks.append(time.perf_counter())
                 if profile is not None:
                     profile.disable()
-        cupy.cuda.Device().synchronize()
+        wait()
         with products.observing(mark):
             start = time.perf_counter()
             if profile is not None:
@@ -137,6 +158,9 @@ def main():
     p.add_argument("--valid", type=float, nargs="+", default=[1.0, 0.5], help="fractions of valid rows")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--capturable", action="store_true", help="the capturable mode (no host synchronization)")
+    p.add_argument("--waits", nargs="+", choices=sorted(WAITS), default=["synchronize"],
+                   help="how each step waits for the last: for an idle GPU blocked in the driver "
+                        "(synchronize), polling (spin), or not at all (none: queued behind it)")
     p.add_argument("--profile", action="store_true",
                    help="also the host's time before the first product by function (cProfile)")
     p.add_argument("--trace", type=float, metavar="US",
@@ -148,8 +172,8 @@ def main():
     import jsdgpu
     options = dict(capturable=True) if a.capturable else {}
     weights = harness.make_weights(1)
-    print("| T | valid rows | options | host ms before the first product | step ms |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| T | valid rows | options | wait | host ms before the first product | step ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for T in a.tokens:
         for valid in a.valid:
             args = harness.make_sets(T, weights, np.random.default_rng(1), valid)[0]
@@ -158,9 +182,10 @@ def main():
                 jsdgpu.backward(jsdgpu.forward(*args, **options)[1])
             for _ in range(3):
                 step()
-            host = host_before_first_product(step, a.repeats)
             ms = harness.time_ms(lambda i: step(), 1, 3, a.repeats)
-            print(f"| {T} | {valid:.0%} | {options or 'default'} | {host:.3f} | {ms:.3f} |")
+            for wait in a.waits:
+                host = host_before_first_product(step, a.repeats, wait=WAITS[wait])
+                print(f"| {T} | {valid:.0%} | {options or 'default'} | {wait} | {host:.3f} | {ms:.3f} |")
             if a.parts:
                 time_parts(args)
             if a.trace is not None:

@@ -12,9 +12,11 @@ synchronization). The forward pass computes the gradients too, written straight 
 output buffers; the backward rule scales them by the cotangent. Options are static.
 
 Working memory comes from CuPy's pool (the GPU's own allocations, beside XLA's): XLA takes 75%
-of the GPU's memory at start by default, so set XLA_PYTHON_CLIENT_PREALLOCATE=false (or
-XLA_PYTHON_CLIENT_MEM_FRACTION) to leave the loss room; its peak is docs/design.md's
-(about 1.3 GB at T = 1024 and 3 GB at T = 8192 at the benchmark shape).
+of the GPU's memory at start by default and the loss takes from the rest; its peak is
+docs/design.md's (about 1.3 GB at T = 1024 and 3 GB at T = 8192 at the benchmark shape). Where
+the rest is too little, lower XLA_PYTHON_CLIENT_MEM_FRACTION. XLA_PYTHON_CLIENT_PREALLOCATE=false
+also leaves room, but XLA then grows its own memory by device allocations as steps need it,
+which was measured to cost several times a step's time (README, "JAX").
 
 Not supported yet: jax.vmap of the loss, and vocab parallelism (under shard_map or otherwise).
 """
@@ -68,8 +70,10 @@ def _native(buffer, gpu):
     return np.asarray(buffer)
 
 
+@functools.lru_cache(maxsize=64)
 def _options(options, with_grads, gpu):
-    """(LossOptions, RunOptions) of a callback's static options; on the GPU capturable: nothing
+    """(LossOptions, RunOptions) of a callback's static options, made once per set (a call's
+    host work before its first product runs with the GPU idle); on the GPU capturable: nothing
     waits on the host, nothing blocks XLA's stream."""
     loss_opts = LossOptions(**{k: v for k, v in options if k in LOSS_FIELDS})
     run = {k: v for k, v in options if k in _RUN_FIELDS}

@@ -82,3 +82,46 @@ def rel_err(a, ref):
 def round_to(a, dtype):
     """a rounded to dtype and back to float64: the error of merely storing it in dtype."""
     return np.asarray(a, dtype=dtype).astype(np.float64)
+
+
+def float64_logits(case):
+    """The student's and teacher's logits of a case, in float64."""
+    def logits(who):
+        x, w, b = (case[f"{who}_{k}"] for k in ("input", "weight", "bias"))
+        out = x.astype(np.float64) @ w.astype(np.float64).T
+        return out if b is None else out + b.astype(np.float64)
+    return logits("student"), logits("teacher")
+
+
+def assert_near_float64(case, dtype, opts, loss, hard, soft, grads):
+    """The loss parts and the gradients (grad_input, grad_weight, grad_bias) about as close to
+    the float64 reference as the float64 math itself is on the same logits rounded to float32
+    (the "floor": what holding the logits in float32, as the library does, costs), plus float32
+    rounding of the result: 1e-5 relative (1e-9 absolute) for the loss parts; 2 eps of the dtype
+    (float32: plus 1e-4) for the gradients. The soft part never negative; everything finite."""
+    from jsdgpu.reference import reference_logits
+    s, t = float64_logits(case)
+    ref = reference_logits(s, t, case["target"], **opts)
+    floor = reference_logits(s.astype(np.float32), t.astype(np.float32), case["target"], **opts)
+    for name, got, want, rounded in (("loss", loss, ref[0], floor[0]), ("soft", soft, ref[2], floor[2]),
+                                     ("hard", hard, ref[1], floor[1])):
+        got = float(to_numpy(got))
+        assert np.isfinite(got), (name, got, want)
+        tol = 4 * abs(rounded - want) + max(1e-5 * abs(want), 1e-9)
+        assert abs(got - want) <= tol, (name, got, want, abs(got - want), tol)
+    assert float(to_numpy(soft)) >= 0.0
+    grads = [None if g is None else to_numpy(g).astype(np.float64) for g in grads]
+    assert all(np.isfinite(g).all() for g in grads if g is not None)
+    # the gradients through G: G @ Ws, G.T @ Xs, G.sum(0), from the reference's G and the floor's
+    f = lambda k: case[k].astype(np.float64)  # noqa: E731
+    want = [ref[3] @ f("student_weight"), ref[3].T @ f("student_input"), ref[3].sum(0)]
+    rounded = [floor[3] @ f("student_weight"), floor[3].T @ f("student_input"), floor[3].sum(0)]
+    eps = {"float32": 1e-5, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
+    # float32 G: its sums' rounding beside the float64 reference's. (A sharp row, whose KL is
+    # hundreds of bits at temperature 0.05, needs its h and KL taken relative to a reference
+    # column to stay within this: row_math.cuh, "A sharp row".)
+    slack = 1e-4 * (dtype == "float32")
+    for got, w, r in zip(grads, want, rounded):
+        if got is not None:
+            assert rel_err(got, w) <= 4 * rel_err(r, w) + 2 * eps + slack, (rel_err(got, w), rel_err(r, w))
+

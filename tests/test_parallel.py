@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jsdgpu
-from conftest import BF16, DTYPES, make_case, rel_err, to_numpy, to_xp
+from conftest import BF16, DTYPES, assert_near_float64, make_case, rel_err, to_numpy, to_xp
 from jsdgpu import parallel
 
 
@@ -141,6 +141,19 @@ def test_sharded_equals_single_16bit(xp, rng, dtype):
     # 16-bit gradients: reduction-order differences may flip a rounding of G or of the output
     eps = 2.0**-8 if dtype == BF16 else 2.0**-11
     assert_matches_single(case, xp, [0, 258, 515], 2 * eps, beta=0.5, temperature=2.0)
+
+
+@pytest.mark.parametrize("beta", [0.5, 1.0])
+def test_sharded_sharp_rows_against_float64(xp, rng, beta):
+    """Sharp rows (temperature 0.05, logits of std 40: a KL of hundreds of bits) split over
+    three ranks: reverse KL's reference column is the largest student logit of all the ranks',
+    and the gradients stay as close to float64 as the single-shard call's (conftest's bound)."""
+    case = make_case(rng, T=7, vs=401, vt=437, bias=True, ignored=0.2, logit_std=40.0)
+    opts = dict(beta=beta, temperature=0.05, weight_hard_loss=0.3, weight_soft_loss=0.7)
+    ranks = sharded(split(case, [0, 131, 260, 437]), xp, chunk_size=4, grad_weight_float32=True, **opts)
+    loss, hard, soft, grad_input = ranks[0][:4]
+    grad_weight, grad_bias = (np.concatenate([r[k] for r in ranks]) for k in (4, 5))
+    assert_near_float64(case, "float32", opts, loss, hard, soft, (grad_input, grad_weight, grad_bias))
 
 
 def test_a_rank_without_labels(xp, rng):

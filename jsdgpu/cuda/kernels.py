@@ -138,8 +138,8 @@ def launch_phase(phase, row_inputs, opts, only, *more_args):
 
 
 def phase_stats(row_inputs, opts, only=None):
-    """stats [7, rows] of this rank's columns (phase_rows.cu); row_inputs: _row_args' arrays."""
-    stats = cupy.empty((7, len(row_inputs[4])), np.float32)
+    """stats [8, rows] of this rank's columns (phase_rows.cu); row_inputs: _row_args' arrays."""
+    stats = cupy.empty((8, len(row_inputs[4])), np.float32)
     launch_phase(sources.phase_stats(), row_inputs, opts, only, stats)
     return stats
 

@@ -6,10 +6,13 @@
 // of THREADS per row, 16-byte loads, partial sums merged in a fixed order. Instantiated by
 // jsdgpu/cuda/kernels.py (THREADS stated there).
 //
-// stats [7, rows]: the maxima of s, z and t; the sums of exp(x - max) of s, z (with this
-// rank's pad columns) and t; the target logit where this rank owns the label (else 0).
+// stats [8, rows]: the maxima of s, z and t; the sums of exp(x - max) of s, z (with this
+// rank's pad columns) and t; the target logit where this rank owns the label (else 0); the t of
+// the column of the largest s (the reference column of a sharp row in reverse KL: row_math.cuh;
+// combined over the ranks, the t of the rank that holds the largest s).
 // kl [5, rows]: a, b (by precise_kl_terms: no cancellation), the sums of p and of q, and the fast
-// form of a (the gradient's: precise_kl_terms). target: the label's column in this
+// form of a (the gradient's: precise_kl_terms; in reverse KL relative to the reference column,
+// kl_rel). target: the label's column in this
 // rank's shard, -1 where not owned (or none). only: null, or the rows to work on (only[row] != 0),
 // the others left as they are: the rows the fused kernel left to these (redo_rows).
 #include "reduce.cuh"
@@ -68,6 +71,7 @@ __global__ void __launch_bounds__(THREADS) phase_stats(PHASE_ROW_ARGS, float* st
     if (tempered) st.z = lse_merge(st.z, lse_of4(s, inv_temp, cs));
     st.t = lse_merge(st.t, lse_of4(t, inv_temp, ct));
     if (y >= i && y < i + cs) st.target_logit = s[y - i];
+    for (int k = 0; k < cs; ++k) ref_take(st, s[k], t[k]);
   }
   Stats r = block_merge<THREADS>(st, stats_empty(), stats_warp_merge, stats_warp_merge);
   if (threadIdx.x == 0) {
@@ -76,8 +80,8 @@ __global__ void __launch_bounds__(THREADS) phase_stats(PHASE_ROW_ARGS, float* st
       Lse pad = {0.0f, (float)(vt - vs)};
       r.z = lse_merge(r.z, pad);
     }
-    const float v[7] = {r.s.m, r.z.m, r.t.m, r.s.s, r.z.s, r.t.s, r.target_logit};
-    for (int k = 0; k < 7; ++k) stats[k * (long long)rows + row] = v[k];
+    const float v[8] = {r.s.m, r.z.m, r.t.m, r.s.s, r.z.s, r.t.s, r.target_logit, r.ref_t};
+    for (int k = 0; k < 8; ++k) stats[k * (long long)rows + row] = v[k];
   }
 }
 
@@ -94,12 +98,22 @@ __device__ __forceinline__ RowMath phase_row_math(const float* stats, long long 
   return r;
 }
 
+// The RowMath the gradient's h and kl take: in reverse KL, lse_t2 less the h of the reference
+// column (the largest s, whose t is stats[7]), so that a sharp row's kl is a sum of small terms
+// ("A sharp row", row_math.cuh); the row's own elsewhere
+__device__ __forceinline__ RowMath gradient_row_math(int mode, RowMath r, const float* stats, long long row,
+                                                     int rows) {
+  if (mode == REVERSE_KL) r.lse_t2 = shifted_lse_t2(stats[row], stats[7 * (long long)rows + row], r.scale2, r.lse_z2,
+                                                    r.lse_t2);
+  return r;
+}
+
 // Phase 2: this thread's part of the row's KL sums a and b.
 template <int THREADS>
 struct KlSums {
   const float *srow, *trow, *bias_s, *bias_t;
   int vs, vt;
-  RowMath rm;
+  RowMath rm, rm_grad;  // the row's, and gradient_row_math's
   float4 sums;  // a, b, and the sums of p and of q
   float fast_a;
 
@@ -109,9 +123,10 @@ struct KlSums {
       float s[4], t[4];
       load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
       for (int k = 0; k < 4 && i + k < vt; ++k) {
-        const PreciseTerms terms = precise_kl_terms<MODE>(i + k < vs ? s[k] : 0.0f, t[k], rm);
+        const float sk = i + k < vs ? s[k] : 0.0f;
+        const PreciseTerms terms = precise_kl_terms<MODE>(sk, t[k], rm);
         sums = make_float4(sums.x + terms.a, sums.y + terms.b, sums.z + terms.p, sums.w + terms.q);
-        fast_a += terms.fast_a;
+        fast_a += MODE == REVERSE_KL ? kl_terms<MODE>(sk, t[k], rm_grad).a : terms.fast_a;
       }
     }
   }
@@ -122,9 +137,9 @@ __global__ void __launch_bounds__(THREADS)
     phase_kl(PHASE_ROW_ARGS, int mode, float beta, float one_minus_beta, const float* stats, float* kl) {
   const long long row = blockIdx.x;
   if (only != nullptr && !only[row]) return;
-  KlSums<THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, vt,
-                       phase_row_math(stats, row, rows, inv_temp, beta, one_minus_beta, 0.0f, 0.0f),
-                       make_float4(0.0f, 0.0f, 0.0f, 0.0f), 0.0f};
+  const RowMath rm = phase_row_math(stats, row, rows, inv_temp, beta, one_minus_beta, 0.0f, 0.0f);
+  KlSums<THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, vt, rm,
+                       gradient_row_math(mode, rm, stats, row, rows), make_float4(0.0f, 0.0f, 0.0f, 0.0f), 0.0f};
   mode_dispatch(mode, f);
   const float4 sums = block_merge<THREADS>(f.sums, make_float4(0.0f, 0.0f, 0.0f, 0.0f), sums_warp_merge<32, float4>,
                                            sums_warp_merge<tree_lanes(THREADS / 32), float4>);
@@ -142,7 +157,7 @@ struct Finish {
   const float *srow, *trow, *bias_s, *bias_t;
   int vs, y;
   long long row;
-  RowMath rm;
+  RowMath rm, rm_grad;  // the row's, and gradient_row_math's
   float target_logit;
   float4 sums;  // phase_kl's, over every rank
   float fast_a;
@@ -172,7 +187,7 @@ struct Finish {
       if (i >= vs) continue;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const KlTerms terms = kl_terms<MODE>(s[k], t[k], rm);
+        const KlTerms terms = kl_terms<MODE>(s[k], t[k], rm_grad);
         // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns
         g[k] = grad_value<MODE, false>(softmax_of(s[k], rm), terms.p, terms.h, i + k == y && !label_apart, kl, rm);
       }
@@ -189,10 +204,9 @@ __global__ void __launch_bounds__(THREADS)
                  float* label_terms) {
   const long long row = blockIdx.x;
   if (only != nullptr && !only[row]) return;
-  Finish<OUT, THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, target[row], row,
-                            phase_row_math(stats, row, rows, inv_temp, beta, one_minus_beta, w_hard,
-                                           w_soft_over_t),
-                            stats[6 * (long long)rows + row],
+  const RowMath rm = phase_row_math(stats, row, rows, inv_temp, beta, one_minus_beta, w_hard, w_soft_over_t);
+  Finish<OUT, THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, target[row], row, rm,
+                            gradient_row_math(mode, rm, stats, row, rows), stats[6 * (long long)rows + row],
                             make_float4(kl[row], kl[rows + row], kl[2 * (long long)rows + row],
                                         kl[3 * (long long)rows + row]),
                             kl[4 * (long long)rows + row],

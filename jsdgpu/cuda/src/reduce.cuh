@@ -25,19 +25,33 @@ __device__ __forceinline__ Lse lse_shfl(Lse a, int lane_mask) {
 }
 
 // Row statistics: logsumexp of s (temperature 1), of z = s / temperature, of t / temperature,
-// and the target's logit (held by one thread; the others hold 0, so a sum finds it).
+// the target's logit (held by one thread; the others hold 0, so a sum finds it), and the largest
+// s with the t of its column (the largest t of the columns that hold it): reverse KL's reference
+// column (row_math.cuh, "A sharp row").
 struct Stats {
   Lse s, z, t;
   float target_logit;
+  float ref_s, ref_t;
 };
 
 __device__ __forceinline__ Stats stats_empty() {
-  Stats r = {{NEG_INF, 0.0f}, {NEG_INF, 0.0f}, {NEG_INF, 0.0f}, 0.0f};
+  Stats r = {{NEG_INF, 0.0f}, {NEG_INF, 0.0f}, {NEG_INF, 0.0f}, 0.0f, NEG_INF, NEG_INF};
   return r;
 }
 
+// (ref_s, ref_t) taken on by a column (s, t) with a larger s, or the same s and a larger t: the
+// same choice in any order of merging
+__device__ __forceinline__ void ref_take(Stats& st, float s, float t) {
+  if (s > st.ref_s || (s == st.ref_s && t > st.ref_t)) {
+    st.ref_s = s;
+    st.ref_t = t;
+  }
+}
+
 __device__ __forceinline__ Stats stats_merge(Stats a, Stats b) {
-  Stats r = {lse_merge(a.s, b.s), lse_merge(a.z, b.z), lse_merge(a.t, b.t), a.target_logit + b.target_logit};
+  Stats r = {lse_merge(a.s, b.s), lse_merge(a.z, b.z), lse_merge(a.t, b.t), a.target_logit + b.target_logit,
+             a.ref_s, a.ref_t};
+  ref_take(r, b.ref_s, b.ref_t);
   return r;
 }
 
@@ -46,7 +60,8 @@ __device__ __forceinline__ Stats stats_merge(Stats a, Stats b) {
 __device__ __forceinline__ Stats stats_warp_merge(Stats st) {
   for (int mask = 16; mask > 0; mask >>= 1) {
     Stats o = {lse_shfl(st.s, mask), lse_shfl(st.z, mask), lse_shfl(st.t, mask),
-               __shfl_xor_sync(0xffffffffu, st.target_logit, mask)};
+               __shfl_xor_sync(0xffffffffu, st.target_logit, mask), __shfl_xor_sync(0xffffffffu, st.ref_s, mask),
+               __shfl_xor_sync(0xffffffffu, st.ref_t, mask)};
     st = stats_merge(st, o);
   }
   return st;
