@@ -8,8 +8,10 @@ host before the first product"): measured by this script per release of the libr
     python experiments/host_time.py                 # T = 1024, all rows valid and half ignored
     python experiments/host_time.py --tokens 1024 8192 --valid 1 --capturable
     python experiments/host_time.py --valid 1 --parts --trace 3    # where that time goes
+    python experiments/host_time.py --waits synchronize spin none  # after each kind of wait
 
-Each step starts from an idle GPU (the device synchronized), as bench.py's steps do. The first
+Each step starts from an idle GPU (the device synchronized), as bench.py's steps do, unless
+--waits says otherwise. The first
 product is marked by jsdgpu.cuda.products.observing, a callback as each product is queued.
 """
 
