@@ -15,8 +15,9 @@ Working memory comes from CuPy's pool (the GPU's own allocations, beside XLA's):
 of the GPU's memory at start by default and the loss takes from the rest; its peak is
 docs/design.md's (about 1.3 GB at T = 1024 and 3 GB at T = 8192 at the benchmark shape). Where
 the rest is too little, lower XLA_PYTHON_CLIENT_MEM_FRACTION. XLA_PYTHON_CLIENT_PREALLOCATE=false
-also leaves room, but XLA then grows its own memory by device allocations as steps need it,
-which was measured to cost several times a step's time (README, "JAX").
+also leaves room, but XLA then grows its own memory by device allocations as steps need it:
+ten steps queued while the ten before them were held took four times as long a step
+(README, "JAX").
 
 Not supported yet: jax.vmap of the loss, and vocab parallelism (under shard_map or otherwise).
 """

@@ -124,4 +124,3 @@ def assert_near_float64(case, dtype, opts, loss, hard, soft, grads):
     for got, w, r in zip(grads, want, rounded):
         if got is not None:
             assert rel_err(got, w) <= 4 * rel_err(r, w) + 2 * eps + slack, (rel_err(got, w), rel_err(r, w))
-
