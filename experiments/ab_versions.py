@@ -18,10 +18,12 @@ valid and half ignored), 2048 and 8192 (half ignored). Run the versions in turns
 With --jax: the CuPy call and jax.jit(jax.value_and_grad(loss)) of jsdgpu.jax at T = 1024 and
 8192, all rows valid, each timed two ways: each call waited for (its wall time, the benchmark's
 measure), and ten calls back to back with one wait at the end (per call, the median of five
-rounds), as a training loop queues its steps.
+rounds), as a training loop queues its steps. --vocab sets both vocabularies (past 131072 the
+teacher's rows take the three phase kernels), --beta the divergence.
 """
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -32,6 +34,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("label", help="what to print before the times (the version's path)")
     p.add_argument("--jax", action="store_true", help="the CuPy call against the jitted JAX step")
+    p.add_argument("--vocab", type=int, default=128256,
+                   help="both vocabularies (past 131072 the teacher's takes the phase kernels)")
+    p.add_argument("--beta", type=float, default=0.5)
     a = p.parse_args()
     if a.jax:
         import os
@@ -41,7 +46,7 @@ def main():
 
     import jsdgpu
     bf16 = ml_dtypes.bfloat16
-    V, HS, HT = 128256, 2048, 4096
+    V, HS, HT = a.vocab, 2048, 4096
     rng = cupy.random.default_rng(0)
     ws = (rng.standard_normal((V, HS), dtype=np.float32) * (4 / HS**0.5)).astype(bf16)
     wt = (rng.standard_normal((V, HT), dtype=np.float32) * (4 / HT**0.5)).astype(bf16)
@@ -78,7 +83,7 @@ def main():
         target = cupy.asarray(target)
 
         def step():
-            jsdgpu.backward(jsdgpu.forward(xs, ws, xt, wt, target)[1])
+            jsdgpu.backward(jsdgpu.forward(xs, ws, xt, wt, target, beta=a.beta)[1])
         out.append(f"T={T} valid={valid}: {timed(step):.3f} ms")
         if a.jax:
             out.append(f"back to back {back_to_back(step, lambda r: cupy.cuda.Device().synchronize()):.3f} ms")
@@ -87,7 +92,7 @@ def main():
 
             from jsdgpu.jax import fused_linear_jsd_loss
             args = [jnp.from_dlpack(x) for x in (xs, ws, xt, wt, target)]
-            jitted = jax.jit(jax.value_and_grad(fused_linear_jsd_loss, argnums=(0, 1)))
+            jitted = jax.jit(jax.value_and_grad(functools.partial(fused_linear_jsd_loss, beta=a.beta), argnums=(0, 1)))
             out.append(f"jax: {timed(lambda: jax.block_until_ready(jitted(*args))):.3f} ms, back to back "
                        f"{back_to_back(lambda: jitted(*args), jax.block_until_ready):.3f} ms")
     print(a.label, "; ".join(out))
