@@ -6,8 +6,8 @@ mode"): the code after the capturable mode took 4.85-4.89 ms at T = 1024 where t
 On 2026-12-02 (docs/design.md, "The step's speed since the capturable mode"), c658ff5 against
 the code that queues the first products ahead of the rest: T = 1024 4.87 / 4.41 and 4.78 / 4.83
 ms, half ignored 2.79 / 2.58 and 2.79 / 2.59. With --jax (docs/design.md, "The front ends";
-three runs): back to back the jitted step took 1-4% less than the CuPy call at T = 1024 and
-0.2-0.7% less at T = 8192; each call waited for, -0.3% to +7% and -0.3% to +1.2%.
+five runs): back to back the jitted step took 1-6% less than the CuPy call at T = 1024 and
+-0.7% to +0.6% at T = 8192; each call waited for, +1% to +7% and -1.6% to +3.3%.
 
     mkdir -p /tmp/old && git archive 682ba3f jsdgpu | tar -x -C /tmp/old
     for v in /tmp/old . /tmp/old .; do PYTHONPATH=$v python experiments/ab_versions.py $v; done
