@@ -99,9 +99,9 @@ def timeline(arrays, step, args):
     import cupy
     import jax
     import jax.numpy as jnp
+    import ml_dtypes
     import torch
     from jax.experimental.buffer_callback import buffer_callback
-    import ml_dtypes
     from torch.profiler import ProfilerActivity, profile
 
     import jsdgpu
@@ -161,12 +161,6 @@ def timeline(arrays, step, args):
         last_launch = api_calls[-1]["ts"] - r["ts"] if api_calls else float("nan")
         print(f"| {r['name']} | {r['dur']:.0f} | {work[0]['ts'] - r['ts']:.0f} | {reach - r['ts']:.0f} | {busy:.0f} "
               f"| {last_launch:.0f} | {gaps} |")
-    last = [r for r in ranges if r["name"] == "call jax 2"][0]
-    end = last["ts"] + last["dur"]
-    print("host CUDA calls in the last 1.5 ms of 'call jax 2' (µs from its start, duration, thread):")
-    for c in host_api:
-        if end - 1500 <= c["ts"] < end:
-            print(f"  {c['ts'] - last['ts']:.0f} +{c['dur']:.0f} {c['name']} tid {c['tid']}")
     # no profiler: each call waited for (median of 15), and ten back to back with one wait (three
     # rounds, each's results dropped before the next; then a round that keeps the last one's)
     queue["xla: x + 1"] = functools.partial(jax.jit(lambda x: x + 1), jnp.zeros(()))
@@ -212,6 +206,7 @@ def timeline(arrays, step, args):
             print(f"  {reach - r['ts']:.0f} .. {g['ts'] - r['ts']:.0f} before {g['name'][:40]}")
         reach = max(reach, g["ts"] + g["dur"])
     print(f"GPU: last work ends at {reach - r['ts']:.0f} µs")
+
 
 if __name__ == "__main__":
     main()
