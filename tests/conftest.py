@@ -84,13 +84,16 @@ def round_to(a, dtype):
     return np.asarray(a, dtype=dtype).astype(np.float64)
 
 
+def head_logits(case, who, dtype=np.float64):
+    """who's ("student" or "teacher") logits of a case, by a product in dtype."""
+    x, w, b = (case[f"{who}_{k}"] for k in ("input", "weight", "bias"))
+    out = x.astype(dtype) @ w.astype(dtype).T
+    return out if b is None else out + b.astype(dtype)
+
+
 def float64_logits(case):
     """The student's and teacher's logits of a case, in float64."""
-    def logits(who):
-        x, w, b = (case[f"{who}_{k}"] for k in ("input", "weight", "bias"))
-        out = x.astype(np.float64) @ w.astype(np.float64).T
-        return out if b is None else out + b.astype(np.float64)
-    return logits("student"), logits("teacher")
+    return head_logits(case, "student"), head_logits(case, "teacher")
 
 
 def assert_near_float64(case, dtype, opts, loss, hard, soft, grads):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jsdgpu
-from conftest import DTYPES, rel_err, to_numpy
+from conftest import DTYPES, head_logits, rel_err, to_numpy, to_xp
 from jsdgpu.reference import reference_logits, reference_topk, reference_topk_logits
 
 MODES = ("bucket", "renormalize")
@@ -41,23 +41,11 @@ def make_topk_case(rng, *, T=11, hs=16, vs=523, k=17, dtype=np.float32, bias=Tru
                 student_bias=(rng.standard_normal(vs) * 0.5).astype(dtype) if bias else None)
 
 
-def to_xp(case, xp):
-    return {k: None if v is None else xp.asarray(v) for k, v in case.items()}
-
-
-def student_logits(case):
-    f = lambda k: case[k].astype(np.float64)  # noqa: E731
-    bias = 0.0 if case["student_bias"] is None else f("student_bias")
-    return f("student_input") @ f("student_weight").T + bias
-
-
 def float32_logits(case):
     """The student's logits by a float32 product, as the library forms them (to float32's
     accumulated rounding: at temperature 0.05 the gradient magnifies a logit's error twentyfold,
     and a sharp row's log-ratios multiply it again)."""
-    f = lambda k: case[k].astype(np.float32)  # noqa: E731
-    bias = 0.0 if case["student_bias"] is None else f("student_bias")
-    return f("student_input") @ f("student_weight").T + bias
+    return head_logits(case, "student", np.float32)
 
 
 def check_against_reference(xp, case, opts, missing_mass, dtype, chunk_size=None, sharp=0.0):
@@ -66,7 +54,7 @@ def check_against_reference(xp, case, opts, missing_mass, dtype, chunk_size=None
     dtype's) rounding of the results."""
     loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp), missing_mass=missing_mass, chunk_size=chunk_size, **opts)
     grads = jsdgpu.backward(ctx)
-    s = student_logits(case)
+    s = head_logits(case, "student")
     args = (case["teacher_indices"], case["teacher_logprobs"], case["target"], missing_mass)
     ref = reference_topk_logits(s, *args, **opts)
     floor = reference_topk_logits(float32_logits(case), *args, **opts)
