@@ -21,9 +21,14 @@ _BRIDGES = {"torch": "jsdgpu.torch", "jax": "jsdgpu.jax", "jaxlib": "jsdgpu.jax"
 
 def _bridge_for(arrays):
     """The bridge module (jsdgpu.torch or jsdgpu.jax) for framework tensors, or None."""
-    for a in arrays.values():
-        if a is not None and checks.array_kind(a) is None:
-            root = type(a).__module__.split(".")[0]
+    return _bridge_for_types(tuple(map(type, arrays.values())))
+
+
+@functools.lru_cache(maxsize=64)
+def _bridge_for_types(types):
+    for t in types:
+        if t is not type(None) and checks.array_kind_of_type(t) is None:
+            root = t.__module__.split(".")[0]
             if root in _BRIDGES:
                 return importlib.import_module(_BRIDGES[root])
     return None

@@ -137,8 +137,8 @@ class Backend(Protocol):
     def topk_gradient_rows(self, work, g_rows):
         """G's memory for g_rows rows, apart from the logits."""
 
-    def head_logits(self, work, xs):
-        """The chunk's logits of the head of topk_prepare."""
+    def head_logits(self, work, xs, at=0):
+        """The logits of rows [at, at + len(xs)) of the chunk, of the head of topk_prepare."""
 
     def topk_rows(self, work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms):
         """The top-k row work: the rows' CE and soft part and, where G is not None, G."""

@@ -1,6 +1,8 @@
 """The arrays' checks of docs/contract.md ("Bad input"), made before any loss work starts (the
 options' are jsdgpu.options')."""
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -11,9 +13,14 @@ ARRAY_NAMES = ("student_input", "student_weight", "teacher_input", "teacher_weig
 
 def array_kind(a):
     """'numpy', 'cupy' or None (not an array this core takes directly)."""
-    if isinstance(a, np.ndarray):
+    return array_kind_of_type(type(a))
+
+
+def array_kind_of_type(t):
+    """array_kind of an object of type t."""
+    if issubclass(t, np.ndarray):
         return "numpy"
-    if type(a).__module__.startswith("cupy"):
+    if t.__module__.startswith("cupy"):
         return "cupy"
     return None
 
@@ -27,6 +34,38 @@ def gpu_available():
         return False
 
 
+def _signature(a):
+    """What the checks of an array depend on: its kind, shape, dtype and device (None for None;
+    the type alone for what is not an array the checks take, which they reject)."""
+    if a is None:
+        return None
+    kind = array_kind(a)
+    if kind is None:
+        return type(a)
+    return kind, a.shape, a.dtype, a.data.device_id if kind == "cupy" else None
+
+
+def once_per_signature(check):
+    """check(arrays), run once per signature of the arrays (their names, kinds, shapes, dtypes
+    and devices, all it depends on) that passes: the checks took a fifth of a default call's
+    host time before its first product (docs/design.md, "The host before the first product").
+    A signature that fails is checked, and raises, every time."""
+    passed = {}  # signature -> the kind check returned (a bounded memo: cleared when full)
+
+    @functools.wraps(check)
+    def checked(arrays):
+        key = tuple((name, _signature(a)) for name, a in arrays.items())
+        kind = passed.get(key)
+        if kind is None:
+            kind = check(arrays)
+            if len(passed) >= 64:
+                passed.clear()
+            passed[key] = kind
+        return kind
+    return checked
+
+
+@once_per_signature
 def check_arrays(arrays):
     """arrays: dict name -> array (biases may be None). Returns the kind, 'numpy' or 'cupy'.
 
@@ -70,7 +109,7 @@ def _kind(arrays):
         raise ValueError(f"a mix of host and device arrays: {', '.join(host)} on the host, "
                          "the rest on the GPU")
     if kind == "cupy":
-        devices = {name: arrays[name].device.id for name in kinds}
+        devices = {name: arrays[name].data.device_id for name in kinds}
         if len(set(devices.values())) > 1:
             where = ", ".join(f"{name} on GPU {d}" for name, d in devices.items())
             raise ValueError(f"arrays on different devices: {where}")
@@ -121,6 +160,7 @@ def _check_float(arrays, names):
             raise TypeError(f"{name} has unsupported dtype {a.dtype}; use bfloat16, float16 or float32")
 
 
+@once_per_signature
 def check_topk_arrays(arrays):
     """The top-k loss's arrays (student_input, student_weight, teacher_indices, teacher_logprobs,
     target, student_bias): kinds, devices, ranks, shapes and dtypes. Returns the kind. The ids'
@@ -144,6 +184,7 @@ def check_topk_arrays(arrays):
     return kind
 
 
+@once_per_signature
 def check_teacher_arrays(arrays):
     """teacher_topk's arrays (teacher_input, teacher_weight, teacher_bias). Returns the kind."""
     kind = _kind(arrays)

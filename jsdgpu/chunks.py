@@ -24,6 +24,7 @@ G is written without the 1/N of the mean: it stays O(1), which keeps float16 G c
 underflow, and 1/N goes into the matrix products' alpha.
 """
 
+import functools
 import threading
 
 import numpy as np
@@ -51,6 +52,7 @@ def _split(n_rows, most):
     return (aligned if n_chunks > 1 and aligned <= most else rows), n_chunks
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of its numbers, met again call after call
 def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, chunk_g_bytes, memory_budget):
     """(rows per chunk, hold_g) for n_rows > 0 rows, with logits_bytes per row of a chunk, g_bytes
     per row of G held for all rows and chunk_g_bytes per row of G held per chunk (0 without
@@ -117,12 +119,8 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
     parallel.py, and the first product of each shape class in a process, jsdgpu.cuda.products).
     So that the GPU does not idle while the host sets the call up and reads the selection, the
     first products are the call's first GPU work, queued with as little host work before them as
-    there can be (docs/design.md, "The host before the first product"): a capturable call's
-    first chunk (its rows are the call's own); a default call's first HEAD_ROWS rows as they are,
-    where the last default call's were all valid (kept where these are too, else computed again),
-    and otherwise its first HEAD_ROWS selected rows, gathered on the device from the selection
-    kernel's output before the host reads it. The buffers are made for the most rows the call
-    can have, the chunks cut once their count is known.
+    there can be (queue_head). The buffers are made for the most rows the call can have, the
+    chunks cut once their count is known.
     """
     xp = backend.xp
     comm = None if shard is None else shard.comm
@@ -133,29 +131,17 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
     per_row = backend.bytes_per_row(*widest, ws.dtype, compute_grad, fused=comm is None)
     most = min(plan_chunks(n_all, chunk_size, *per_row, memory_budget)[0], n_all) if n_all else 0
     work = backend.prepare(ws, wt, bs, bt, most, fused=comm is None) if n_all else None
-    head_rows = most if capturable else min(HEAD_ROWS, most)
-    as_they_are = n_all and (capturable or getattr(_last_head, "valid", True))
-    head = head_rows if as_they_are else 0
-    if head:
-        backend.logits(work, xs[:head], xt[:head])
-    selection = select()
-    if capturable:
-        rows = selection
-    else:
-        if n_all and not head:  # the first selected rows' products, queued before the selection is read
-            head = head_rows
-            backend.logits(work, *backend.take_rows(selection.rows[:head], xs, xt))
-        rows = selection.wait(normalizer)
-        if n_all:
-            _last_head.valid = rows.leading >= head_rows
-            if as_they_are and not _last_head.valid:  # not the first selected rows: the loop computes them
-                head = 0
+    head, rows = queue_head(backend, functools.partial(backend.logits, work), xs, xt, most, select, capturable,
+                            normalizer)
     if rows.valid_rows is not None:
         xs, xt = backend.take_rows(rows.valid_rows, xs, xt)
     target, inv_n = rows.target, rows.inv_n
     n_rows = xs.shape[0]
     chunk, hold_g = plan_chunks(n_rows, chunk_size, *per_row, memory_budget) if n_rows else (0, False)
     chunk = min(chunk, most)  # the buffers' rows (the plan for fewer rows may cut longer chunks)
+    if head < min(chunk, n_rows):  # the rest of the first chunk's products, queued before the host
+        # makes the call's other buffers: the GPU runs them meanwhile, where it would idle
+        backend.logits(work, xs[head:chunk], xt[head:chunk], at=head)
     G_all = None
     if compute_grad and n_rows:
         G_all = backend.gradient_rows(work, n_rows if hold_g else chunk, own_g=hold_g)
@@ -166,9 +152,8 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
     ce, jsd, grads, label_terms = row_outputs(xp, n_rows, hs, vs, hold_g, bs is not None, compute_grad)
     for start in range(0, n_rows, chunk or 1):
         stop = min(start + chunk, n_rows)
-        done = min(head, stop) if start == 0 else 0  # the head's logits, queued above
-        if start + done < stop:
-            backend.logits(work, xs[start + done:stop], xt[start + done:stop], at=done)
+        if start:  # the first chunk's products are queued above
+            backend.logits(work, xs[start:stop], xt[start:stop])
         G = chunk_g(G_all, hold_g, start, stop)
         _row_work(backend, work, comm, target[start:stop], opts, ce[start:stop], jsd[start:stop],
                   G, None if label_terms is None else label_terms[start:stop])
@@ -181,6 +166,40 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
         comm.allreduce(grads.grad_input, "sum")
     hard, soft = row_means(xp, ce, jsd, inv_n, target if rows.masked else None)
     return hard, soft, grads, rows
+
+
+def queue_head(backend, products, xs, other, most, select, capturable, normalizer):
+    """Queue the call's first products, then select its rows: (head, Rows), head the rows of
+    the first chunk whose products are queued (the caller queues the rest of that chunk's once
+    it knows the rows, before it makes its other buffers). products(xs, other):
+    the products of those rows of xs (and of other, the teacher's input or the top-k's ids: the
+    rows that go with them) into the chunk's first rows. select(): run's. most: the rows of the
+    largest chunk.
+
+    A capturable call's head is its first chunk (its rows are the call's own). A default call's
+    is its first HEAD_ROWS rows as they are, where the thread's last default call had those all
+    valid (kept where these are too, else head 0: the loop computes them again), or else its
+    first HEAD_ROWS selected rows, gathered on the device from the selection kernel's output;
+    either way queued before the host reads the selection, so that the GPU runs them while the
+    host waits (docs/design.md, "The host before the first product")."""
+    n_all = xs.shape[0]
+    head_rows = most if capturable else min(HEAD_ROWS, most)
+    as_they_are = n_all and (capturable or getattr(_last_head, "valid", True))
+    head = head_rows if as_they_are else 0
+    if head:
+        products(xs[:head], other[:head])
+    selection = select()
+    if capturable:
+        return head, selection
+    if n_all and not head:  # the first selected rows' products, queued before the selection is read
+        head = head_rows
+        products(*backend.take_rows(selection.rows[:head], xs, other))
+    rows = selection.wait(normalizer)
+    if n_all:
+        _last_head.valid = rows.leading >= head_rows
+        if as_they_are and not _last_head.valid:  # not the first selected rows: the loop computes them
+            head = 0
+    return head, rows
 
 
 def row_outputs(xp, n_rows, hs, vs, hold_g, has_bias, compute_grad):

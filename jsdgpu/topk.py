@@ -12,7 +12,7 @@ import numpy as np
 
 from . import checks
 from .api import Context, backend_for, backward, bridged, runs_capturable, weighted_loss
-from .chunks import chunk_g, finish_gradients, plan_chunks, row_means, row_outputs
+from .chunks import chunk_g, finish_gradients, plan_chunks, queue_head, row_means, row_outputs
 from .options import split_options
 
 MISSING_MASS = ("bucket", "renormalize")
@@ -64,31 +64,43 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
         ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) below
         lq = xp.ascontiguousarray(arrays["teacher_logprobs"], dtype=np.float32)
         vs, hs = ws.shape
-        check = backend.topk_check(arrays["teacher_indices"], lq, vs, missing_mass == "bucket", capturable)
-        bad_topk_row = None
-        if capturable:  # every row computed, the ignored ones masked; a bad row makes 1/N NaN
-            rows = backend.mark_rows(arrays["target"], vs, opts.ignore_index, run_opts.num_valid_tokens)
-            rows.inv_n, bad_topk_row = check.poisoned(rows.inv_n, xs.shape[0])
+        n_all = xs.shape[0]
+        compute_grad = run_opts.compute_grad
+        budget = backend.default_memory_budget if run_opts.memory_budget is None else run_opts.memory_budget
+        per_row = backend.topk_bytes_per_row(vs, ws.dtype, compute_grad)
+        most = min(plan_chunks(n_all, run_opts.chunk_size, *per_row, budget)[0], n_all) if n_all else 0
+        work = backend.topk_prepare(ws, bs, most)  # the buffers for the most rows the call can have
+        launched = []
+
+        def select():  # the top-k's checks, then the rows (a default call reads both at one wait)
+            launched.append(backend.topk_check(arrays["teacher_indices"], lq, vs, missing_mass == "bucket",
+                                               capturable))
+            if capturable:  # every row computed, the ignored ones masked
+                return backend.mark_rows(arrays["target"], vs, opts.ignore_index, run_opts.num_valid_tokens)
+            return backend.select_rows(arrays["target"], vs, opts.ignore_index)
+        head, rows = queue_head(backend, lambda x, _: backend.head_logits(work, x), xs, ids, most, select,
+                                capturable, run_opts.normalizer)
+        check, bad_topk_row = launched[0], None
+        if capturable:  # a bad row makes 1/N NaN
+            rows.inv_n, bad_topk_row = check.poisoned(rows.inv_n, n_all)
             ids = xp.clip(ids, 0, vs - 1)  # a bad id (its row's results NaN) is read nowhere outside the row
-        else:  # the top-k's checks and the valid rows' selection, read at one wait
-            rows = backend.select_rows(arrays["target"], vs, opts.ignore_index).wait(run_opts.normalizer)
+        else:
             check.wait()
         if rows.valid_rows is not None:
             xs, ids = backend.take_rows(rows.valid_rows, xs, ids)
             lq = lq[rows.valid_rows]
         target, inv_n = rows.target, rows.inv_n
         n_rows = len(target)
-        compute_grad = run_opts.compute_grad
-        budget = backend.default_memory_budget if run_opts.memory_budget is None else run_opts.memory_budget
-        per_row = backend.topk_bytes_per_row(vs, ws.dtype, compute_grad)
         chunk, hold_g = plan_chunks(n_rows, run_opts.chunk_size, *per_row, budget) if n_rows else (0, False)
-        chunk = min(chunk, n_rows)
-        work = backend.topk_prepare(ws, bs, chunk)
+        chunk = min(chunk, most)  # the buffers' rows (the plan for fewer rows may cut longer chunks)
+        if head < min(chunk, n_rows):  # the rest of the first chunk's logits, before the other buffers (as run)
+            backend.head_logits(work, xs[head:chunk], at=head)
         G_all = backend.topk_gradient_rows(work, n_rows if hold_g else chunk) if compute_grad and n_rows else None
         ce, soft, grads, label_terms = row_outputs(xp, n_rows, hs, vs, hold_g, bs is not None, compute_grad)
         for start in range(0, n_rows, chunk or 1):
             stop = min(start + chunk, n_rows)
-            backend.head_logits(work, xs[start:stop])
+            if start:  # the first chunk's logits are queued above
+                backend.head_logits(work, xs[start:stop])
             G = chunk_g(G_all, hold_g, start, stop)
             backend.topk_rows(work, ids[start:stop], lq[start:stop], target[start:stop], opts, missing_mass,
                               ce[start:stop], soft[start:stop], G,

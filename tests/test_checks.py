@@ -94,6 +94,24 @@ def test_bad_input(xp, rng, name, mutate, options, error, words):
         assert np.array_equal(to_numpy(case[k]), v, equal_nan=True), k
 
 
+def test_checked_once_per_signature_but_bad_input_raises_every_time(xp, rng):
+    """The checks are skipped for arrays whose names, kinds, shapes, dtypes and devices passed
+    before (checks.once_per_signature), never for a signature that failed; and a signature of
+    arrays that passed is still checked where one of them changes."""
+    case = to_xp(make_case(rng, T=5), xp)
+    bad = dict(case, target=case["target"].astype(np.float32))
+    other_device_kind = dict(case, target=to_numpy(case["target"])) if xp is not np else None
+    for _ in range(2):
+        with pytest.raises(TypeError, match="target"):
+            jsdgpu.forward(**bad)
+        jsdgpu.forward(**case)  # passes, and its signature is kept
+        with pytest.raises(ValueError, match="student_input"):
+            jsdgpu.forward(**dict(case, student_input=case["student_input"][:, :-1]))
+        if other_device_kind is not None:
+            with pytest.raises(ValueError, match="host and device"):
+                jsdgpu.forward(**other_device_kind)
+
+
 def test_inputs_unchanged_after_a_good_call(xp, rng):
     case = to_xp(make_case(rng, T=9, bias=True, ignored=0.4, vt=1040), xp)
     before = {k: to_numpy(v).copy() for k, v in case.items()}

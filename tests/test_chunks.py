@@ -4,7 +4,7 @@ the reference's answer on both backends; and the chunk plan itself."""
 import pytest
 
 import jsdgpu
-from jsdgpu.chunks import ROW_ALIGN, plan_chunks
+from jsdgpu.chunks import HEAD_ROWS, ROW_ALIGN, plan_chunks
 from conftest import make_case, rel_err, to_xp
 
 
@@ -50,12 +50,12 @@ def test_plan_chunks():
     assert plan_chunks(100, None, 10, 2, 0, 1200) == (100, True)
 
 
-def test_head_as_the_rows_are_or_selected(xp, rng):
+@pytest.mark.parametrize("T,chunk", [(17, 5), (HEAD_ROWS + 44, None)])  # the head a chunk, or part of one
+def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
     """A default call's first chunk products come from its first rows as they are where the last
-    call's were all valid, else from its first selected rows (chunks.run): a run of calls whose
-    first rows are valid or not takes every path (kept, computed again, selected), and each gives
-    the reference's answer."""
-    T, chunk = 17, 5
+    call's were all valid, else from its first selected rows (chunks.queue_head): a run of calls
+    whose first rows are valid or not takes every path (kept, computed again, selected), and each
+    gives the reference's answer."""
     for first_ignored in (None, 2, None, 9, 9, 0, None):
         case = make_case(rng, T=T, bias=True, ignored=0.0)
         if first_ignored is not None:  # that row and some after the first chunk ignored

@@ -9,6 +9,7 @@ import pytest
 
 import jsdgpu
 from conftest import DTYPES, head_logits, rel_err, to_numpy, to_xp
+from jsdgpu.chunks import HEAD_ROWS
 from jsdgpu.reference import reference_logits, reference_topk, reference_topk_logits
 
 MODES = ("bucket", "renormalize")
@@ -127,6 +128,19 @@ def test_against_float64(xp, rng, dtype, missing_mass, beta):
     opts = dict(beta=beta, temperature=float(rng.choice([0.7, 1.0, 2.0])), weight_hard_loss=0.3,
                 weight_soft_loss=0.7)
     check_against_reference(xp, case, opts, missing_mass, DTYPES[dtype], chunk_size=int(rng.integers(1, 6)))
+
+
+@pytest.mark.parametrize("T,chunk", [(17, 5), (HEAD_ROWS + 44, None)])  # the head a chunk, or part of one
+def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
+    """The first chunk's products come from the first rows as they are, where the last call's
+    were all valid, else from the first selected rows (chunks.queue_head, as the online loss's:
+    test_chunks): a run of calls whose first rows are valid or not takes every path (kept,
+    computed again, selected), and each gives the reference's answer."""
+    for first_ignored in (None, 2, None, 9, 9, 0, None):
+        case = make_topk_case(rng, T=T, ignored=0.0)
+        if first_ignored is not None:  # that row and some after the first chunk ignored
+            case["target"][[first_ignored, 12, 15]] = -100
+        check_against_reference(xp, case, dict(beta=0.4), "bucket", np.float32, chunk_size=chunk)
 
 
 SCALES, TEMPERATURES = (1.0, 8.0, 40.0), (0.05, 1.0, 50.0)

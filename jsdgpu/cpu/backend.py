@@ -168,9 +168,9 @@ class CpuBackend:
         return np.empty((g_rows, work.ws.shape[0]), np.float32)
 
     @staticmethod
-    def head_logits(work, xs):
-        """The chunk's logits, biased, into work.s."""
-        s = work.s[:xs.shape[0]]
+    def head_logits(work, xs, at=0):
+        """The logits of rows [at, at + len(xs)) of the chunk, biased, into work.s."""
+        s = work.s[at:at + xs.shape[0]]
         np.matmul(xs.astype(np.float32), work.ws.T, out=s)
         if work.bs is not None:
             s += work.bs

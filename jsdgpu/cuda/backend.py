@@ -4,6 +4,7 @@ stream; nothing in the chunk loop waits for the GPU, but the first product of ea
 a process, which times cuBLASLt's candidate algorithms (products.py)."""
 
 import dataclasses
+import functools
 
 import cupy
 import numpy as np
@@ -33,8 +34,9 @@ class CudaWork:
     logits_t: object
     ones: object         # [rows] of ones, for grad_bias's product (None without a student bias)
     fused: object        # the kernels.FusedKernel, or None: the three phase kernels run
-    row_counter: object  # the fused kernel's counter of rows handed out
-    redo_rows: object    # [rows] int32: the rows the fused kernel left to the phase kernels
+    # made by the fused kernel's first launch (after the call's first products), not by prepare:
+    row_counter: object = None  # its counter of rows handed out
+    redo_rows: object = None    # [rows] int32: the rows it left to the phase kernels
 
 
 class Selection:
@@ -148,6 +150,7 @@ class CudaBackend:
         return out
 
     @staticmethod
+    @functools.lru_cache(maxsize=64)
     def bytes_per_row(vs, vt, dtype, compute_grad, fused):
         """Bytes per row of the logits chunk, of G held for all rows, and of G per chunk (0
         where the fused kernel writes it over the logits; both 0 without gradients)."""
@@ -166,9 +169,7 @@ class CudaBackend:
             logits_s=cupy.empty((rows, leading_dim(vs)), np.float32),
             logits_t=cupy.empty((rows, leading_dim(vt)), np.float32),
             ones=cupy.ones(rows, ws.dtype) if bs is not None else None,
-            fused=kernels.fused_kernel(cupy.cuda.Device().id, ws.dtype) if fused else None,
-            row_counter=cupy.empty(1, np.int32) if fused else None,  # zeroed by each launch
-            redo_rows=cupy.empty(rows, np.int32) if fused else None)
+            fused=kernels.fused_kernel(cupy.cuda.Device().id, ws.dtype) if fused else None)
 
     @staticmethod
     def gradient_rows(work, g_rows, own_g):
@@ -198,6 +199,9 @@ class CudaBackend:
         kernels over the rows it left to them (kernels.PRECISE_BELOW): every other row returns
         from them at once."""
         rows = len(target)
+        if work.redo_rows is None:
+            work.row_counter = cupy.empty(1, np.int32)  # zeroed by each launch
+            work.redo_rows = cupy.empty(len(work.logits_s), np.int32)
         inputs = CudaBackend._row_inputs(work, target)
         redo = work.redo_rows[:rows]
         kernels.launch_fused_rows(work.fused, rows, *inputs, opts, ce, jsd, G, label_terms, work.row_counter, redo)
@@ -231,9 +235,10 @@ class CudaBackend:
         return cupy.empty((g_rows, leading_dim(work.ws.shape[0])), work.ws.dtype)
 
     @staticmethod
-    def head_logits(work, xs):
-        """The chunk's logits (unbiased: the kernels add the bias) into work.logits_s."""
-        products.logits(xs, work.ws, work.logits_s[:xs.shape[0]])
+    def head_logits(work, xs, at=0):
+        """The logits of rows [at, at + len(xs)) of the chunk (unbiased: the kernels add the bias)
+        into work.logits_s."""
+        products.logits(xs, work.ws, work.logits_s[at:at + xs.shape[0]])
 
     @staticmethod
     def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms):
