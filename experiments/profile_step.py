@@ -8,6 +8,8 @@ kernel 0.36.
 
     python experiments/profile_step.py                              # T = 1024 and 8192, fwd + bwd
     python experiments/profile_step.py --tokens 8192 --valid 1 0.5 --modes fwd_bwd fwd --kernels
+    python experiments/profile_step.py --topk 64 --kernels    # the top-k loss (jsdgpu.forward_topk)
+    python experiments/profile_step.py --tokens 1024 --gaps 8  # where the GPU idles, between which kernels
 
 Per step: the products (cuBLAS), the row kernels (fused_rows or phase_*), the other kernels and
 copies, the GPU's idle time from the first product to the step's last kernel, and the time from
@@ -34,7 +36,8 @@ def kind(event):
     name = event["name"]
     if event.get("cat") != "kernel":
         return "other"
-    if any(k in name for k in ("fused_rows", "phase_stats", "phase_kl", "phase_finish")):  # mangled or not
+    if any(k in name for k in ("fused_rows", "phase_stats", "phase_kl", "phase_finish",
+                               "topk_rows")):  # mangled or not
         return "rows"
     if any(k in name for k in ("gemm", "nvjet", "xmma", "cutlass", "splitKreduce")):
         return "products"
@@ -75,12 +78,44 @@ def summarize(events):
     return {k: v / 1e3 for k, v in busy.items()}, idle / 1e3, max(0.0, before) / 1e3
 
 
+def topk_step(sets, mode, k):
+    """fn(i): bench_topk.py's step (forward_topk, and backward in fwd_bwd) on set i, against
+    the top k of the set's teacher."""
+    import jsdgpu
+    from bench_topk import BETA, TEMPERATURE
+    topk = [jsdgpu.teacher_topk(xt, wt, k) for _, _, xt, wt, _ in sets]
+
+    def fn(i):
+        xs, ws, _, _, target = sets[i]
+        _, ctx = jsdgpu.forward_topk(xs, ws, *topk[i], target, beta=BETA, temperature=TEMPERATURE,
+                                     compute_grad=mode == "fwd_bwd")
+        if mode == "fwd_bwd":
+            jsdgpu.backward(ctx)
+    return fn
+
+
+def idle_gaps(events, shortest_us):
+    """[(µs from the step's first event, gap µs, the event before, the event after)] for each time
+    the GPU ran nothing for at least shortest_us."""
+    gaps, end, last = [], events[0]["ts"] + events[0]["dur"], events[0]["name"]
+    for e in events[1:]:
+        if e["ts"] - end >= shortest_us:
+            gaps.append((end - events[0]["ts"], e["ts"] - end, last, e["name"]))
+        if e["ts"] + e["dur"] >= end:
+            end, last = e["ts"] + e["dur"], e["name"]
+    return gaps
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--valid", type=float, nargs="+", default=[1.0], help="fractions of valid rows")
     p.add_argument("--modes", nargs="+", default=["fwd_bwd"], choices=["fwd_bwd", "fwd"])
     p.add_argument("--kernels", action="store_true", help="also list each step's kernels by total time")
+    p.add_argument("--gaps", type=float, metavar="US",
+                   help="also list each step's GPU idle gaps of at least US µs, between which kernels")
+    p.add_argument("--topk", type=int, metavar="K",
+                   help="the top-k loss against the benchmark teacher's top K (bench/bench_topk.py's step)")
     a = p.parse_args()
     import harness  # needs the GPU: after --help
     rng = np.random.default_rng(0)
@@ -90,11 +125,15 @@ def main():
         for valid in a.valid:
             sets = harness.make_sets(T, weights, rng, valid)
             for mode in a.modes:
-                fn = harness.impl_jsdgpu(sets, mode)
+                fn = harness.impl_jsdgpu(sets, mode) if a.topk is None else topk_step(sets, mode, a.topk)
                 ms = harness.time_ms(fn, len(sets), 3, 10)
                 events = profile_one(fn)
                 busy, idle, before = summarize(events)
                 rows.append((T, valid, mode, ms, busy, idle, before))
+                if a.gaps is not None:
+                    print(f"T = {T}, {valid:.0%} valid, {mode}: idle gaps of {a.gaps} µs or more")
+                    for start_us, gap, prev, nxt in idle_gaps(events, a.gaps):
+                        print(f"    at {start_us:8.1f} µs: {gap:6.1f} µs  after {prev[:60]}  before {nxt[:60]}")
                 if a.kernels:
                     total, count = collections.Counter(), collections.Counter()
                     for e in events:
