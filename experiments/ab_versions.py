@@ -7,7 +7,10 @@ On 2026-12-02 (docs/design.md, "The step's speed since the capturable mode"), c6
 the code that queues the first products ahead of the rest: T = 1024 4.87 / 4.41 and 4.78 / 4.83
 ms, half ignored 2.79 / 2.58 and 2.79 / 2.59. With --jax (docs/design.md, "The front ends";
 five runs): back to back the jitted step took 1-6% less than the CuPy call at T = 1024 and
--0.7% to +0.6% at T = 8192; each call waited for, +1% to +7% and -1.6% to +3.3%.
+-0.7% to +0.6% at T = 8192; each call waited for, +1% to +7% and -1.6% to +3.3%. With --topk 64
+(docs/design.md, "Top-k"; five pairs), the top-k loop with the first products queued ahead of
+its checks and selection against 8afdcab: T = 1024 -10% to +2%, half ignored -16% to -1%, T =
+8192 -2% to 0%.
 
     mkdir -p /tmp/old && git archive 682ba3f jsdgpu | tar -x -C /tmp/old
     for v in /tmp/old . /tmp/old .; do PYTHONPATH=$v python experiments/ab_versions.py $v; done
