@@ -312,7 +312,7 @@ def topk_rows(logits_s, bias_s, target, vs, ids, lq, opts, bucket, ce, soft, G, 
     rows, k = ids.shape
     if not rows:
         return
-    shared = _bitmap_bytes(vs) if bucket else 0
+    shared = sources.topk_ring_bytes() + (_bitmap_bytes(vs) if bucket else 0)
     kernel = _with_shared(function("topk_rows", sources.topk_rows(G.dtype if G is not None else np.float32)), shared)
     kernel((rows,), (sources.TOPK_THREADS,),
            (logits_s, np.int64(logits_s.shape[1]), _pointer(bias_s), target, np.int32(vs), ids, lq, np.int32(k),

@@ -49,6 +49,7 @@ SELECT_THREADS, SELECT_ITEMS = 1024, 8  # select_rows: one CTA, tiles of 8192 ta
 MARK_THREADS = 1024  # mark_rows: one CTA
 ORDER_THREADS = 128  # label_order: one thread per row, so that small T spreads over many SMs
 TOPK_THREADS = 256  # topk_rows, topk_check, teacher_topk: one CTA of these per row (topk_rows: 80 registers a thread, 3 CTAs per SM)
+TOPK_STAGES = 3  # topk_rows: batches of a row on their way at once (16 KiB each, in shared memory)
 
 
 def fused_rows(dtype, shape=FUSED):
@@ -101,8 +102,13 @@ def gather_rows(word_bytes):
     return f"gather_rows<{'uint4' if word_bytes == 16 else 'unsigned short'}>"
 
 
-def topk_rows(dtype):
-    return f"topk_rows<{FORMATS[np.dtype(dtype)]}, {TOPK_THREADS}>"
+def topk_rows(dtype, stages=TOPK_STAGES):
+    return f"topk_rows<{FORMATS[np.dtype(dtype)]}, {TOPK_THREADS}, {stages}>"
+
+
+def topk_ring_bytes(stages=TOPK_STAGES):
+    """topk_rows' shared memory for its batches of the row in flight (4 float4 groups a thread each)."""
+    return stages * 16 * 4 * TOPK_THREADS
 
 
 def topk_check(ids_dtype):

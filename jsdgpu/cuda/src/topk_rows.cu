@@ -7,6 +7,7 @@
 // scale2 = log2(e) / temperature); the k + 1 categories' math is in float64 and natural units:
 // per row it is a few thousand operations, and float64 keeps the gradient's u - u_bar free of
 // the cancellation that a near one-hot P would give in float32 (docs/design.md, "Top-k").
+#include "ptx.cuh"
 #include "reduce.cuh"
 #include "row_math.cuh"
 
@@ -259,14 +260,19 @@ struct RestGradient {
 // The gradient in the tempered logits z is p_j (u_j - u_bar), u_j the u of column j's category:
 // the rest's for every column that is no slot's id, written by the streaming pass; then the slots'
 // columns are written over by their own.
-template <int MODE, int OUT, int THREADS>
+template <int MODE, int OUT, int THREADS, int STAGES>
 __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long long lds, const float* __restrict__ bias_s,
                                           const int* __restrict__ target, int vs, const int* __restrict__ ids,
                                           const float* __restrict__ lq_in, int k, float scale2, int bucket,
                                           double beta, double one_minus_beta, float w_hard, float w_soft_over_t,
                                           float* __restrict__ ce_out, float* __restrict__ soft_out, void* G,
                                           long long ldg, float* __restrict__ label_terms) {
-  extern __shared__ unsigned bitmap[];
+  // Dynamic shared memory: the ring of STAGES batches of the row (BATCH columns each), then the
+  // slot bitmap (bucket)
+  constexpr int UNROLL = 4, BATCH = 4 * THREADS * UNROLL;
+  extern __shared__ float4 ring[];
+  unsigned* bitmap = reinterpret_cast<unsigned*>(ring + STAGES * BATCH / 4);
+  __shared__ unsigned long long bars[STAGES];  // a batch's bytes in its stage, one phase per use
   __shared__ float target_logit;
   const long long row = blockIdx.x;
   const float* srow = S + row * lds;
@@ -276,6 +282,25 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   const double scale2d = scale2;  // the float32 scale the streaming passes use, so both agree
   auto logit = [&](int column) { return srow[column] + (bias_s ? bias_s[column] : 0.0f); };
 
+  // The streaming passes read the row batch by batch from the ring: thread 0 keeps STAGES
+  // batches on their way (bulk copies, in the order the passes take them: the row, then again
+  // for the gradient), so that more of the row is in flight than the threads' registers hold,
+  // the first ones from here on, while the slots' bitmap is made.
+  // (copies() made where it is needed: held in a register, it left the kernel spilling)
+  const int batches = (vs + BATCH - 1) / BATCH;
+  auto copies = [&] { return G != nullptr ? 2 * batches : batches; };
+  auto copy_batch = [&](int n) {  // copy n (of the passes' batches in order) into stage n % STAGES
+    const int c0 = n % batches * BATCH;
+    const unsigned bytes = 16 * ((min(BATCH, vs - c0) + 3) / 4), bar = smem_addr(bars + n % STAGES);
+    mbar_expect_bytes(bar, bytes);
+    bulk_copy(smem_addr(ring + n % STAGES * (BATCH / 4)), srow + c0, bytes, bar);
+  };
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < STAGES; ++i) mbar_init(smem_addr(bars + i), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int n = 0; n < min(STAGES, copies()); ++n) copy_batch(n);
+  }
+
   if (bucket) {
     for (int w = threadIdx.x; w < (vs + 31) / 32; w += THREADS) bitmap[w] = 0u;
     __syncthreads();
@@ -283,18 +308,25 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
       if (rlq[c] != NEG_INF) atomicOr(bitmap + (rids[c] >> 5), 1u << (rids[c] & 31));
   }
   if (threadIdx.x == 0) target_logit = y >= 0 ? logit(y) : 0.0f;  // y = -1: a masked row (capturable)
-  __syncthreads();
+  __syncthreads();  // the bitmap, the target's logit and the ring's mbarriers are ready
 
-  // 1. the row statistics over the vocabulary, UNROLL float4 groups of a thread at a time (their
-  //    loads in flight together)
-  constexpr int UNROLL = 4;
-  auto batch = [&](int base, float4 (&x)[UNROLL]) {  // groups base + u 4 THREADS (-inf past vs), biased
+  // 1. the row statistics over the vocabulary, UNROLL float4 groups of a thread at a time
+  // batch n's groups base + u 4 THREADS (base: the thread's first column; -inf past vs), biased,
+  // from the ring; then, once every thread has them, the stage takes copy n + STAGES
+  auto batch = [&](int n, int base, float4 (&x)[UNROLL]) {
+    mbar_wait(smem_addr(bars + n % STAGES), n / STAGES & 1);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int i = base + 4 * THREADS * u;
-      x[u] = i < vs ? *reinterpret_cast<const float4*>(srow + i) : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+      x[u] = i < vs ? ring[n % STAGES * (BATCH / 4) + threadIdx.x + THREADS * u]
+                    : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
       if (i < vs && bias_s) x[u] = add4(x[u], *reinterpret_cast<const float4*>(bias_s + i));
       if (i < vs && i + 4 > vs) x[u] = fill(x[u], vs - i, 4, NEG_INF);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && n + STAGES < copies()) {
+      fence_proxy_async();  // the CTA's reads of the stage come before the copy's writes
+      copy_batch(n + STAGES);
     }
   };
   auto batch_slots = [&](int base) {  // bit 4 u + j: column j of group u is a slot's id
@@ -307,17 +339,24 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     return bits;
   };
   ThreadStats ts(scale2, bucket, scale2 != LOG2E);
-  for (int base = 4 * threadIdx.x; base < vs; base += 4 * THREADS * UNROLL) {
+  for (int n = 0; n < batches; ++n) {
+    const int base = n * BATCH + 4 * threadIdx.x;
     float4 x[UNROLL];
-    batch(base, x);
+    batch(n, base, x);
     ts.add(x, batch_slots(base));
   }
   float rest_sum = ts.sr;
   if (ts.rest_apart()) {  // rare: the rest far below the max; its sum again, against its own max
     rest_sum = 0.0f;
-    for (int base = 4 * threadIdx.x; base < vs; base += 4 * THREADS * UNROLL) {
+    for (int base = 4 * threadIdx.x; base < vs; base += BATCH) {  // from global memory: some threads only
       float4 x[UNROLL];
-      batch(base, x);
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int i = base + 4 * THREADS * u;
+        x[u] = i < vs ? *reinterpret_cast<const float4*>(srow + i) : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+        if (i < vs && bias_s) x[u] = add4(x[u], *reinterpret_cast<const float4*>(bias_s + i));
+        if (i < vs && i + 4 > vs) x[u] = fill(x[u], vs - i, 4, NEG_INF);
+      }
       const unsigned bits = batch_slots(base);
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
@@ -390,9 +429,10 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
                        bucket && MODE == FORWARD_KL ? -exp(lq_rest) : 0.0, scale2, w_hard, w_soft_over_t);
   void* grow = static_cast<char*>(G) + row * ldg * (OUT == OUT_F32 ? 4 : 2);
   const int label = label_apart ? -1 : y;  // where G takes the label's one-hot term
-  for (int base = 4 * threadIdx.x; base < vs; base += 4 * THREADS * UNROLL) {
+  for (int n = 0; n < batches; ++n) {
+    const int base = n * BATCH + 4 * threadIdx.x;
     float4 x[UNROLL];
-    batch(base, x);
+    batch(batches + n, base, x);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int i = base + 4 * THREADS * u;
@@ -419,7 +459,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   }
 }
 
-template <int OUT, int THREADS>
+template <int OUT, int THREADS, int STAGES>
 __global__ void __launch_bounds__(THREADS, 3) topk_rows(const float* S, long long lds, const float* bias_s,
                                                      const int* target, int vs, const int* ids, const float* lq,
                                                      int k, float scale2, int mode, int bucket, double beta,
@@ -427,7 +467,7 @@ __global__ void __launch_bounds__(THREADS, 3) topk_rows(const float* S, long lon
                                                      float* ce_out, float* soft_out, void* G, long long ldg,
                                                      float* label_terms) {
   mode_dispatch(mode, [&](auto m) {
-    topk_rows_body<decltype(m)::value, OUT, THREADS>(S, lds, bias_s, target, vs, ids, lq, k, scale2, bucket, beta,
+    topk_rows_body<decltype(m)::value, OUT, THREADS, STAGES>(S, lds, bias_s, target, vs, ids, lq, k, scale2, bucket, beta,
                                                      one_minus_beta, w_hard, w_soft_over_t, ce_out, soft_out, G,
                                                      ldg, label_terms);
   });
