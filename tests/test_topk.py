@@ -49,22 +49,51 @@ def float32_logits(case):
     return head_logits(case, "student", np.float32)
 
 
+def rest_slack(case, opts, missing_mass):
+    """How far float64 itself leaves the soft part undetermined: in reverse KL (beta = 1) with the
+    bucket, a row's part holds P_rest (log P_rest - log q_rest), and q_rest = 1 - sum q comes from
+    log sum q, whose float64 rounding (a few ulps of its largest term's size) is an error of
+    log q_rest of that over q_rest, large where the stored top-k hold nearly all the teacher's
+    mass. The rows' mean of P_rest times that, for 4 ulps; about 0 elsewhere."""
+    if missing_mass != "bucket" or opts.get("beta") != 1.0:
+        return 0.0
+    lq = case["teacher_logprobs"].astype(np.float64)
+    z = head_logits(case, "student") / opts.get("temperature", 1.0)
+    logp = z - z.max(axis=1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+    valid = np.flatnonzero(case["target"] != -100)
+    slack = 0.0
+    for row in valid:
+        used = lq[row] != -np.inf
+        q = lq[row][used]
+        m = q.max() if len(q) else 0.0
+        lse_q = m + np.log(np.exp(q - m).sum())
+        q_rest = -np.expm1(lse_q) if lse_q < 0 else 0.0
+        if q_rest > 0:
+            p_rest = max(0.0, 1.0 - np.exp(logp[row][case["teacher_indices"][row][used]]).sum())
+            slack += p_rest * 4 * 2.0**-52 * max(1.0, abs(m)) / q_rest
+    return slack / max(1, len(valid))
+
+
 def check_against_reference(xp, case, opts, missing_mass, dtype, chunk_size=None, sharp=0.0):
     """The loss, its parts and the gradients as the float64 reference's, about as close as the
     float64 math is on float32 logits of a float32 product (the floor), plus float32 (or the
-    dtype's) rounding of the results."""
+    dtype's) rounding of the results, and float64's own rounding where the loss is ill-conditioned
+    (rest_slack)."""
     loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp), missing_mass=missing_mass, chunk_size=chunk_size, **opts)
     grads = jsdgpu.backward(ctx)
     s = head_logits(case, "student")
     args = (case["teacher_indices"], case["teacher_logprobs"], case["target"], missing_mass)
     ref = reference_topk_logits(s, *args, **opts)
     floor = reference_topk_logits(float32_logits(case), *args, **opts)
-    for name, got, want, rounded in (("loss", loss, ref[0], floor[0]), ("soft", ctx.soft_loss, ref[2], floor[2]),
-                                     ("hard", ctx.hard_loss, ref[1], floor[1])):
+    slack = rest_slack(case, opts, missing_mass)
+    for name, got, want, rounded, open_by in (
+            ("loss", loss, ref[0], floor[0], opts.get("weight_soft_loss", 0.5) * slack),
+            ("soft", ctx.soft_loss, ref[2], floor[2], slack), ("hard", ctx.hard_loss, ref[1], floor[1], 0.0)):
         got = float(got)
         assert np.isfinite(got) == np.isfinite(want), (name, got, want)
         if np.isfinite(want):
-            tol = 4 * abs(rounded - want) + max(1e-5 * abs(want), 1e-9)
+            tol = 4 * abs(rounded - want) + max(1e-5 * abs(want), 1e-9) + open_by
             assert abs(got - want) <= tol, (name, got, want, abs(got - want), tol)
     assert float(ctx.soft_loss) >= 0.0
     if not np.isfinite(ref[0]):
