@@ -10,6 +10,7 @@ import pytest
 import jsdgpu
 from conftest import DTYPES, head_logits, rel_err, to_numpy, to_xp
 from jsdgpu.chunks import HEAD_ROWS
+from jsdgpu.options import DEFAULTS
 from jsdgpu.reference import reference_logits, reference_topk, reference_topk_logits
 
 MODES = ("bucket", "renormalize")
@@ -88,7 +89,7 @@ def check_against_reference(xp, case, opts, missing_mass, dtype, chunk_size=None
     floor = reference_topk_logits(float32_logits(case), *args, **opts)
     slack = rest_slack(case, opts, missing_mass)
     for name, got, want, rounded, open_by in (
-            ("loss", loss, ref[0], floor[0], opts.get("weight_soft_loss", 0.5) * slack),
+            ("loss", loss, ref[0], floor[0], opts.get("weight_soft_loss", DEFAULTS.weight_soft_loss) * slack),
             ("soft", ctx.soft_loss, ref[2], floor[2], slack), ("hard", ctx.hard_loss, ref[1], floor[1], 0.0)):
         got = float(got)
         assert np.isfinite(got) == np.isfinite(want), (name, got, want)
