@@ -96,6 +96,31 @@ def float64_logits(case):
     return head_logits(case, "student"), head_logits(case, "teacher")
 
 
+def assert_part_near(name, got, want, rounded, open_by=0.0):
+    """A loss part got about as close to float64's want as the float64 math itself is on the
+    logits rounded to float32 (rounded: the "floor"), plus float32 rounding of the result: 1e-5
+    relative (1e-9 absolute), plus open_by (what float64 itself leaves undetermined)."""
+    tol = 4 * abs(rounded - want) + max(1e-5 * abs(want), 1e-9) + open_by
+    assert abs(got - want) <= tol, (name, got, want, abs(got - want), tol)
+
+
+def assert_grads_near(case, G, G_floor, grads, dtype, slack=0.0):
+    """The student's gradients (grad_input, grad_weight, grad_bias; None without a bias) as the
+    reference's through its G (G @ Ws, G.T @ Xs, G.sum(0)), within 4 times the floor's (the same
+    through G_floor) relative error, plus 2 eps of the dtype (its name) and slack."""
+    f = lambda k: case[k].astype(np.float64)  # noqa: E731
+    want = [G @ f("student_weight"), G.T @ f("student_input"), G.sum(0)]
+    rounded = [G_floor @ f("student_weight"), G_floor.T @ f("student_input"), G_floor.sum(0)]
+    eps = {"float32": 1e-5, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
+    for name, got, w, r in zip(("grad_input", "grad_weight", "grad_bias"), grads, want, rounded):
+        if got is None:
+            assert case["student_bias"] is None
+            continue
+        got = to_numpy(got).astype(np.float64)
+        assert got.shape == w.shape
+        assert rel_err(got, w) <= 4 * rel_err(r, w) + 2 * eps + slack, (name, rel_err(got, w), rel_err(r, w))
+
+
 def assert_near_float64(case, dtype, opts, loss, hard, soft, grads):
     """The loss parts and the gradients (grad_input, grad_weight, grad_bias) about as close to
     the float64 reference as the float64 math itself is on the same logits rounded to float32
@@ -110,20 +135,10 @@ def assert_near_float64(case, dtype, opts, loss, hard, soft, grads):
                                      ("hard", hard, ref[1], floor[1])):
         got = float(to_numpy(got))
         assert np.isfinite(got), (name, got, want)
-        tol = 4 * abs(rounded - want) + max(1e-5 * abs(want), 1e-9)
-        assert abs(got - want) <= tol, (name, got, want, abs(got - want), tol)
+        assert_part_near(name, got, want, rounded)
     assert float(to_numpy(soft)) >= 0.0
-    grads = [None if g is None else to_numpy(g).astype(np.float64) for g in grads]
-    assert all(np.isfinite(g).all() for g in grads if g is not None)
-    # the gradients through G: G @ Ws, G.T @ Xs, G.sum(0), from the reference's G and the floor's
-    f = lambda k: case[k].astype(np.float64)  # noqa: E731
-    want = [ref[3] @ f("student_weight"), ref[3].T @ f("student_input"), ref[3].sum(0)]
-    rounded = [floor[3] @ f("student_weight"), floor[3].T @ f("student_input"), floor[3].sum(0)]
-    eps = {"float32": 1e-5, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
+    assert all(np.isfinite(to_numpy(g)).all() for g in grads if g is not None)
     # float32 G: its sums' rounding beside the float64 reference's. (A sharp row, whose KL is
     # hundreds of bits at temperature 0.05, needs its h and KL taken relative to a reference
     # column to stay within this: row_math.cuh, "A sharp row".)
-    slack = 1e-4 * (dtype == "float32")
-    for got, w, r in zip(grads, want, rounded):
-        if got is not None:
-            assert rel_err(got, w) <= 4 * rel_err(r, w) + 2 * eps + slack, (rel_err(got, w), rel_err(r, w))
+    assert_grads_near(case, ref[3], floor[3], grads, dtype, slack=1e-4 * (dtype == "float32"))
