@@ -36,10 +36,10 @@ from .backend import Gradients
 # tiles span 128 rows, and a chunk of 1366 rows left 3% of the last tiles' work idle
 ROW_ALIGN = 128
 # a default call's head: the products of its first rows, queued before the host reads the
-# selection (run). Two ROW_ALIGNs: the rest of a chunk cut at 128 rows left cuBLAS's 256-row
+# selection (queue_head). Two ROW_ALIGNs: the rest of a chunk cut at 128 rows left cuBLAS's 256-row
 # tiles half idle (docs/design.md, "The host before the first product")
 HEAD_ROWS = 2 * ROW_ALIGN
-# per thread: whether the last default call's first HEAD_ROWS rows were all valid (run)
+# per thread: whether the last default call's first HEAD_ROWS rows were all valid (queue_head)
 _last_head = threading.local()
 
 

@@ -211,8 +211,8 @@ class _SelectionOutput:
     bytes of page-locked host memory, which the kernel writes straight into (with unified
     addressing, CUDA maps it into the devices' address space at the same address), and an event
     recorded after the kernel, which the host waits on (not on the stream: the products queued
-    after the kernel run on). One per thread and device, made once (an allocation a call took
-    tens of µs inside a step)."""
+    after the kernel keep running). One per thread and device, made once (an allocation a call
+    took tens of µs inside a step)."""
 
     def __init__(self):
         self.view = np.frombuffer(cupy.cuda.alloc_pinned_memory(12), np.int32, 3)  # keeps it alive
@@ -241,8 +241,8 @@ def _ignore_args(ignore_index):
 class PendingSelection:
     """select_rows launched: rows [n] (the valid rows' indices first, in order; 0 past their count,
     so any prefix can be gathered before the count is known) and row_target [n] (their int32
-    targets). wait() waits for the kernel alone and returns (count, first bad row, first ignored
-    row), each row n where there is none."""
+    targets). wait() waits for the kernel (and what the stream holds before it: a head's products)
+    and returns (count, first bad row, first ignored row), each row n where there is none."""
 
     def __init__(self, targets, vocab, ignore_index):
         n = len(targets)
