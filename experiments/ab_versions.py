@@ -89,13 +89,12 @@ def main():
         target[np.random.default_rng(2).permutation(T)[:int(T * (1 - valid))]] = -100
         target = cupy.asarray(target)
 
-        def step():
-            jsdgpu.backward(jsdgpu.forward(xs, ws, xt, wt, target, beta=a.beta)[1])
-        if a.topk:
-            stored = jsdgpu.teacher_topk(xt, wt, a.topk)
+        stored = jsdgpu.teacher_topk(xt, wt, a.topk) if a.topk else None
 
-            def step():
-                jsdgpu.backward(jsdgpu.forward_topk(xs, ws, *stored, target, beta=a.beta)[1])
+        def step():
+            loss_ctx = (jsdgpu.forward_topk(xs, ws, *stored, target, beta=a.beta) if a.topk
+                        else jsdgpu.forward(xs, ws, xt, wt, target, beta=a.beta))
+            jsdgpu.backward(loss_ctx[1])
         out.append(f"T={T} valid={valid}: {timed(step):.3f} ms")
         if a.jax:
             out.append(f"back to back {back_to_back(step, lambda r: cupy.cuda.Device().synchronize()):.3f} ms")
