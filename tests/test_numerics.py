@@ -3,7 +3,7 @@ inputs give a finite loss wherever float64 is finite, the soft part is never neg
 small soft part keeps float32's relative precision).
 
 Three-way: the library's result must be about as close to the float64 reference as the float64
-math itself is on the same logits rounded to float32 (the "floor": what merely holding the
+math itself is on the logits of float32 products (the "floor": what making and holding the
 logits in float32, as the library does, costs), plus float32 rounding of the result: 1e-5
 relative, or 1e-9 absolute for soft parts below 1e-4.
 """

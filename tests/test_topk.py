@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import jsdgpu
-from conftest import DTYPES, assert_grads_near, assert_part_near, head_logits, rel_err, to_numpy, to_xp
+from conftest import (DTYPES, assert_grads_near, assert_part_near, float32_logits, head_logits, rel_err, to_numpy,
+                      to_xp)
 from jsdgpu.chunks import HEAD_ROWS
 from jsdgpu.options import DEFAULTS
 from jsdgpu.reference import reference_logits, reference_topk, reference_topk_logits
@@ -43,13 +44,6 @@ def make_topk_case(rng, *, T=11, hs=16, vs=523, k=17, dtype=np.float32, bias=Tru
                 student_bias=(rng.standard_normal(vs) * 0.5).astype(dtype) if bias else None)
 
 
-def float32_logits(case):
-    """The student's logits by a float32 product, as the library forms them (to float32's
-    accumulated rounding: at temperature 0.05 the gradient magnifies a logit's error twentyfold,
-    and a sharp row's log-ratios multiply it again)."""
-    return head_logits(case, "student", np.float32)
-
-
 def rest_slack(case, opts, missing_mass):
     """How far float64 itself leaves the soft part undetermined: in reverse KL (beta = 1) with the
     bucket, a row's part holds P_rest (log P_rest - log q_rest), and q_rest = 1 - sum q comes from
@@ -78,27 +72,28 @@ def rest_slack(case, opts, missing_mass):
 
 def check_against_reference(xp, case, opts, missing_mass, dtype, chunk_size=None, sharp=0.0):
     """The loss, its parts and the gradients as the float64 reference's, about as close as the
-    float64 math is on float32 logits of a float32 product (the floor), plus float32 (or the
-    dtype's) rounding of the results, and float64's own rounding where the loss is ill-conditioned
-    (rest_slack)."""
+    float64 math is on float32 logits (conftest.float32_logits: at temperature 0.05 the gradient
+    magnifies a logit's error twentyfold, and a sharp row's log-ratios multiply it again), plus
+    float32 (or the dtype's) rounding of the results, and float64's own rounding where the loss
+    is ill-conditioned (rest_slack)."""
     loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp), missing_mass=missing_mass, chunk_size=chunk_size, **opts)
     grads = jsdgpu.backward(ctx)
     s = head_logits(case, "student")
     args = (case["teacher_indices"], case["teacher_logprobs"], case["target"], missing_mass)
     ref = reference_topk_logits(s, *args, **opts)
-    floor = reference_topk_logits(float32_logits(case), *args, **opts)
+    floors = [reference_topk_logits(s32, *args, **opts) for s32 in float32_logits(case, "student")]
     slack = rest_slack(case, opts, missing_mass)
-    for name, got, want, rounded, open_by in (
-            ("loss", loss, ref[0], floor[0], opts.get("weight_soft_loss", DEFAULTS.weight_soft_loss) * slack),
-            ("soft", ctx.soft_loss, ref[2], floor[2], slack), ("hard", ctx.hard_loss, ref[1], floor[1], 0.0)):
+    for name, got, i, open_by in (("loss", loss, 0, opts.get("weight_soft_loss", DEFAULTS.weight_soft_loss) * slack),
+                                  ("soft", ctx.soft_loss, 2, slack), ("hard", ctx.hard_loss, 1, 0.0)):
+        want = ref[i]
         got = float(got)
         assert np.isfinite(got) == np.isfinite(want), (name, got, want)
         if np.isfinite(want):
-            assert_part_near(name, got, want, rounded, open_by)
+            assert_part_near(name, got, want, [f[i] for f in floors], open_by)
     assert float(ctx.soft_loss) >= 0.0
     if not np.isfinite(ref[0]):
         return  # an infinite divergence (below): its gradient is not defined
-    assert_grads_near(case, ref[3], floor[3], grads, np.dtype(dtype).name, slack=sharp)
+    assert_grads_near(case, ref[3], [f[3] for f in floors], grads, np.dtype(dtype).name, slack=sharp)
 
 
 @pytest.mark.parametrize("missing_mass", MODES)
