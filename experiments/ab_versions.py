@@ -10,7 +10,9 @@ five runs): back to back the jitted step took 1-6% less than the CuPy call at T 
 -0.7% to +0.6% at T = 8192; each call waited for, +1% to +7% and -1.6% to +3.3%. With --topk 64
 (docs/design.md, "Top-k"; five pairs), the top-k loop with the first products queued ahead of
 its checks and selection against 8afdcab: T = 1024 -10% to +2%, half ignored -16% to -1%, T =
-8192 -2% to 0%.
+8192 -2% to 0%. The head sized by the last call, the selection beside it on a side stream
+(docs/design.md, "The host before the first product"; four pairs) against a24723d: T = 1024
+-2.5%, half ignored -2.4%, T = 2048 half ignored -1.0%, T = 8192 no change; --topk 64 no change.
 
     mkdir -p /tmp/old && git archive 682ba3f jsdgpu | tar -x -C /tmp/old
     for v in /tmp/old . /tmp/old .; do PYTHONPATH=$v python experiments/ab_versions.py $v; done

@@ -10,6 +10,7 @@ kernel 0.36.
     python experiments/profile_step.py --tokens 8192 --valid 1 0.5 --modes fwd_bwd fwd --kernels
     python experiments/profile_step.py --topk 64 --kernels    # the top-k loss (jsdgpu.forward_topk)
     python experiments/profile_step.py --tokens 1024 --gaps 8  # where the GPU idles, between which kernels
+    python experiments/profile_step.py --topk 64 --tokens 8192 --steps 6  # per step, 6 back to back
 
 Per step: the products (cuBLAS), the row kernels (fused_rows or phase_*), the other kernels and
 copies, the GPU's idle time from the first product to the step's last kernel, and the time from
@@ -44,15 +45,17 @@ def kind(event):
     return "other"
 
 
-def profile_one(fn):
-    """The GPU events (kernels, copies, memsets) of one call of fn, by start time."""
+def profile_one(fn, steps=1):
+    """The GPU events (kernels, copies, memsets) of steps calls of fn queued back to back, by
+    start time."""
     import cupy
     import torch
     from torch.profiler import ProfilerActivity, profile
     for _ in range(2):  # the first profile of a process also times CUPTI's start-up: not kept
         cupy.cuda.Device().synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn(1)
+            for _ in range(steps):
+                fn(1)
             cupy.cuda.Device().synchronize()
     with tempfile.TemporaryDirectory() as d:
         path = pathlib.Path(d) / "trace.json"
@@ -63,9 +66,10 @@ def profile_one(fn):
                   key=lambda e: e["ts"])
 
 
-def summarize(events):
-    """ms by kind, idle ms from the first product on, ms from the step's first kernel's end to the
-    first product (the whole step where no row is valid)."""
+def summarize(events, steps=1):
+    """ms by kind and idle ms from the first product on, each per step (of steps back to back),
+    and ms from the first step's first kernel's end to its first product (the whole step where no
+    row is valid)."""
     busy = collections.Counter()
     first_product = next((e for e in events if kind(e) == "products"), events[-1])
     idle, end = 0.0, events[0]["ts"]
@@ -75,7 +79,7 @@ def summarize(events):
             idle += max(0.0, e["ts"] - end)
         end = max(end, e["ts"] + e["dur"])
     before = first_product["ts"] - (events[0]["ts"] + events[0]["dur"])
-    return {k: v / 1e3 for k, v in busy.items()}, idle / 1e3, max(0.0, before) / 1e3
+    return {k: v / 1e3 / steps for k, v in busy.items()}, idle / 1e3 / steps, max(0.0, before) / 1e3
 
 
 def topk_step(sets, mode, k):
@@ -114,6 +118,9 @@ def main():
     p.add_argument("--kernels", action="store_true", help="also list each step's kernels by total time")
     p.add_argument("--gaps", type=float, metavar="US",
                    help="also list each step's GPU idle gaps of at least US µs, between which kernels")
+    p.add_argument("--steps", type=int, default=1,
+                   help="profile this many steps back to back, each kind's time per step (at the clocks a "
+                        "sustained run holds: one step after an idle GPU may run at higher clocks)")
     p.add_argument("--topk", type=int, metavar="K",
                    help="the top-k loss against the benchmark teacher's top K (bench/bench_topk.py's step)")
     a = p.parse_args()
@@ -127,8 +134,8 @@ def main():
             for mode in a.modes:
                 fn = harness.impl_jsdgpu(sets, mode) if a.topk is None else topk_step(sets, mode, a.topk)
                 ms = harness.time_ms(fn, len(sets), 3, 10)
-                events = profile_one(fn)
-                busy, idle, before = summarize(events)
+                events = profile_one(fn, a.steps)
+                busy, idle, before = summarize(events, a.steps)
                 rows.append((T, valid, mode, ms, busy, idle, before))
                 if a.gaps is not None:
                     print(f"T = {T}, {valid:.0%} valid, {mode}: idle gaps of {a.gaps} µs or more")

@@ -66,9 +66,14 @@ class Backend(Protocol):
 
     def on_device(self, device) -> ContextManager: ...
 
-    def select_rows(self, target, vocab, ignore_index) -> Selection:
+    def mark(self):
+        """A point in the work queued so far (an event on the GPU, None on the CPU), for `after`."""
+
+    def select_rows(self, target, vocab, ignore_index, after=None) -> Selection:
         """The rows whose target is not ignore_index, being selected; a target outside [0, vocab)
-        that is not ignore_index makes wait() raise ValueError."""
+        that is not ignore_index makes wait() raise ValueError. after: a mark; the selection then
+        waits for the work queued before it, not for the work queued since (a head's products),
+        and so does wait()."""
 
     def mark_rows(self, target, vocab, ignore_index, num_valid_tokens) -> Rows:
         """Every row, masked where ignored, with no host wait (a capturable call); a bad target
@@ -123,9 +128,10 @@ class Backend(Protocol):
 
     # ---- offline distillation (jsdgpu.topk): one head's logits and the top-k row work ----
 
-    def topk_check(self, ids, lq, vocab, bucket):
-        """The checks of the teacher's top-k (checks.topk_problem's), started; its wait(), after
-        the selection's, raises checks.topk_error's ValueError for the first bad row."""
+    def topk_check(self, ids, lq, vocab, bucket, capturable, after=None):
+        """The checks of the teacher's top-k (checks.topk_problem's), started (after: as
+        select_rows'); its wait(), after the selection's, raises checks.topk_error's ValueError
+        for the first bad row."""
 
     def topk_bytes_per_row(self, vs, dtype, compute_grad):
         """(logits, G held for all rows, G per chunk) bytes per row of the top-k loss."""

@@ -35,12 +35,12 @@ from .backend import Gradients
 # chunks of several are cut to a multiple of this many rows where the budget allows: cuBLAS's
 # tiles span 128 rows, and a chunk of 1366 rows left 3% of the last tiles' work idle
 ROW_ALIGN = 128
-# a default call's head: the products of its first rows, queued before the host reads the
-# selection (queue_head). Two ROW_ALIGNs: the rest of a chunk cut at 128 rows left cuBLAS's 256-row
-# tiles half idle (docs/design.md, "The host before the first product")
+# the least rows of a default call's head: the products of its first rows, queued before the host
+# reads the selection (queue_head). Two ROW_ALIGNs: the rest of a chunk cut at 128 rows left
+# cuBLAS's 256-row tiles half idle (docs/design.md, "The host before the first product")
 HEAD_ROWS = 2 * ROW_ALIGN
-# per thread: whether the last default call's first HEAD_ROWS rows were all valid (queue_head)
-_last_head = threading.local()
+# per thread: the last default call's leading valid rows and valid rows' count (queue_head)
+_last_rows = threading.local()
 
 
 def _split(n_rows, most):
@@ -108,9 +108,10 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
         compute_grad, shard=None):
     """Compute the per-row losses and, with compute_grad, the gradient sums.
 
-    select(): the rows, called once the first products are queued: in a default call the
-    backend's select_rows (the valid rows, known once waited for), in a capturable one the Rows of
-    its mark_rows (every row computed, the ignored ones masked). normalizer(count): N, the divisor
+    select: the rows, called once the first products are queued: in a default call select(after),
+    the backend's select_rows (the valid rows, known once waited for; after: a backend.mark()
+    from before those products), in a capturable one select(), the Rows of its mark_rows (every
+    row computed, the ignored ones masked). normalizer(count): N, the divisor
     of the summed row losses. shard: under vocab parallelism, this rank's parallel.Shard (its
     weights and biases are then its shards of the vocabulary), else None. Returns (hard_loss,
     soft_loss, Gradients or None, Rows); the losses are 0-d float32 backend arrays.
@@ -168,37 +169,51 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
     return hard, soft, grads, rows
 
 
+def _head_rows(expected, most):
+    """A default call's head for `expected` rows whose products are right to queue before the
+    selection is read: the whole first chunk where they cover it, else rounded down to whole
+    ROW_ALIGNs (a product of whole tiles; the rest of the chunk follows once the rows are known),
+    at least HEAD_ROWS."""
+    if expected >= most:
+        return most
+    return min(most, max(HEAD_ROWS, expected // ROW_ALIGN * ROW_ALIGN))
+
+
 def queue_head(backend, products, xs, other, most, select, capturable, normalizer):
     """Queue the call's first products, then select its rows: (head, Rows), head the rows of
     the first chunk whose products are queued (the caller queues the rest of that chunk's once
     it knows the rows, before it makes its other buffers). products(xs, other):
     the products of those rows of xs (and of other, the teacher's input or the top-k's ids: the
-    rows that go with them) into the chunk's first rows. select(): run's. most: the rows of the
+    rows that go with them) into the chunk's first rows. select: run's. most: the rows of the
     largest chunk.
 
     A capturable call's head is its first chunk (its rows are the call's own). A default call's
-    is its first HEAD_ROWS rows as they are, where the thread's last default call had those all
-    valid (kept where these are too, else head 0: the loop computes them again), or else its
-    first HEAD_ROWS selected rows, gathered on the device from the selection kernel's output;
-    either way queued before the host reads the selection, so that the GPU runs them while the
-    host waits (docs/design.md, "The host before the first product")."""
+    head is sized by the thread's last default call: where that one's leading rows were valid
+    (HEAD_ROWS of them, or all), its head is its first rows as they are, as many as those leading
+    rows (kept as far as this call's own leading rows go; the loop computes the others again);
+    else its first selected rows, as many as the last call had valid, gathered on the device from
+    the selection kernel's output. Either way the products are queued before the host reads the
+    selection, and the selection runs beside them (backend.mark, select_rows' after), so that
+    the host's wait is for the selection alone and the GPU runs the head meanwhile, and while the
+    host queues what follows (docs/design.md, "The host before the first product")."""
     n_all = xs.shape[0]
-    head_rows = most if capturable else min(HEAD_ROWS, most)
-    as_they_are = n_all and (capturable or getattr(_last_head, "valid", True))
-    head = head_rows if as_they_are else 0
-    if head:
-        products(xs[:head], other[:head])
-    selection = select()
     if capturable:
-        return head, selection
-    if n_all and not head:  # the first selected rows' products, queued before the selection is read
-        head = head_rows
+        if n_all:
+            products(xs[:most], other[:most])
+        return most, select()
+    leading, count = getattr(_last_rows, "seen", (n_all, n_all))
+    as_they_are = leading >= min(HEAD_ROWS, most)
+    head = _head_rows(leading if as_they_are else count, most)
+    after = backend.mark()  # before the head: the selection waits for what was queued before it only
+    if n_all and as_they_are:
+        products(xs[:head], other[:head])
+    selection = select(after)
+    if n_all and not as_they_are:  # the first selected rows' products, queued before the selection is read
         products(*backend.take_rows(selection.rows[:head], xs, other))
     rows = selection.wait(normalizer)
     if n_all:
-        _last_head.valid = rows.leading >= head_rows
-        if as_they_are and not _last_head.valid:  # not the first selected rows: the loop computes them
-            head = 0
+        _last_rows.seen = (rows.leading, rows.count)
+        head = min(head, rows.leading if as_they_are else rows.count)  # the rows whose products are right
     return head, rows
 
 

@@ -72,12 +72,12 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
         work = backend.topk_prepare(ws, bs, most)  # the buffers for the most rows the call can have
         launched = []
 
-        def select():  # the top-k's checks, then the rows (a default call reads both at one wait)
+        def select(after=None):  # the top-k's checks, then the rows (a default call reads both at one wait)
             launched.append(backend.topk_check(arrays["teacher_indices"], lq, vs, missing_mass == "bucket",
-                                               capturable))
+                                               capturable, after))
             if capturable:  # every row computed, the ignored ones masked
                 return backend.mark_rows(arrays["target"], vs, opts.ignore_index, run_opts.num_valid_tokens)
-            return backend.select_rows(arrays["target"], vs, opts.ignore_index)
+            return backend.select_rows(arrays["target"], vs, opts.ignore_index, after)
         head, rows = queue_head(backend, lambda x, _: backend.head_logits(work, x), xs, ids, most, select,
                                 capturable, run_opts.normalizer)
         check, bad_topk_row = launched[0], None

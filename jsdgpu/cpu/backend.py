@@ -87,10 +87,15 @@ class CpuBackend:
         return contextlib.nullcontext()
 
     @staticmethod
-    def select_rows(target, vocab, ignore_index):
+    def select_rows(target, vocab, ignore_index, after=None):
         """The rows whose target is not ignore_index; checks.target_error's ValueError for a bad
         target."""
         return Selection(target, vocab, ignore_index)
+
+    @staticmethod
+    def mark():
+        """Nothing to wait for: the CPU's work is done as it is called."""
+        return None
 
     @staticmethod
     def mark_rows(target, vocab, ignore_index, num_valid_tokens):
@@ -149,7 +154,7 @@ class CpuBackend:
     # ---- the top-k loss (jsdgpu.topk) and teacher_topk ----
 
     @staticmethod
-    def topk_check(ids, lq, vocab, bucket, capturable):
+    def topk_check(ids, lq, vocab, bucket, capturable, after=None):
         """The top-k checked (CheckedTopK)."""
         return CheckedTopK(checks.topk_problem(ids, lq, vocab, bucket), vocab)
 

@@ -44,9 +44,9 @@ class Selection:
     their indices, any prefix of which can be gathered before wait(), the call's one wait for the
     GPU, gives the Rows."""
 
-    def __init__(self, target, vocab, ignore_index):
+    def __init__(self, target, vocab, ignore_index, after):
         self._target, self._vocab, self._ignore_index = target, vocab, ignore_index
-        self._pending = kernels.PendingSelection(_kernel_ids(target), vocab, ignore_index)
+        self._pending = kernels.PendingSelection(target, vocab, ignore_index, after)
         self.rows = self._pending.rows
 
     def wait(self, normalizer):
@@ -77,9 +77,9 @@ class PendingTopKCheck:
     Capturable call: poisoned(inv_n, n_rows) gives 1/N, NaN where a row is bad, and the first bad
     row (n_rows where none), on the device."""
 
-    def __init__(self, ids, lq, vocab, bucket, capturable):
+    def __init__(self, ids, lq, vocab, bucket, capturable, after):
         self._vocab = vocab
-        self._pending = kernels.PendingTopKCheck(ids, lq, vocab, bucket, checks.TOPK_SUM_SLACK, not capturable)
+        self._pending = kernels.PendingTopKCheck(ids, lq, vocab, bucket, checks.TOPK_SUM_SLACK, not capturable, after)
 
     def wait(self):
         problem = self._pending.result()
@@ -88,13 +88,6 @@ class PendingTopKCheck:
 
     def poisoned(self, inv_n, n_rows):
         return self._pending.poisoned(inv_n, n_rows)
-
-
-def _kernel_ids(ids):
-    """Ids (targets, top-k ids) as the kernels take them: int32 or int64, C-contiguous."""
-    if ids.dtype not in (np.int32, np.int64):
-        ids = ids.astype(np.int64)
-    return cupy.ascontiguousarray(ids)
 
 
 def _device_scalar(x):
@@ -119,19 +112,22 @@ class CudaBackend:
         return cupy.cuda.Device(device)
 
     @staticmethod
-    def select_rows(target, vocab, ignore_index):
-        """The valid rows, by one kernel whose results the host reads once it has run (Selection).
-        (Reading all the targets, checking and selecting them on the host, copying the selection
-        back and gathering the rows by CuPy took 0.15-0.25 ms more a step at T = 1024 with half of
-        the rows ignored: docs/design.md, "Ignored rows".)"""
-        return Selection(target, vocab, ignore_index)
+    def select_rows(target, vocab, ignore_index, after=None):
+        """The valid rows, by one kernel whose results the host reads once it has run (Selection);
+        with `after` (mark's), beside the stream's work since (kernels.beside). (Reading all the
+        targets, checking and selecting them on the host, copying the selection back and gathering
+        the rows by CuPy took 0.15-0.25 ms more a step at T = 1024 with half of the rows ignored:
+        docs/design.md, "Ignored rows".)"""
+        return Selection(target, vocab, ignore_index, after)
+
+    mark = staticmethod(kernels.mark)
 
     @staticmethod
     def mark_rows(target, vocab, ignore_index, num_valid_tokens):
         """Every row, the ignored ones masked, with nothing read by the host (a capturable call):
         the Rows, with 1/N on the device (NaN where a target is bad) and the status of
         kernels.mark_rows."""
-        row_target, status, inv_n = kernels.mark_rows(_kernel_ids(target), vocab, ignore_index, num_valid_tokens)
+        row_target, status, inv_n = kernels.mark_rows(kernels.kernel_ids(target), vocab, ignore_index, num_valid_tokens)
         return Rows(None, row_target, inv_n, None, masked=True, status=status)
 
     take_rows = staticmethod(kernels.gather_rows)
@@ -212,10 +208,10 @@ class CudaBackend:
     # ---- the top-k loss (jsdgpu.topk) and teacher_topk ----
 
     @staticmethod
-    def topk_check(ids, lq, vocab, bucket, capturable):
-        """The checks of the top-k, launched (PendingTopKCheck); a default call's wait() must
-        follow the selection's."""
-        return PendingTopKCheck(_kernel_ids(ids), lq, vocab, bucket, capturable)
+    def topk_check(ids, lq, vocab, bucket, capturable, after=None):
+        """The checks of the top-k, launched (PendingTopKCheck; `after` as select_rows'); a default
+        call's wait() must follow the selection's."""
+        return PendingTopKCheck(ids, lq, vocab, bucket, capturable, after)
 
     @staticmethod
     def topk_bytes_per_row(vs, dtype, compute_grad):

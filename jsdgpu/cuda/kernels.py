@@ -4,6 +4,7 @@ attributes and occupancy, and one launcher per kernel, which alone knows its arg
 Everything is queued on CuPy's current stream.
 """
 
+import contextlib
 import ctypes
 import functools
 import threading
@@ -238,25 +239,74 @@ def _ignore_args(ignore_index):
     return np.int64(ignore_index if has_ignore else 0), np.int32(has_ignore)
 
 
+def _new_event():
+    return cupy.cuda.Event(block=False, disable_timing=True)
+
+
+def _new_joined_event():  # a second per-thread event: beside's, apart from mark's
+    return _new_event()
+
+
+def _new_side_stream():
+    return cupy.cuda.Stream(non_blocking=True)
+
+
+def mark():
+    """An event recorded now on the current stream (one per thread and device, recorded again by
+    each call): a point that work on the side stream (beside) can wait for."""
+    event = _per_thread_and_device(_new_event)
+    event.record()
+    return event
+
+
+@contextlib.contextmanager
+def beside(after):
+    """For the block, a side stream (one per thread and device) as CuPy's current stream: it
+    first waits for `after` (mark's event of the current stream), not for what the current
+    stream queued since; after the block the current stream waits for what the block queued.
+    So a default call's selection runs beside its first products, and the host's wait for it
+    is not a wait for them. Memory the block allocates comes from the side stream's arena (or,
+    under jsdgpu.torch, from torch's allocator on torch's stream): it must be held until the
+    host's wait (PendingSelection, PendingTopKCheck), as the side stream's work reads it."""
+    caller = cupy.cuda.get_current_stream()
+    side = _per_thread_and_device(_new_side_stream)
+    side.wait_event(after)
+    with side:
+        yield
+    caller.wait_event(side.record(_per_thread_and_device(_new_joined_event)))
+
+
+def kernel_ids(ids):
+    """Ids (targets, top-k ids) as the kernels take them: int32 or int64, C-contiguous."""
+    if ids.dtype not in (np.int32, np.int64):
+        ids = ids.astype(np.int64)
+    return cupy.ascontiguousarray(ids)
+
+
 class PendingSelection:
     """select_rows launched: rows [n] (the valid rows' indices first, in order; 0 past their count,
     so any prefix can be gathered before the count is known) and row_target [n] (their int32
-    targets). wait() waits for the kernel (and what the stream holds before it: a head's products)
-    and returns (count, first bad row, first ignored row), each row n where there is none."""
+    targets). wait() waits for the kernel and returns (count, first bad row, first ignored row),
+    each row n where there is none. With `after` (mark's event), the kernel runs beside the
+    current stream's work queued since that mark (a head's products), so wait() does not wait for
+    that work; else it is queued on the current stream, and wait() waits for what it holds too."""
 
-    def __init__(self, targets, vocab, ignore_index):
+    def __init__(self, targets, vocab, ignore_index, after=None):
         n = len(targets)
         selected = cupy.empty(2 * n, np.int32)  # one allocation: the rows, then their targets
         self.rows, self.row_target = selected[:n], selected[n:]
         self._out = _per_thread_and_device(_SelectionOutput)
-        function("targets", sources.select_rows(targets.dtype))(
-            (1,), (sources.SELECT_THREADS,),
-            (targets, np.int32(n), *_ignore_args(ignore_index), np.int64(vocab), self.rows, self.row_target,
-             self._out.address))
-        self._out.done.record()
+        with contextlib.nullcontext() if after is None else beside(after):
+            self._targets = kernel_ids(targets)  # held until the wait (beside)
+            function("targets", sources.select_rows(self._targets.dtype))(
+                (1,), (sources.SELECT_THREADS,),
+                (self._targets, np.int32(n), *_ignore_args(ignore_index), np.int64(vocab), self.rows,
+                 self.row_target, self._out.address))
+            self._out.done.record()
 
     def wait(self):
         self._out.done.synchronize()
+        self._targets = None
         return tuple(int(x) for x in self._out.view)
 
 
@@ -327,25 +377,30 @@ class PendingTopKCheck:
     """topk_check launched: first, a 1-element uint64 device array, (first bad row << 2 | its code),
     or all ones where there is none. With to_host, it is copied into page-locked memory on the
     stream, so the host reads it at the call's one wait (select_rows', queued after it) without
-    waiting again; without (a capturable call), nothing crosses to the host."""
+    waiting again; without (a capturable call), nothing crosses to the host. With `after`, both
+    run beside the current stream (as PendingSelection's kernel, before it)."""
 
-    def __init__(self, ids, lq, vocab, bucket, slack, to_host):
+    def __init__(self, ids, lq, vocab, bucket, slack, to_host, after=None):
         rows, k = ids.shape
-        self.first = cupy.full(1, _NONE_BAD, np.uint64)
-        if rows:
-            name = sources.topk_check(ids.dtype)
-            kernel = _with_shared(function("topk_rows", name), _bitmap_bytes(vocab))
-            kernel((rows,), (sources.TOPK_THREADS,),
-                   (ids, lq, np.int32(k), np.int32(vocab), np.int32(bucket), np.float64(slack), self.first),
-                   shared_mem=_bitmap_bytes(vocab))
-        self._host = None
-        if to_host:
-            self._host = _per_thread_and_device(_pinned_uint64)
-            cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self.first.data.ptr, 8,
-                                          cupy.cuda.runtime.memcpyDeviceToHost, cupy.cuda.get_current_stream().ptr)
+        with contextlib.nullcontext() if after is None else beside(after):
+            self._ids = kernel_ids(ids)  # held until the wait (beside)
+            self.first = cupy.full(1, _NONE_BAD, np.uint64)
+            if rows:
+                name = sources.topk_check(self._ids.dtype)
+                kernel = _with_shared(function("topk_rows", name), _bitmap_bytes(vocab))
+                kernel((rows,), (sources.TOPK_THREADS,),
+                       (self._ids, lq, np.int32(k), np.int32(vocab), np.int32(bucket), np.float64(slack), self.first),
+                       shared_mem=_bitmap_bytes(vocab))
+            self._host = None
+            if to_host:
+                self._host = _per_thread_and_device(_pinned_uint64)
+                cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self.first.data.ptr, 8,
+                                              cupy.cuda.runtime.memcpyDeviceToHost,
+                                              cupy.cuda.get_current_stream().ptr)
 
     def result(self):
         """(row, code) of the first bad row, or None; valid once a later wait on the stream returned."""
+        self._ids = None
         value = int(self._host[0])
         return None if value == _NONE_BAD else (value >> 2, value & 3)
 
