@@ -160,3 +160,14 @@ def assert_near_float64(case, dtype, opts, loss, hard, soft, grads):
     # hundreds of bits at temperature 0.05, needs its h and KL taken relative to a reference
     # column to stay within this: row_math.cuh, "A sharp row".)
     assert_grads_near(case, ref[3], [f[3] for f in floors], grads, dtype, slack=1e-4 * (dtype == "float32"))
+
+
+def head_path_ignored(T):
+    """The ignored rows of a run of default calls of T rows (T >= 16) that takes every path of
+    chunks.queue_head, each call's head sized by the last: the whole first chunk as it is, kept;
+    a prefix of it kept (the rest computed again); none of it kept (row 0 ignored); the first
+    selected rows, more of them than the call has (the rows past its count computed for
+    nothing), and fewer (the rest of the chunk queued after the read)."""
+    some = lambda first: [first, 12, 15]  # noqa: E731
+    return [[], [], some(2), [], some(9), some(9), some(0), [], some(0), list(range(1, T, 2)), [], []]
+

@@ -5,7 +5,7 @@ import pytest
 
 import jsdgpu
 from jsdgpu.chunks import HEAD_ROWS, ROW_ALIGN, plan_chunks
-from conftest import make_case, rel_err, to_xp
+from conftest import head_path_ignored, make_case, rel_err, to_xp
 
 
 @pytest.mark.parametrize("memory_budget", [None, 1])  # G held for all rows; G per chunk
@@ -53,16 +53,15 @@ def test_plan_chunks():
 @pytest.mark.parametrize("T,chunk", [(17, 5), (HEAD_ROWS + 44, None)])  # the head a chunk, or part of one
 def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
     """A default call's first chunk products come from its first rows as they are where the last
-    call's were all valid, else from its first selected rows (chunks.queue_head): a run of calls
-    whose first rows are valid or not takes every path (kept, computed again, selected), and each
-    gives the reference's answer."""
-    for first_ignored in (None, 2, None, 9, 9, 0, None):
+    call's leading rows were valid, else from its first selected rows (chunks.queue_head): a run
+    of calls that takes every path (conftest.head_path_ignored) gives the reference's answer at
+    each call."""
+    for ignored in head_path_ignored(T):
         case = make_case(rng, T=T, bias=True, ignored=0.0)
-        if first_ignored is not None:  # that row and some after the first chunk ignored
-            case["target"][[first_ignored, 12, 15]] = -100
+        case["target"][ignored] = -100
         loss, ctx = jsdgpu.forward(**to_xp(case, xp), chunk_size=chunk, beta=0.4)
         gi, gw, gb = jsdgpu.backward(ctx)
         ref = jsdgpu.reference(**case, beta=0.4)
-        assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0], first_ignored
+        assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0], ignored
         for got, want in zip((gi, gw, gb), ref[3:]):
-            assert rel_err(got, want) <= 1e-4, first_ignored
+            assert rel_err(got, want) <= 1e-4, ignored

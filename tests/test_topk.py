@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import jsdgpu
-from conftest import (DTYPES, assert_grads_near, assert_part_near, float32_logits, head_logits, rel_err, to_numpy,
-                      to_xp)
+from conftest import (DTYPES, assert_grads_near, assert_part_near, float32_logits, head_logits, head_path_ignored,
+                      rel_err, to_numpy, to_xp)
 from jsdgpu.chunks import HEAD_ROWS
 from jsdgpu.options import DEFAULTS
 from jsdgpu.reference import reference_logits, reference_topk, reference_topk_logits
@@ -147,13 +147,12 @@ def test_against_float64(xp, rng, dtype, missing_mass, beta):
 @pytest.mark.parametrize("T,chunk", [(17, 5), (HEAD_ROWS + 44, None)])  # the head a chunk, or part of one
 def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
     """The first chunk's products come from the first rows as they are, where the last call's
-    were all valid, else from the first selected rows (chunks.queue_head, as the online loss's:
-    test_chunks): a run of calls whose first rows are valid or not takes every path (kept,
-    computed again, selected), and each gives the reference's answer."""
-    for first_ignored in (None, 2, None, 9, 9, 0, None):
+    leading rows were valid, else from the first selected rows (chunks.queue_head, as the online
+    loss's: test_chunks): a run of calls that takes every path (conftest.head_path_ignored) gives
+    the reference's answer at each call."""
+    for ignored in head_path_ignored(T):
         case = make_topk_case(rng, T=T, ignored=0.0)
-        if first_ignored is not None:  # that row and some after the first chunk ignored
-            case["target"][[first_ignored, 12, 15]] = -100
+        case["target"][ignored] = -100
         check_against_reference(xp, case, dict(beta=0.4), "bucket", np.float32, chunk_size=chunk)
 
 
