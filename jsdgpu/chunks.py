@@ -111,10 +111,10 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
     select: the rows, called once the first products are queued: in a default call select(after),
     the backend's select_rows (the valid rows, known once waited for; after: a backend.mark()
     from before those products), in a capturable one select(), the Rows of its mark_rows (every
-    row computed, the ignored ones masked). normalizer(count): N, the divisor
-    of the summed row losses. shard: under vocab parallelism, this rank's parallel.Shard (its
-    weights and biases are then its shards of the vocabulary), else None. Returns (hard_loss,
-    soft_loss, Gradients or None, Rows); the losses are 0-d float32 backend arrays.
+    row computed, the ignored ones masked). normalizer(count): N, the divisor of the summed row
+    losses. shard: under vocab parallelism, this rank's parallel.Shard (its weights and biases
+    are then its shards of the vocabulary), else None. Returns (hard_loss, soft_loss, Gradients
+    or None, Rows); the losses are 0-d float32 backend arrays.
 
     Nothing here waits for the GPU but the selection (and a torch process group's all-reduces,
     parallel.py, and the first product of each shape class in a process, jsdgpu.cuda.products).
@@ -132,17 +132,13 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
     per_row = backend.bytes_per_row(*widest, ws.dtype, compute_grad, fused=comm is None)
     most = min(plan_chunks(n_all, chunk_size, *per_row, memory_budget)[0], n_all) if n_all else 0
     work = backend.prepare(ws, wt, bs, bt, most, fused=comm is None) if n_all else None
-    head, rows = queue_head(backend, functools.partial(backend.logits, work), xs, xt, most, select, capturable,
-                            normalizer)
+    products = functools.partial(backend.logits, work)
+    head, rows = queue_head(backend, products, xs, xt, most, select, capturable, normalizer)
     if rows.valid_rows is not None:
         xs, xt = backend.take_rows(rows.valid_rows, xs, xt)
     target, inv_n = rows.target, rows.inv_n
     n_rows = xs.shape[0]
-    chunk, hold_g = plan_chunks(n_rows, chunk_size, *per_row, memory_budget) if n_rows else (0, False)
-    chunk = min(chunk, most)  # the buffers' rows (the plan for fewer rows may cut longer chunks)
-    if head < min(chunk, n_rows):  # the rest of the first chunk's products, queued before the host
-        # makes the call's other buffers: the GPU runs them meanwhile, where it would idle
-        backend.logits(work, xs[head:chunk], xt[head:chunk], at=head)
+    chunk, hold_g = cut_chunks(products, xs, xt, head, most, chunk_size, per_row, memory_budget)
     G_all = None
     if compute_grad and n_rows:
         G_all = backend.gradient_rows(work, n_rows if hold_g else chunk, own_g=hold_g)
@@ -154,7 +150,7 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
     for start in range(0, n_rows, chunk or 1):
         stop = min(start + chunk, n_rows)
         if start:  # the first chunk's products are queued above
-            backend.logits(work, xs[start:stop], xt[start:stop])
+            products(xs[start:stop], xt[start:stop])
         G = chunk_g(G_all, hold_g, start, stop)
         _row_work(backend, work, comm, target[start:stop], opts, ce[start:stop], jsd[start:stop],
                   G, None if label_terms is None else label_terms[start:stop])
@@ -182,10 +178,9 @@ def _head_rows(expected, most):
 def queue_head(backend, products, xs, other, most, select, capturable, normalizer):
     """Queue the call's first products, then select its rows: (head, Rows), head the rows of
     the first chunk whose products are queued (the caller queues the rest of that chunk's once
-    it knows the rows, before it makes its other buffers). products(xs, other):
-    the products of those rows of xs (and of other, the teacher's input or the top-k's ids: the
-    rows that go with them) into the chunk's first rows. select: run's. most: the rows of the
-    largest chunk.
+    it knows the rows: cut_chunks). products(xs, other, at=0): the products of those rows of xs
+    (and of other, the teacher's input or the top-k's ids: the rows that go with them) into the
+    chunk's rows from `at` on. select: run's. most: the rows of the largest chunk.
 
     A capturable call's head is its first chunk (its rows are the call's own). A default call's
     head is sized by the thread's last default call: where that one's leading rows were valid
@@ -215,6 +210,19 @@ def queue_head(backend, products, xs, other, most, select, capturable, normalize
         _last_rows.seen = (rows.leading, rows.count)
         head = min(head, rows.leading if as_they_are else rows.count)  # the rows whose products are right
     return head, rows
+
+
+def cut_chunks(products, xs, other, head, most, chunk_size, per_row, memory_budget):
+    """(rows per chunk, hold_g) for the call's rows (xs, and other: the rows that go with them,
+    as queue_head's), at most `most` rows a chunk (the buffers'), with the rest of the first
+    chunk's products queued after the head's (products(xs, other, at=row)): before the caller
+    makes its other buffers, so that the GPU runs them meanwhile, where it would idle."""
+    n_rows = xs.shape[0]
+    chunk, hold_g = plan_chunks(n_rows, chunk_size, *per_row, memory_budget) if n_rows else (0, False)
+    chunk = min(chunk, most)  # the buffers' rows (the plan for fewer rows may cut longer chunks)
+    if head < min(chunk, n_rows):
+        products(xs[head:chunk], other[head:chunk], at=head)
+    return chunk, hold_g
 
 
 def row_outputs(xp, n_rows, hs, vs, hold_g, has_bias, compute_grad):

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import checks
 from .api import Context, backend_for, backward, bridged, runs_capturable, weighted_loss
-from .chunks import chunk_g, finish_gradients, plan_chunks, queue_head, row_means, row_outputs
+from .chunks import chunk_g, cut_chunks, finish_gradients, plan_chunks, queue_head, row_means, row_outputs
 from .options import split_options
 
 MISSING_MASS = ("bucket", "renormalize")
@@ -78,8 +78,9 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             if capturable:  # every row computed, the ignored ones masked
                 return backend.mark_rows(arrays["target"], vs, opts.ignore_index, run_opts.num_valid_tokens)
             return backend.select_rows(arrays["target"], vs, opts.ignore_index, after)
-        head, rows = queue_head(backend, lambda x, _: backend.head_logits(work, x), xs, ids, most, select,
-                                capturable, run_opts.normalizer)
+        def products(x, _ids, at=0):  # the student's logits (the ids go with the rows, for queue_head)
+            backend.head_logits(work, x, at)
+        head, rows = queue_head(backend, products, xs, ids, most, select, capturable, run_opts.normalizer)
         check, bad_topk_row = launched[0], None
         if capturable:  # a bad row makes 1/N NaN
             rows.inv_n, bad_topk_row = check.poisoned(rows.inv_n, n_all)
@@ -91,16 +92,13 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             lq = lq[rows.valid_rows]
         target, inv_n = rows.target, rows.inv_n
         n_rows = len(target)
-        chunk, hold_g = plan_chunks(n_rows, run_opts.chunk_size, *per_row, budget) if n_rows else (0, False)
-        chunk = min(chunk, most)  # the buffers' rows (the plan for fewer rows may cut longer chunks)
-        if head < min(chunk, n_rows):  # the rest of the first chunk's logits, before the other buffers (as run)
-            backend.head_logits(work, xs[head:chunk], at=head)
+        chunk, hold_g = cut_chunks(products, xs, ids, head, most, run_opts.chunk_size, per_row, budget)
         G_all = backend.topk_gradient_rows(work, n_rows if hold_g else chunk) if compute_grad and n_rows else None
         ce, soft, grads, label_terms = row_outputs(xp, n_rows, hs, vs, hold_g, bs is not None, compute_grad)
         for start in range(0, n_rows, chunk or 1):
             stop = min(start + chunk, n_rows)
             if start:  # the first chunk's logits are queued above
-                backend.head_logits(work, xs[start:stop])
+                products(xs[start:stop], ids[start:stop])
             G = chunk_g(G_all, hold_g, start, stop)
             backend.topk_rows(work, ids[start:stop], lq[start:stop], target[start:stop], opts, missing_mass,
                               ce[start:stop], soft[start:stop], G,

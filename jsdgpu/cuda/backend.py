@@ -127,7 +127,7 @@ class CudaBackend:
         """Every row, the ignored ones masked, with nothing read by the host (a capturable call):
         the Rows, with 1/N on the device (NaN where a target is bad) and the status of
         kernels.mark_rows."""
-        row_target, status, inv_n = kernels.mark_rows(kernels.kernel_ids(target), vocab, ignore_index, num_valid_tokens)
+        row_target, status, inv_n = kernels.mark_rows(target, vocab, ignore_index, num_valid_tokens)
         return Rows(None, row_target, inv_n, None, masked=True, status=status)
 
     take_rows = staticmethod(kernels.gather_rows)

@@ -218,7 +218,7 @@ class _SelectionOutput:
     def __init__(self):
         self.view = np.frombuffer(cupy.cuda.alloc_pinned_memory(12), np.int32, 3)  # keeps it alive
         self.address = np.uint64(self.view.ctypes.data)
-        self.done = cupy.cuda.Event(block=False, disable_timing=True)
+        self.done = _new_event()
 
 
 _per_thread = threading.local()
@@ -315,7 +315,7 @@ def mark_rows(targets, vocab, ignore_index, normalizer):
     -1; status [2]: the valid rows' count and the first bad row, n where none; inv_n: a 0-d
     float32 device array, 1 / N, NaN where a target is bad). normalizer: N, or None for the
     count."""
-    n = len(targets)
+    targets, n = kernel_ids(targets), len(targets)
     row_target, status, inv_n = cupy.empty(n, np.int32), cupy.empty(2, np.int32), cupy.empty((), np.float32)
     function("targets", sources.mark_rows(targets.dtype))(
         (1,), (sources.MARK_THREADS,),
