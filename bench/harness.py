@@ -222,7 +222,7 @@ def fused_kernel_alone(work, target, opts, ce, jsd, G, label_terms):
     redo the rows it leaves to them: none, on the benchmark's logits)."""
     kernels.launch_fused_rows(work.fused, len(target), work.logits_s, work.logits_t, work.bias_s, work.bias_t,
                               target, work.ws.shape[0], work.wt.shape[0], opts, ce, jsd, G, label_terms,
-                              work.row_counter, work.redo_rows)
+                              *CudaBackend.fused_scratch(work))
 
 
 # Launches of a row kernel before it is timed alone: after the products its clocks take a while

@@ -3,7 +3,9 @@ step?
 
 The GPU idles from the moment it has run what was queued until the first product is queued, so
 the host time before that product is time the step loses. Answer (H200; docs/design.md, "The
-host before the first product"): measured by this script per release of the library there.
+host before the first product"): at T = 1024 with every row valid, 0.07-0.10 ms (2026-12-02),
+of which the first product's launch alone from Python takes 28-52 µs, cublasLtMatmul's own call
+13-42 of those (--parts); with half the rows ignored 0.16-0.28 ms.
 
     python experiments/host_time.py                 # T = 1024, all rows valid and half ignored
     python experiments/host_time.py --tokens 1024 8192 --valid 1 --capturable
@@ -110,8 +112,9 @@ def trace_before_first_product(step, shortest_us):
 
 def time_parts(args, repeats=200):
     """Median µs of each piece of a default call's host work before its first product, each run
-    alone (the pieces in the order the call takes them): back to back, and each right after the
-    host has waited for an idle GPU, as a step of this script or the benchmark starts."""
+    alone (the pieces in the order the call takes them), then of launch_floor's: back to back,
+    and each right after the host has waited for an idle GPU, as a step of this script or the
+    benchmark starts."""
     import cupy
 
     from jsdgpu import api, checks, options
@@ -138,6 +141,7 @@ def time_parts(args, repeats=200):
         "cupy.empty": lambda: cupy.empty(1 << 20, np.uint8),
         "student logits' product (launch)": lambda: products.logits(xs[:head], ws, work.logits_s[:head]),
         "select_rows (launch)": lambda: B.select_rows(target, ws.shape[0], -100),
+        **launch_floor(xs, ws, work.logits_s[:head]),
     }
     print("| piece | µs back to back | µs after a wait |")
     print("| --- | --- | --- |")
@@ -152,6 +156,33 @@ def time_parts(args, repeats=200):
                 times[after_wait].append(1e6 * (time.perf_counter() - start))
             cupy.cuda.Device().synchronize()
         print(f"| {name} | {statistics.median(times[False]):.1f} | {statistics.median(times[True]):.1f} |")
+
+
+def launch_floor(xs, ws, out):
+    """Pieces below the library's own code, for the least a product's launch can cost from
+    Python: cublasLtMatmul's call alone (through ctypes, its arguments made ahead: the algorithm
+    and workspace of xs @ ws.T, as products.logits runs it), a CuPy slice, an empty kernel's
+    launch, a CuPy allocation of 4 bytes (the logits products' workspace here)."""
+    import ctypes
+
+    import cupy
+
+    from jsdgpu.cuda import products
+    rows, (v, h) = len(xs), ws.shape
+    products.logits(xs, ws, out)  # its shape's algorithm chosen
+    types = (products._CUDA_TYPE[ws.dtype], products._CUDA_TYPE[xs.dtype], products._CUDA_TYPE[out.dtype])
+    p = products._product(cupy.cuda.Device().id, products.T, products.N, v, rows, h, h, h, out.shape[1], *types,
+                          False, products.WORKSPACE_BYTES)
+    space = cupy.empty(max(p.workspace, 1), np.uint8)
+    alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    args = (p.handle, p.desc, ctypes.byref(alpha), ws.data.ptr, p.a_layout, xs.data.ptr, p.b_layout,
+            ctypes.byref(beta), out.data.ptr, p.d_layout, out.data.ptr, p.d_layout, ctypes.byref(p.algo),
+            space.data.ptr if p.workspace else None, p.workspace, cupy.cuda.get_current_stream().ptr)
+    empty_kernel = cupy.RawKernel('extern "C" __global__ void nothing(float *a) {}', "nothing")
+    return {"cublasLtMatmul's call alone": lambda: p.lib.cublasLtMatmul(*args),
+            "a CuPy slice": lambda: xs[:rows],
+            "an empty kernel's launch": lambda: empty_kernel((1,), (32,), (out,)),
+            f"cupy.empty({p.workspace})": lambda: cupy.empty(p.workspace, np.uint8)}
 
 
 def main():

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -65,3 +66,34 @@ def test_no_script_replaces_library_internals(path):
         if isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "monkeypatch.setattr"):
             assert not (node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in library), \
                 f"{path.name}:{node.lineno} sets an attribute of the library"
+
+
+@pytest.mark.gpu
+def test_benchmark_row_kernel_alone_is_the_library_launch(rng):
+    """bench/harness.py's fused row kernel alone (the stage table's row kernel) launches it as the
+    library's fused_rows does, on fresh logits: the same per-row values and gradient rows (their
+    vocabulary's columns: the pad columns up to the row pitch are not written)."""
+    import cupy
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import harness
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    import jsdgpu
+    from conftest import make_case
+    from jsdgpu.cuda.backend import CudaBackend as B
+    T, vs = 37, 1031
+    case = {k: None if v is None else cupy.asarray(v) for k, v in make_case(rng, T=T, vs=vs, vt=1040).items()}
+    opts = jsdgpu.LossOptions(beta=0.3)
+    target = case["target"].astype(np.int32)
+    results = []
+    for launch in (harness.fused_kernel_alone, B.fused_rows):
+        work = B.prepare(case["student_weight"], case["teacher_weight"], None, None, T, fused=True)
+        B.logits(work, case["student_input"], case["teacher_input"])
+        ce, jsd, terms = (cupy.zeros(T, np.float32) for _ in range(3))
+        G = B.gradient_rows(work, T, own_g=True)
+        launch(work, target, opts, ce, jsd, G, terms)
+        results.append([a.get() for a in (ce, jsd, terms, G[:, :vs])])
+    for ours, library in zip(*results):
+        np.testing.assert_array_equal(ours, library)
+    assert np.isfinite(results[0][0]).all() and (results[0][0] > 0).any()
