@@ -78,6 +78,7 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             if capturable:  # every row computed, the ignored ones masked
                 return backend.mark_rows(arrays["target"], vs, opts.ignore_index, run_opts.num_valid_tokens)
             return backend.select_rows(arrays["target"], vs, opts.ignore_index, after)
+
         def products(x, _ids, at=0):  # the student's logits (the ids go with the rows, for queue_head)
             backend.head_logits(work, x, at)
         head, rows = queue_head(backend, products, xs, ids, most, select, capturable, run_opts.normalizer)

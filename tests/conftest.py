@@ -170,4 +170,3 @@ def head_path_ignored(T):
     nothing), and fewer (the rest of the chunk queued after the read)."""
     some = lambda first: [first, 12, 15]  # noqa: E731
     return [[], [], some(2), [], some(9), some(9), some(0), [], some(0), list(range(1, T, 2)), [], []]
-

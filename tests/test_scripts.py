@@ -80,10 +80,10 @@ def test_benchmark_row_kernel_alone_is_the_library_launch(rng):
     finally:
         sys.path.remove(str(ROOT / "bench"))
     import jsdgpu
-    from conftest import make_case
+    from conftest import make_case, to_xp
     from jsdgpu.cuda.backend import CudaBackend as B
     T, vs = 37, 1031
-    case = {k: None if v is None else cupy.asarray(v) for k, v in make_case(rng, T=T, vs=vs, vt=1040).items()}
+    case = to_xp(make_case(rng, T=T, vs=vs, vt=1040), cupy)
     opts = jsdgpu.LossOptions(beta=0.3)
     target = case["target"].astype(np.int32)
     results = []
