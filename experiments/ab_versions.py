@@ -13,6 +13,7 @@ its checks and selection against 8afdcab: T = 1024 -10% to +2%, half ignored -16
 8192 -2% to 0%. The head sized by the last call, the selection beside it on a side stream
 (docs/design.md, "The host before the first product"; four pairs) against a24723d: T = 1024
 -2.5%, half ignored -2.4%, T = 2048 half ignored -1.0%, T = 8192 no change; --topk 64 no change.
+G held for all rows in more chunks (docs/design.md, "Chunks and G"): see there.
 
     mkdir -p /tmp/old && git archive 682ba3f jsdgpu | tar -x -C /tmp/old
     for v in /tmp/old . /tmp/old .; do PYTHONPATH=$v python experiments/ab_versions.py $v; done
@@ -26,7 +27,7 @@ measure), and ten calls back to back with one wait at the end (per call, the med
 rounds), as a training loop queues its steps. --vocab sets both vocabularies (past 131072 the
 teacher's rows take the three phase kernels), --beta the divergence. --topk K: the top-k loss
 (jsdgpu.forward_topk) against the teacher's top K (jsdgpu.teacher_topk) instead, at T = 1024
-(all rows valid and half ignored) and 8192.
+(all rows valid and half ignored) and 8192. --tokens: those T instead, every row valid.
 """
 
 import argparse
@@ -45,6 +46,7 @@ def main():
                    help="both vocabularies (past 131072 the teacher's takes the phase kernels)")
     p.add_argument("--beta", type=float, default=0.5)
     p.add_argument("--topk", type=int, metavar="K", help="the top-k loss against the teacher's top K")
+    p.add_argument("--tokens", type=int, nargs="+", help="these T instead, every row valid")
     a = p.parse_args()
     if a.jax:
         import os
@@ -84,6 +86,8 @@ def main():
         return statistics.median(rounds)
     cases = (((1024, 1.0), (8192, 1.0)) if a.jax else ((1024, 1.0), (1024, 0.5), (8192, 1.0)) if a.topk
              else ((1024, 1.0), (1024, 0.5), (2048, 0.5), (8192, 0.5)))
+    if a.tokens:
+        cases = [(T, 1.0) for T in a.tokens]
     for T, valid in cases:
         xs = rng.standard_normal((T, HS), dtype=np.float32).astype(bf16)
         xt = rng.standard_normal((T, HT), dtype=np.float32).astype(bf16)

@@ -39,6 +39,12 @@ ROW_ALIGN = 128
 # reads the selection (queue_head). Two ROW_ALIGNs: the rest of a chunk cut at 128 rows left
 # cuBLAS's 256-row tiles half idle (docs/design.md, "The host before the first product")
 HEAD_ROWS = 2 * ROW_ALIGN
+# Where G per chunk takes memory of its own (the top-k loss), G is held for all rows where that
+# leaves chunks of at least this many rows, even if more of them: the top-k loss at T = 8192 ran
+# 4-6% faster in 8 chunks of 1024 rows with G held than in 3 of 2816 with float32 sums. Where
+# the row kernel writes G over the logits (the online loss), more chunks cost what the sums
+# spare, or more (docs/design.md, "Chunks and G")
+HELD_MIN_ROWS = 8 * ROW_ALIGN
 # per thread: the last default call's leading valid rows and valid rows' count (queue_head)
 _last_rows = threading.local()
 
@@ -59,15 +65,16 @@ def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, chunk_g_bytes, memory
     gradients, or where G is written over the logits). hold_g: G is held for all rows, which
     spares grad_weight's float32 sum over chunks; it is where G and the logits chunks fit the
     budget together and G takes no room that would cut the logits into more chunks (more chunks
-    cost as much as the sum spares, or more: docs/design.md, "Chunks and G"). chunk_size, where
-    given, is the chunk."""
+    cost as much as the sum spares, or more: docs/design.md, "Chunks and G"), or, where G per
+    chunk takes room of its own, into chunks shorter than HELD_MIN_ROWS. chunk_size, where given,
+    is the chunk."""
     held = n_rows * g_bytes
     if chunk_size is not None:
         return int(chunk_size), 0 < held and held + chunk_size * logits_bytes <= memory_budget
     rows, n_chunks = _split(n_rows, memory_budget // (logits_bytes + chunk_g_bytes))
     if 0 < held < memory_budget:
         rows_held, n_chunks_held = _split(n_rows, (memory_budget - held) // logits_bytes)
-        if n_chunks_held <= n_chunks:
+        if n_chunks_held <= n_chunks or (chunk_g_bytes and rows_held >= HELD_MIN_ROWS):
             return rows_held, True
     return rows, False
 

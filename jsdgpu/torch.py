@@ -1,26 +1,29 @@
 """PyTorch front end: a drop-in for Liger-Kernel's LigerFusedLinearJSDLoss and
-LigerFusedLinearJSDFunction, as a custom operator that torch.compile, autocast and CUDA graphs
-take whole.
+LigerFusedLinearJSDFunction that torch.compile, autocast and CUDA graphs take whole.
 
     from jsdgpu.torch import FusedLinearJSDLoss      # was: from liger_kernel.chunked_loss import
     loss_fn = FusedLinearJSDLoss(beta=0.5, temperature=1.0)   #   LigerFusedLinearJSDLoss
     loss = loss_fn(student_hidden, student_lm_head.weight, teacher_hidden, teacher_lm_head.weight, labels)
     loss.backward()
 
-The loss is the operator jsdgpu::fused_linear_jsd (torch.library.custom_op): opaque to Dynamo
-(no graph break, fullgraph=True works), its shapes given by a fake implementation, its gradient
-computed in forward (as Liger's is) and scaled by grad_output in backward. Tensors cross to CuPy
-(GPU) or NumPy (CPU) through DLPack without a copy; the work is queued on torch's current CUDA
+Traced (torch.compile, export), the loss is the operator jsdgpu::fused_linear_jsd
+(torch.library.custom_op): opaque to Dynamo (no graph break, fullgraph=True works), its shapes
+given by a fake implementation, its gradient computed in forward (as Liger's is) and scaled by
+grad_output in backward. Eagerly it is an autograd Function that calls jsdgpu.forward and, in
+backward, jsdgpu.backward with grad_output: the operator's eager dispatch and its pass over the
+gradients cost 0.6-0.9 ms a step at T = 1024 (docs/design.md, "The front ends"). Tensors cross to
+CuPy (GPU) or NumPy (CPU) without a copy; the work is queued on torch's current CUDA
 stream with nothing added to synchronize, and its memory comes from torch's caching allocator (so
 torch.cuda.max_memory_allocated counts it, freed blocks return to torch's cache, and a CUDA-graph
 capture takes it from the graph's pool). Inside a capture the core runs capturable by itself.
 
 Under autocast the loss computes as a matmul would there: 16-bit operands (cast inside the
-operator, the copies the products need), float32 accumulation, and each gradient in its tensor's
+call, the copies the products need), float32 accumulation, and each gradient in its tensor's
 own dtype (a float32 master weight's in float32, as accumulated).
 """
 
 import contextlib
+import functools
 
 import ml_dtypes
 import numpy as np
@@ -33,12 +36,28 @@ from .options import DEFAULTS, LossOptions, RunOptions
 
 # ---- the bridge jsdgpu.forward / backward use for torch tensors ----
 
+# NumPy's dtype of each torch dtype a CUDA tensor crosses to CuPy as, by its pointer (to_native)
+_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+                 torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float64: np.dtype(np.float64),
+                 torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32), torch.int16: np.dtype(np.int16),
+                 torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_)}
+
+
 def to_native(t):
-    """A CuPy (CUDA) or NumPy (CPU) view of the tensor t, zero-copy."""
-    t = t.detach()
+    """A CuPy (CUDA) or NumPy (CPU) view of the tensor t, zero-copy. A CUDA tensor of a dtype CuPy
+    holds is viewed by its pointer and strides, the tensor kept alive by the view: 4 µs, where
+    DLPack's exchange (torch's __dlpack__, its stream handshake, the capsule) took 18, host time
+    before the step's first product (docs/design.md, "The front ends")."""
     if t.is_cuda:
         import cupy
-        return cupy.from_dlpack(t)
+        dtype = _NUMPY_DTYPES.get(t.dtype)
+        if dtype is None or t.numel() == 0:
+            return cupy.from_dlpack(t.detach())
+        size = dtype.itemsize * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+        memory = cupy.cuda.UnownedMemory(t.data_ptr(), size, t, t.device.index)
+        return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
+                            tuple(dtype.itemsize * s for s in t.stride()))
+    t = t.detach()
     if t.dtype == torch.bfloat16:  # NumPy's DLPack has no bfloat16: cross as int16 bits
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
@@ -88,14 +107,31 @@ def _fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor,
     """(loss, soft_loss, hard_loss, grad_input, grad_weight, grad_bias) for grad_output 1, the
     gradients empty without compute_grad (or without a bias). student_input [T, Hs], target [T];
     compute_dtype: the operands' dtype (autocast's), or None for the tensors' own."""
-    cast = _caster(compute_dtype)
-    loss, ctx = api.forward_with(
-        cast(student_input), cast(student_weight), cast(teacher_input), cast(teacher_weight), target,
-        student_bias, teacher_bias,
-        LossOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index),
-        RunOptions(chunk_size=chunk_size, compute_grad=compute_grad, num_valid_tokens=num_valid_tokens,
-                   grad_weight_float32=student_weight.dtype == torch.float32))
+    loss, ctx = _online(student_input, student_weight, teacher_input, teacher_weight, target, student_bias,
+                        teacher_bias, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index),
+                        chunk_size, num_valid_tokens, compute_grad, compute_dtype)
     return _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
+
+
+def _online(xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_tokens, compute_grad, compute_dtype,
+            vocab_parallel=None):
+    """jsdgpu.forward on the tensors, the inputs and weights cast to compute_dtype (autocast's;
+    None: as they are): (loss, jsdgpu ctx). options: the LossOptions' fields in order."""
+    cast = _caster(compute_dtype)
+    return api.forward_with(cast(xs), cast(ws), cast(xt), cast(wt), target, bs, bt, _loss_options(*options),
+                            _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, vocab_parallel))
+
+
+@functools.lru_cache(maxsize=64)  # the options' checks, once per set of values
+def _loss_options(*options):
+    return LossOptions(*options)
+
+
+@functools.lru_cache(maxsize=64)
+def _run_options(chunk_size, compute_grad, num_valid_tokens, weight_dtype, vocab_parallel=None):
+    """RunOptions of a front-end call: a float32 weight's gradient comes back in float32."""
+    return RunOptions(chunk_size=chunk_size, compute_grad=compute_grad, num_valid_tokens=num_valid_tokens,
+                      grad_weight_float32=weight_dtype == torch.float32, vocab_parallel=vocab_parallel)
 
 
 def _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias):
@@ -154,6 +190,38 @@ def _backward(ctx, grad_loss, grad_soft, grad_hard, *unused):
 _fused_linear_jsd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _runs_eagerly(*tensors):
+    """Whether the call runs eagerly on plain tensors: not traced (torch.compile, export), not
+    under a torch.func transform, no tensor subclass (FakeTensor, FunctionalTensor). Then the loss
+    is the autograd Function _Eager, not the custom operator, whose eager dispatch cost host time
+    before the step's first product and a pass over the gradients in backward (docs/design.md,
+    "The front ends")."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    return all(t is None or type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors)
+
+
+class _Eager(torch.autograd.Function):
+    """The loss run eagerly: forward(run, student_input, student_weight, student_bias), run() the
+    jsdgpu call on the tensors ((loss, jsdgpu ctx); the student's tensors are passed for autograd
+    to see). backward hands the loss's grad_output to jsdgpu.backward, which folds it into the
+    gradients' products and casts (no pass of its own), and returns each gradient in its tensor's
+    dtype."""
+
+    @staticmethod
+    def forward(ctx, run, xs, ws, bs):
+        loss, ctx.jsd_ctx = run()
+        ctx.dtypes = (xs.dtype, ws.dtype, None if bs is None else bs.dtype)
+        ctx.mark_non_differentiable(ctx.jsd_ctx.soft_loss, ctx.jsd_ctx.hard_loss)
+        return loss, ctx.jsd_ctx.soft_loss, ctx.jsd_ctx.hard_loss
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_soft, grad_hard):
+        jsd_ctx, ctx.jsd_ctx = ctx.jsd_ctx, None
+        grads = api.backward(jsd_ctx, grad_loss)
+        return None, *(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
+
+
 def _check_dtypes(compute_dtype, *pairs):
     """pairs: (name, input, weight); each pair of one dtype, outside autocast."""
     if compute_dtype is None:
@@ -186,12 +254,16 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
     _check_dtypes(compute_dtype, ("student", xs, student_weight), ("teacher", xt, teacher_weight))
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
                                           weight_soft_loss, beta, temperature, ignore_index)
-    if vocab_parallel is not None:  # a process group is no operator argument: the eager autograd Function
-        parts = _VocabParallel.apply(xs, student_weight, xt, teacher_weight, target, student_bias, teacher_bias,
-                                     options, chunk_size, num_valid_tokens, vocab_parallel, compute_grad)
-        return parts if return_soft_hard_loss else parts[0]
+    # a process group is no operator argument: vocab parallel runs eagerly, traced or not
+    eager = vocab_parallel is not None or _runs_eagerly(xs, student_weight, xt, teacher_weight, target,
+                                                        student_bias, teacher_bias)
 
     def call(w_hard, w_soft, with_grads):
+        if eager:
+            return _Eager.apply(lambda: _online(xs, student_weight, xt, teacher_weight, target, student_bias,
+                                                teacher_bias, (w_hard, w_soft, *options[2:]), chunk_size,
+                                                num_valid_tokens, with_grads, compute_dtype, vocab_parallel),
+                                xs, student_weight, student_bias)
         return _fused_linear_jsd(xs, student_weight, xt, teacher_weight, target, student_bias, teacher_bias, w_hard,
                                  w_soft, *options[2:], chunk_size, num_valid_tokens, with_grads, compute_dtype)
     return _operator_loss(call, options, compute_grad, return_soft_hard_loss)
@@ -205,7 +277,7 @@ def _call_options(student_input, student_weight, student_bias, *loss_options):
         t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
     w_hard, w_soft, beta, temperature, ignore_index = loss_options
     options = (float(w_hard), float(w_soft), float(beta), float(temperature), int(ignore_index))
-    LossOptions(*options)
+    _loss_options(*options)
     return compute_grad, options
 
 
@@ -219,26 +291,6 @@ def _operator_loss(call, options, compute_grad, return_soft_hard_loss):
         return options[0] * hard + options[1] * soft, soft, hard
     loss, soft, hard, *_ = call(*options[:2], compute_grad)
     return (loss, soft, hard) if return_soft_hard_loss else loss
-
-
-class _VocabParallel(torch.autograd.Function):
-    """The loss over vocabulary shards of a torch.distributed process group (eager: a group is
-    no operator argument)."""
-
-    @staticmethod
-    def forward(ctx, xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_tokens, group, compute_grad):
-        loss, jctx = api.forward_with(xs, ws, xt, wt, target, bs, bt, LossOptions(*options),
-                                      RunOptions(chunk_size=chunk_size, compute_grad=compute_grad,
-                                                 num_valid_tokens=num_valid_tokens, vocab_parallel=group))
-        ctx.jsd_ctx = jctx
-        ctx.mark_non_differentiable(jctx.soft_loss, jctx.hard_loss)
-        return loss, jctx.soft_loss, jctx.hard_loss
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_soft, grad_hard):
-        grad_input, grad_weight, grad_bias = api.backward(ctx.jsd_ctx, grad_loss)
-        ctx.jsd_ctx = None
-        return grad_input, grad_weight, None, None, None, grad_bias, *[None] * 6
 
 
 class FusedLinearJSDLoss(torch.nn.Module):
@@ -298,13 +350,18 @@ def _fused_linear_topk_jsd(student_input: torch.Tensor, student_weight: torch.Te
     """As jsdgpu::fused_linear_jsd, against the teacher's top-k (jsdgpu.forward_topk): the same
     outputs, and the same positions of the student's tensors and of compute_grad, so that the
     two operators share their autograd rule."""
-    cast = _caster(compute_dtype)
-    loss, ctx = topk.forward_topk_with(
-        cast(student_input), cast(student_weight), teacher_indices, teacher_logprobs, target, student_bias,
-        LossOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index),
-        RunOptions(chunk_size=chunk_size, compute_grad=compute_grad, num_valid_tokens=num_valid_tokens,
-                   grad_weight_float32=student_weight.dtype == torch.float32), missing_mass)
+    loss, ctx = _topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias,
+                      missing_mass, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index), chunk_size,
+                      num_valid_tokens, compute_grad, compute_dtype)
     return _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
+
+
+def _topk(xs, ws, ids, lq, target, bs, missing_mass, options, chunk_size, num_valid_tokens, compute_grad,
+          compute_dtype):
+    """jsdgpu.forward_topk on the tensors, as _online."""
+    cast = _caster(compute_dtype)
+    return topk.forward_topk_with(cast(xs), cast(ws), ids, lq, target, bs, _loss_options(*options),
+                                  _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype), missing_mass)
 
 
 @_fused_linear_topk_jsd.register_fake
@@ -333,8 +390,14 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
                                           weight_soft_loss, beta, temperature, ignore_index)
     topk._check_missing_mass(missing_mass)
+    eager = _runs_eagerly(xs, student_weight, ids, lq, target, student_bias)
 
     def call(w_hard, w_soft, with_grads):
+        if eager:
+            return _Eager.apply(lambda: _topk(xs, student_weight, ids, lq, target, student_bias, missing_mass,
+                                              (w_hard, w_soft, *options[2:]), chunk_size, num_valid_tokens,
+                                              with_grads, compute_dtype),
+                                xs, student_weight, student_bias)
         return _fused_linear_topk_jsd(xs, student_weight, ids, lq, target, student_bias, missing_mass, w_hard, w_soft,
                                       *options[2:], chunk_size, num_valid_tokens, with_grads, compute_dtype)
     return _operator_loss(call, options, compute_grad, return_soft_hard_loss)

@@ -4,7 +4,7 @@ the reference's answer on both backends; and the chunk plan itself."""
 import pytest
 
 import jsdgpu
-from jsdgpu.chunks import HEAD_ROWS, ROW_ALIGN, plan_chunks
+from jsdgpu.chunks import HEAD_ROWS, HELD_MIN_ROWS, ROW_ALIGN, plan_chunks
 from conftest import head_path_ignored, make_case, rel_err, to_xp
 
 
@@ -48,6 +48,13 @@ def test_plan_chunks():
     # ...and one chunk where G held for all rows (200 bytes) would make 2
     assert plan_chunks(100, None, 10, 2, 0, 1000) == (100, False)
     assert plan_chunks(100, None, 10, 2, 0, 1200) == (100, True)
+    # with G per chunk apart from the logits, G held in more chunks where they stay at least
+    # HELD_MIN_ROWS long: 8 of 1024 rows, not 4 of 2048 with G per chunk; 9 of 911 are too short;
+    # with G written over the logits, not (4 chunks of 2048 without G held, 8 with it)
+    budget = 8192 * 2 + 10 * HELD_MIN_ROWS
+    assert plan_chunks(8192, None, 10, 2, 2, budget) == (HELD_MIN_ROWS, True)
+    assert plan_chunks(8192, None, 10, 2, 2, 8192 * 2 + 10 * 1000) == (2048, False)
+    assert plan_chunks(8192, None, 10, 2, 0, budget) == (2048, False)
 
 
 @pytest.mark.parametrize("T,chunk", [(17, 5), (HEAD_ROWS + 44, None)])  # the head a chunk, or part of one

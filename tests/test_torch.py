@@ -74,6 +74,23 @@ def test_zero_copy_both_ways(rng, device):
     assert back.data_ptr() == t.data_ptr() and back.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_views_cross_as_they_are(rng, device, dtype):
+    """A view with an offset and strides (a slice, a transpose, a row) crosses zero-copy with its
+    values, and the native array keeps the tensor's memory alive once the tensor is gone (memory
+    handed out after it would overwrite it)."""
+    values = rng.standard_normal((9, 14)) * 100
+    for take in (lambda t: t[2:, 1::3], lambda t: t.t(), lambda t: t[4]):
+        view = take(torch.from_numpy(values).to(device=device, dtype=dtype))
+        want = view.float().cpu().numpy()
+        a = jtorch.to_native(view)
+        del view
+        torch.full((9, 14), 7, device=device, dtype=dtype)
+        got = a.get() if device == "cuda" else a
+        assert a.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got).astype(np.float32), want)
+
+
 def test_gradients_land_without_copies(rng, device):
     """The module's gradients are the tensors jsdgpu.backward made, viewed (pointer check on
     the functional form's outputs through the bridge)."""

@@ -1,0 +1,193 @@
+"""Where does the PyTorch front end's eager step spend the time the CuPy call does not?
+
+Answer (H200, 2026-12-02; docs/design.md, "The front ends"): with the custom operator run
+eagerly, in its dispatch and autograd rule: host time before the first product (0.56-0.65 ms
+against the CuPy call's 0.07-0.17) and, in backward, GPU idle while autograd ran the operator's
+Python rule (0.31 and 0.36 ms, profiled), for a step 0.9-1.3 ms longer at T = 1024; not torch's
+allocator (no cudaMalloc or cudaFree in the timed steps). The eager step now goes through an
+autograd Function and a pointer bridge: 4.52-4.80 ms against the CuPy call's 4.42-4.45 in the
+same runs.
+
+This times, on the same inputs, the step taken apart:
+
+- cupy: jsdgpu.forward + jsdgpu.backward on CuPy arrays;
+- bridged: the same on torch tensors (the bridge, torch's stream and allocator);
+- op: the custom operator called directly, its gradients computed (no autograd);
+- module: FusedLinearJSDLoss, loss.backward(), the gradients dropped (as bench.py's step).
+
+For each: the step's median ms by CUDA events, the host's ms before the first product, and
+torch's count of cudaMalloc / cudaFree calls over the timed steps. --profile: one cupy and one
+module step under torch's profiler, their GPU idle gaps and their slowest CUDA runtime calls.
+
+    python experiments/torch_step.py --tokens 1024 8192
+    python experiments/torch_step.py --tokens 1024 --profile
+    python experiments/torch_step.py --parts        # the bridge's pieces alone
+"""
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+
+def variants(sets):
+    import torch
+
+    import jsdgpu
+    import jsdgpu.torch as jtorch
+    from harness import _torch_sets
+    tsets = _torch_sets(sets, True)
+
+    def cupy_step(i):
+        loss, ctx = jsdgpu.forward(*sets[i])
+        jsdgpu.backward(ctx)
+
+    def bridged(i):
+        xs, ws, xt, wt, target = tsets[i]
+        loss, ctx = jsdgpu.forward(xs.detach(), ws.detach(), xt, wt, target)
+        jsdgpu.backward(ctx)
+
+    def op(i):
+        xs, ws, xt, wt, target = tsets[i]
+        with torch.no_grad():
+            torch.ops.jsdgpu.fused_linear_jsd(xs, ws, xt, wt, target, None, None, 0.5, 0.5, 0.5, 1.0, -100, None,
+                                              None, True, None)
+
+    loss_fn = jtorch.FusedLinearJSDLoss()
+
+    def module(i):
+        xs, ws, xt, wt, target = tsets[i]
+        loss_fn(xs, ws, xt, wt, target).backward()
+        xs.grad = ws.grad = None
+    return dict(cupy=cupy_step, bridged=bridged, op=op, module=module)
+
+
+def measure(fn, n_sets, repeats):
+    """(median step ms by events, median host ms before the first product, cudaMalloc calls,
+    cudaFree calls) over repeats steps, each from an idle GPU."""
+    import cupy
+    import torch
+
+    from jsdgpu.cuda import products
+    for i in range(3):
+        fn(i % n_sets)
+    cupy.cuda.Device().synchronize()
+    stats0 = torch.cuda.memory_stats()
+    steps, hosts = [], []
+    for i in range(repeats):
+        marks = []
+        cupy.cuda.Device().synchronize()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        with products.observing(lambda *_: marks or marks.append(time.perf_counter())):
+            t0 = time.perf_counter()
+            start.record()
+            fn(i % n_sets)
+            stop.record()
+        stop.synchronize()
+        steps.append(cupy.cuda.get_elapsed_time(start, stop))
+        hosts.append(1e3 * (marks[0] - t0))
+    stats1 = torch.cuda.memory_stats()
+    counts = [stats1.get(k, 0) - stats0.get(k, 0) for k in ("num_device_alloc", "num_device_free")]
+    return statistics.median(steps), statistics.median(hosts), *counts
+
+
+def profile(fn, out_dir, tag):
+    """One step under torch's profiler: the GPU's busy time, its gaps over 20 µs (with the
+    kernels around them), and the CUDA runtime calls that took over 50 µs."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    fn(0)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(1)
+        torch.cuda.synchronize()
+    if out_dir:
+        prof.export_chrome_trace(str(pathlib.Path(out_dir) / f"torch_step_{tag}.json"))
+    events = prof.events()
+    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.end - e.time_range.start for e in gpu)
+    span = gpu[-1].time_range.end - gpu[0].time_range.start
+    print(f"  {tag}: {len(gpu)} GPU events, busy {busy / 1e3:.2f} ms of a {span / 1e3:.2f} ms span")
+    for a, b in zip(gpu, gpu[1:]):
+        gap = b.time_range.start - a.time_range.end
+        if gap > 20:
+            print(f"    gap {gap:7.1f} µs after {a.name[:50]} ({(a.time_range.end - a.time_range.start):.0f} µs)"
+                  f", before {b.name[:50]}")
+    for e in gpu:
+        if e.time_range.end - e.time_range.start > 100:
+            print(f"    kernel {(e.time_range.end - e.time_range.start):8.1f} µs  {e.name[:80]}")
+    slow = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda")
+            and e.time_range.end - e.time_range.start > 50]
+    for e in slow:
+        print(f"    runtime {(e.time_range.end - e.time_range.start):8.1f} µs  {e.name}")
+
+
+def bridge_parts(repeats=200):
+    """Median µs of the bridge's pieces, each alone, back to back: a [1024, 2048] bf16 tensor
+    viewed by CuPy through DLPack and by jsdgpu.torch.to_native, a 0-d CuPy array viewed by
+    torch through DLPack (from_native), and the block that puts CuPy on torch's stream and
+    allocator (current_stream) entered and left."""
+    import cupy
+    import torch
+
+    import jsdgpu.torch as jtorch
+    t = torch.randn(1024, 2048, device="cuda").to(torch.bfloat16)
+    a = cupy.zeros((), cupy.float32)
+
+    def stream_block():
+        with jtorch.current_stream(t):
+            pass
+    pieces = {"cupy.from_dlpack(tensor)": lambda: cupy.from_dlpack(t.detach()),
+              "to_native(tensor)": lambda: jtorch.to_native(t),
+              "from_native(0-d array)": lambda: jtorch.from_native(a),
+              "current_stream(tensor) block": stream_block}
+    print("| piece | µs |")
+    print("| --- | --- |")
+    for name, piece in pieces.items():
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            piece()
+            times.append(1e6 * (time.perf_counter() - start))
+        print(f"| {name} | {statistics.median(times):.1f} |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", help="a folder for the profiles' traces")
+    p.add_argument("--parts", action="store_true", help="also the bridge's pieces, each timed alone")
+    args = p.parse_args()
+    if args.parts:
+        bridge_parts()
+    import cupy
+
+    from harness import make_sets, make_weights
+    weights = make_weights(2)
+    rng = __import__("numpy").random.default_rng(0)
+    rows = []
+    for T in args.tokens:
+        sets = make_sets(T, weights, rng)
+        fns = variants(sets)
+        for name, fn in fns.items():
+            rows.append((T, name, *measure(fn, len(sets), args.repeats)))
+        if args.profile:
+            for name in ("cupy", "module"):
+                profile(fns[name], args.out, f"{name}_{T}")
+        del sets, fns
+        cupy.get_default_memory_pool().free_all_blocks()
+    print("| T | step | ms (events) | host ms before the first product | cudaMalloc | cudaFree |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for T, name, ms, host, mallocs, frees in rows:
+        print(f"| {T} | {name} | {ms:.3f} | {host:.3f} | {mallocs} | {frees} |")
+
+
+if __name__ == "__main__":
+    main()
