@@ -91,6 +91,15 @@ def test_views_cross_as_they_are(rng, device, dtype):
         np.testing.assert_array_equal(np.asarray(got).astype(np.float32), want)
 
 
+def test_eager_calls_take_the_function_and_traces_the_operator(rng, device):
+    """Eagerly the loss is the autograd Function, whose backward hands grad_output to
+    jsdgpu.backward (the operator's eager dispatch and its pass over the gradients cost up to a
+    millisecond a step); what a trace sees (here a FakeTensor's shapes) is the operator."""
+    ts = tensors(make_case(rng, T=5), device)
+    assert type(jtorch.FusedLinearJSDLoss()(*ts).grad_fn).__name__ == "_EagerBackward"
+    assert not jtorch._runs_eagerly(torch._subclasses.FakeTensorMode().from_tensor(ts[0]))
+
+
 def test_gradients_land_without_copies(rng, device):
     """The module's gradients are the tensors jsdgpu.backward made, viewed (pointer check on
     the functional form's outputs through the bridge)."""
