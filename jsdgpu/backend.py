@@ -63,6 +63,9 @@ class Backend(Protocol):
     the 1/N of the mean, or None for the loss alone; inv_n 1/N, a float or a 0-d device array."""
     xp: Any                     # the array module
     default_memory_budget: int  # bytes of per-chunk buffers where the caller gives none
+    # whether a default call's first products run ahead of its selection, while the host waits
+    # for it (chunks.queue_head): where the work is done as it is called, there is no wait to fill
+    queues_ahead: bool
 
     def on_device(self, device) -> ContextManager: ...
 

@@ -203,6 +203,8 @@ def queue_head(backend, products, xs, other, most, select, capturable, normalize
         if n_all:
             products(xs[:most], other[:most])
         return most, select()
+    if not backend.queues_ahead:
+        return 0, select(backend.mark()).wait(normalizer)
     leading, count = getattr(_last_rows, "seen", (n_all, n_all))
     as_they_are = leading >= min(HEAD_ROWS, most)
     head = _head_rows(leading if as_they_are else count, most)

@@ -217,8 +217,7 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_soft, grad_hard):
-        jsd_ctx, ctx.jsd_ctx = ctx.jsd_ctx, None
-        grads = api.backward(jsd_ctx, grad_loss)
+        grads = api.backward(ctx.jsd_ctx, grad_loss)  # frees its sums; a second call raises
         return None, *(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
 
 
@@ -277,7 +276,7 @@ def _call_options(student_input, student_weight, student_bias, *loss_options):
         t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
     w_hard, w_soft, beta, temperature, ignore_index = loss_options
     options = (float(w_hard), float(w_soft), float(beta), float(temperature), int(ignore_index))
-    _loss_options(*options)
+    LossOptions(*options)
     return compute_grad, options
 
 

@@ -1,11 +1,12 @@
 """The chunk loop (jsdgpu.chunks): every chunk size, with G held for all rows or per chunk, gives
 the reference's answer on both backends; and the chunk plan itself."""
 
+import numpy as np
 import pytest
 
 import jsdgpu
 from jsdgpu.chunks import HEAD_ROWS, HELD_MIN_ROWS, ROW_ALIGN, plan_chunks
-from conftest import head_path_ignored, make_case, rel_err, to_xp
+from conftest import head_path_ignored, make_case, rel_err, to_numpy, to_xp
 
 
 @pytest.mark.parametrize("memory_budget", [None, 1])  # G held for all rows; G per chunk
@@ -61,8 +62,8 @@ def test_plan_chunks():
 def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
     """A default call's first chunk products come from its first rows as they are where the last
     call's leading rows were valid, else from its first selected rows (chunks.queue_head): a run
-    of calls that takes every path (conftest.head_path_ignored) gives the reference's answer at
-    each call."""
+    of calls that takes every path (conftest.head_path_ignored; on the GPU, which queues products
+    ahead of the selection) gives the reference's answer at each call."""
     for ignored in head_path_ignored(T):
         case = make_case(rng, T=T, bias=True, ignored=0.0)
         case["target"][ignored] = -100
@@ -72,3 +73,21 @@ def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
         assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0], ignored
         for got, want in zip((gi, gw, gb), ref[3:]):
             assert rel_err(got, want) <= 1e-4, ignored
+
+
+def test_a_call_gives_the_same_bits_whatever_came_before(xp, rng):
+    """Two runs of a call on the same inputs give the same bits (docs/design.md, "Numerics"),
+    whichever calls came before it, though a default call's head on the GPU is sized by the last
+    call (chunks.queue_head): after calls that take each of its paths."""
+    T = HEAD_ROWS + 44
+    case = to_xp(make_case(rng, T=T, bias=True, ignored=0.3), xp)
+    runs = []
+    for ignored in head_path_ignored(T)[:9]:
+        before = make_case(rng, T=T, ignored=0.0)
+        before["target"][ignored] = -100
+        jsdgpu.forward(**to_xp(before, xp), compute_grad=False)
+        loss, ctx = jsdgpu.forward(**case, beta=0.4)
+        runs.append([to_numpy(a) for a in (loss, *jsdgpu.backward(ctx))])
+    for run in runs[1:]:
+        for got, first in zip(run, runs[0]):
+            np.testing.assert_array_equal(got, first)

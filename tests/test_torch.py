@@ -100,6 +100,16 @@ def test_eager_calls_take_the_function_and_traces_the_operator(rng, device):
     assert not jtorch._runs_eagerly(torch._subclasses.FakeTensorMode().from_tensor(ts[0]))
 
 
+def test_a_second_backward_says_so(rng, device):
+    """The gradients are made once per call (jsdgpu.backward frees its sums): a second backward
+    through a retained graph raises, not a silent wrong gradient."""
+    ts = tensors(make_case(rng, T=5), device)
+    loss = jtorch.FusedLinearJSDLoss()(*ts)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already"):
+        loss.backward()
+
+
 def test_gradients_land_without_copies(rng, device):
     """The module's gradients are the tensors jsdgpu.backward made, viewed (pointer check on
     the functional form's outputs through the bridge)."""

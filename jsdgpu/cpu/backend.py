@@ -81,6 +81,10 @@ class Selection:
 class CpuBackend:
     xp = np
     default_memory_budget = 256 * 2**20
+    # No head ahead of the selection: nothing runs meanwhile, and NumPy's float32 products give a
+    # row different last bits in products of different row counts, so a head sized by the last
+    # call would make a call's bits depend on the calls before it
+    queues_ahead = False
 
     @staticmethod
     def on_device(device):

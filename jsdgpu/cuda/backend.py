@@ -106,6 +106,7 @@ def _padded_bias(b, v):
 class CudaBackend:
     xp = cupy
     default_memory_budget = 5 * 2**29  # 2.5 GiB: T = 8192 at V = 128256 in 4 chunks
+    queues_ahead = True
 
     @staticmethod
     def on_device(device):
