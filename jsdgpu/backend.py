@@ -29,7 +29,7 @@ class Rows:
     count: Any            # the valid rows' count, None where masked
     masked: bool = False
     status: Any = None
-    leading: int = 0      # a default call's: its first rows that are valid, all before its first ignored one
+    leading: int = 0      # a default GPU call's: its first rows that are valid, all before its first ignored one
 
 
 @dataclasses.dataclass
@@ -42,9 +42,10 @@ class Gradients:
 
 
 class Selection(Protocol):
-    """The valid rows being selected (Backend.select_rows): rows, the valid rows' indices first
-    (any prefix of which can be taken before wait()); wait(normalizer) gives the Rows, with
-    1/N = 1 / normalizer(count), or raises the ValueError of a bad target."""
+    """The valid rows being selected (Backend.select_rows): where the backend queues ahead,
+    rows, the valid rows' indices first (any prefix of which can be taken before wait());
+    wait(normalizer) gives the Rows, with 1/N = 1 / normalizer(count), or raises the ValueError
+    of a bad target."""
     rows: Any
 
     def wait(self, normalizer) -> Rows: ...

@@ -62,20 +62,18 @@ _NO_G, _NO_TERMS = np.empty((0, 0), np.float32), np.empty(0, np.float32)
 
 
 class Selection:
-    """The valid rows, selected on the host at once (nothing to overlap): rows as the GPU's."""
+    """The valid rows, selected on the host at once (nothing to overlap, and no head queued ahead
+    of it: CpuBackend.queues_ahead)."""
 
     def __init__(self, target, vocab, ignore_index):
         self._valid = checks.check_target(target, vocab, ignore_index)
         self._target = target
-        self.rows = np.zeros(len(target), np.intp)
-        self.rows[:len(self._valid)] = self._valid
 
     def wait(self, normalizer):
         n, valid = len(self._target), self._valid
         count = len(valid)
-        moved = np.flatnonzero(valid != np.arange(count))  # the selected rows that are not where they were
         return Rows(None if count == n else valid, self._target[valid].astype(np.int32), 1.0 / normalizer(count),
-                    count, leading=int(moved[0]) if len(moved) else count)
+                    count)
 
 
 class CpuBackend:
