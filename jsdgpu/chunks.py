@@ -197,7 +197,8 @@ def queue_head(backend, products, xs, other, most, select, capturable, normalize
     the selection kernel's output. Either way the products are queued before the host reads the
     selection, and the selection runs beside them (backend.mark, select_rows' after), so that
     the host's wait is for the selection alone and the GPU runs the head meanwhile, and while the
-    host queues what follows (docs/design.md, "The host before the first product")."""
+    host queues what follows (docs/design.md, "The host before the first product"). A backend
+    that does not queue ahead (the CPU's, queues_ahead) selects first: its head is empty."""
     n_all = xs.shape[0]
     if capturable:
         if n_all:
