@@ -13,7 +13,10 @@ its checks and selection against 8afdcab: T = 1024 -10% to +2%, half ignored -16
 8192 -2% to 0%. The head sized by the last call, the selection beside it on a side stream
 (docs/design.md, "The host before the first product"; four pairs) against a24723d: T = 1024
 -2.5%, half ignored -2.4%, T = 2048 half ignored -1.0%, T = 8192 no change; --topk 64 no change.
-G held for all rows in more chunks (docs/design.md, "Chunks and G"): see there.
+G held for all rows in more chunks (docs/design.md, "Chunks and G"): see there. A call like the
+last queuing its first product ahead of its checks (docs/design.md, "The host before the first
+product"; --tokens 1024, three pairs in one run): 4.33 / 4.43 / 4.18 ms against 4.01 / 4.20 /
+4.60 before, no change that the noise lets through.
 
     mkdir -p /tmp/old && git archive 682ba3f jsdgpu | tar -x -C /tmp/old
     for v in /tmp/old . /tmp/old .; do PYTHONPATH=$v python experiments/ab_versions.py $v; done

@@ -2,10 +2,12 @@
 step?
 
 The GPU idles from the moment it has run what was queued until the first product is queued, so
-the host time before that product is time the step loses. Answer (H200; docs/design.md, "The
-host before the first product"): at T = 1024 with every row valid, 0.07-0.10 ms (2026-12-02),
-of which the first product's launch alone from Python takes 28-52 µs, cublasLtMatmul's own call
-13-42 of those (--parts); with half the rows ignored 0.16-0.28 ms.
+the host time before that product is time the step loses. Answer (H200, 2026-12-02;
+docs/design.md, "The host before the first product"): at T = 1024 with every row valid, where
+the call is like the last (chunks.FirstProduct), 0.032-0.042 ms before the first product's
+launch and 0.064-0.089 until it is queued (the launch itself: jsdgpu's gemm and cublasLtMatmul's
+call through ctypes; --parts times pieces of it); with half the rows ignored, where nothing is
+queued ahead of the selection, 0.14-0.18 ms before the launch.
 
     python experiments/host_time.py                 # T = 1024, all rows valid and half ignored
     python experiments/host_time.py --tokens 1024 8192 --valid 1 --capturable
@@ -13,8 +15,9 @@ of which the first product's launch alone from Python takes 28-52 µs, cublasLtM
     python experiments/host_time.py --waits synchronize spin none  # after each kind of wait
 
 Each step starts from an idle GPU (the device synchronized), as bench.py's steps do, unless
---waits says otherwise. The first
-product is marked by jsdgpu.cuda.products.observing, a callback as each product is queued.
+--waits says otherwise. The first product's launch is marked by jsdgpu.cuda.products.observing,
+a callback as each product is about to be queued, and its return by a wrapper of the product's
+run.
 """
 
 import argparse
@@ -51,27 +54,38 @@ WAITS = {"synchronize": wait_idle, "spin": wait_spinning, "none": no_wait}
 
 
 def host_before_first_product(step, repeats, profile=None, wait=wait_idle):
-    """Median host ms from the call to its first product's launch, over repeats steps, each
-    started after wait(); with a cProfile.Profile, that part of each step profiled (and the time
-    then includes its cost)."""
+    """(median host ms from the call to its first product's launch, and to that launch's return:
+    the product queued), over repeats steps, each started after wait(); with a cProfile.Profile,
+    the part before the launch profiled (and the times then include its cost)."""
     from jsdgpu.cuda import products
-    times = []
-    for _ in range(repeats):
-        marks = []
+    times, queued = [], []
+    run = products._Product.run
 
-        def mark(m, n, k):
-            if not marks:
-                marks.append(time.perf_counter())
+    def timed_run(*args, **kwargs):  # the product's launch, its return marked
+        run(*args, **kwargs)
+        if len(marks) == 1:
+            marks.append(time.perf_counter())
+    products._Product.run = timed_run
+    try:
+        for _ in range(repeats):
+            marks = []
+
+            def mark(m, n, k):
+                if not marks:
+                    marks.append(time.perf_counter())
+                    if profile is not None:
+                        profile.disable()
+            wait()
+            with products.observing(mark):
+                start = time.perf_counter()
                 if profile is not None:
-                    profile.disable()
-        wait()
-        with products.observing(mark):
-            start = time.perf_counter()
-            if profile is not None:
-                profile.enable()
-            step()
-        times.append(1e3 * (marks[0] - start))
-    return statistics.median(times)
+                    profile.enable()
+                step()
+            times.append(1e3 * (marks[0] - start))
+            queued.append(1e3 * (marks[1] - start))
+    finally:
+        products._Product.run = run
+    return statistics.median(times), statistics.median(queued)
 
 
 def trace_before_first_product(step, shortest_us):
@@ -205,8 +219,9 @@ def main():
     import jsdgpu
     options = dict(capturable=True) if a.capturable else {}
     weights = harness.make_weights(1)
-    print("| T | valid rows | options | wait | host ms before the first product | step ms |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| T | valid rows | options | wait | host ms before the first product's launch | "
+          "... until it is queued | step ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for T in a.tokens:
         for valid in a.valid:
             args = harness.make_sets(T, weights, np.random.default_rng(1), valid)[0]
@@ -217,8 +232,9 @@ def main():
                 step()
             ms = harness.time_ms(lambda i: step(), 1, 3, a.repeats)
             for wait in a.waits:
-                host = host_before_first_product(step, a.repeats, wait=WAITS[wait])
-                print(f"| {T} | {valid:.0%} | {options or 'default'} | {wait} | {host:.3f} | {ms:.3f} |")
+                host, queued = host_before_first_product(step, a.repeats, wait=WAITS[wait])
+                print(f"| {T} | {valid:.0%} | {options or 'default'} | {wait} | {host:.3f} | {queued:.3f} "
+                      f"| {ms:.3f} |")
             if a.parts:
                 time_parts(args)
             if a.trace is not None:

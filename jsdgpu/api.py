@@ -12,7 +12,7 @@ import importlib
 import numpy as np
 
 from . import checks, parallel
-from .chunks import run
+from .chunks import FirstProduct, run
 from .options import LossOptions, RunOptions, split_options
 
 # Modules of the DLPack producers the bridges take, and the bridge module of each.
@@ -127,6 +127,8 @@ def runs_capturable(run_opts, kind):
 
 
 def _forward(arrays, opts, run_opts):
+    # first of all, where this call is like the last: its first product (chunks.FirstProduct)
+    first = FirstProduct(("online", run_opts), arrays["student_input"], arrays["student_weight"])
     comm = parallel.communicator(run_opts.vocab_parallel)
     kind = checks.check_arrays(arrays)
     backend = backend_for(kind)
@@ -152,7 +154,8 @@ def _forward(arrays, opts, run_opts):
             select = functools.partial(backend.select_rows, arrays["target"], vocab, opts.ignore_index)
         hard, soft, grads, rows = run(backend, xs, ws, xt, wt, bs, bt, opts, select=select, capturable=capturable,
                                       normalizer=run_opts.normalizer, chunk_size=run_opts.chunk_size,
-                                      memory_budget=budget, compute_grad=run_opts.compute_grad, shard=shard)
+                                      memory_budget=budget, compute_grad=run_opts.compute_grad, shard=shard,
+                                      first=first)
         loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend,
                   run_opts.grad_weight_float32, device, None if rows.status is None else rows.status[1])

@@ -73,6 +73,14 @@ class Backend(Protocol):
     def mark(self):
         """A point in the work queued so far (an event on the GPU, None on the CPU), for `after`."""
 
+    def ahead_key(self, xs, ws):
+        """Where the backend queues ahead: what a product of xs @ ws.T queued ahead of a call's
+        checks depends on (chunks.FirstProduct), None where none may be queued now."""
+
+    def logits_ahead(self, xs, ws, rows, head):
+        """Where the backend queues ahead: a student logits' buffer for chunks of `rows` rows, with
+        the products of xs's first `head` rows queued into it."""
+
     def select_rows(self, target, vocab, ignore_index, after=None) -> Selection:
         """The rows whose target is not ignore_index, being selected; a target outside [0, vocab)
         that is not ignore_index makes wait() raise ValueError. after: a mark; the selection then
@@ -92,14 +100,16 @@ class Backend(Protocol):
     def bytes_per_row(self, vs, vt, dtype, compute_grad, fused):
         """(logits, G held for all rows, G per chunk) bytes per row."""
 
-    def prepare(self, ws, wt, bs, bt, rows, fused) -> Work:
-        """The buffers for chunks of `rows` rows."""
+    def prepare(self, ws, wt, bs, bt, rows, fused, logits_s=None) -> Work:
+        """The buffers for chunks of `rows` rows; logits_s: the student logits' buffer, where
+        logits_ahead made it."""
 
     def gradient_rows(self, work, g_rows, own_g):
         """G's memory for g_rows rows (own_g: apart from the logits, as G held for all rows)."""
 
-    def logits(self, work, xs, xt, at=0):
-        """The student and teacher logits of the chunk's rows [at, at + len(xs)) into work."""
+    def logits(self, work, xs, xt, at=0, student=True):
+        """The student and teacher logits of the chunk's rows [at, at + len(xs)) into work (the
+        teacher's alone where not student: the student's were queued ahead)."""
 
     def fused_rows(self, work, target, opts, ce, jsd, G, label_terms):
         """The whole row work in one kernel (where work.fused)."""
@@ -140,9 +150,9 @@ class Backend(Protocol):
     def topk_bytes_per_row(self, vs, dtype, compute_grad):
         """(logits, G held for all rows, G per chunk) bytes per row of the top-k loss."""
 
-    def topk_prepare(self, ws, bs, rows):
+    def topk_prepare(self, ws, bs, rows, logits_s=None):
         """The buffers for chunks of `rows` rows of one head (the student's, or teacher_topk's
-        teacher's): ws, and what the gradient steps above need of it."""
+        teacher's): ws, and what the gradient steps above need of it (logits_s as prepare's)."""
 
     def topk_gradient_rows(self, work, g_rows):
         """G's memory for g_rows rows, apart from the logits."""

@@ -45,7 +45,8 @@ HEAD_ROWS = 2 * ROW_ALIGN
 # the row kernel writes G over the logits (the online loss), more chunks cost what the sums
 # spare, or more (docs/design.md, "Chunks and G")
 HELD_MIN_ROWS = 8 * ROW_ALIGN
-# per thread: the last default call's leading valid rows and valid rows' count (queue_head)
+# per thread: the last default call's leading valid rows and valid rows' count (queue_head), and
+# what its first product was made for (FirstProduct)
 _last_rows = threading.local()
 
 
@@ -111,8 +112,49 @@ def _row_work(backend, work, comm, target, opts, ce, jsd, G, label_terms):
     backend.row_finish(work, target, stats, kl, opts, ce, jsd, G, label_terms)
 
 
+class FirstProduct:
+    """A default call's first product queued ahead of its checks and setup (made by the API
+    before anything else): where the call is like the thread's last default call (the same loss
+    and run options, student arrays of the same types, shapes, dtypes, strides and device, which
+    passed the checks then), the student logits of its head's rows (queue_head's head, sized by
+    the last call's rows) are queued at once, into a logits buffer of as many rows a chunk as the
+    last call's. The checks and the setup then run while the GPU runs that product, where the
+    GPU idled before (docs/design.md, "The host before the first product"). A call whose own plan
+    differs (other rows a chunk, another head) drops it unused; one whose checks fail raises as
+    before, the product having written nothing but its own buffer.
+
+    tag: what besides the student arrays the rows a chunk depend on (the loss, its RunOptions).
+    ahead: (rows a chunk, head rows, the logits buffer, the mark from before the product) or None."""
+
+    def __init__(self, tag, xs, ws):
+        self.tag, self._xs, self._ws, self.ahead = tag, xs, ws, None
+        last = getattr(_last_rows, "first", None)
+        if last is None or last[0] != tag:
+            return
+        _, backend, key, most = last
+        if not most or key is None or backend.ahead_key(xs, ws) != key:
+            return
+        as_they_are, head = planned_head(most, xs.shape[0])
+        if as_they_are:
+            after = backend.mark()
+            self.ahead = most, head, backend.logits_ahead(xs, ws, most, head), after
+
+    def buffers(self, most):
+        """prepare's keywords: the logits buffer made ahead, where it has `most` rows."""
+        return {"logits_s": self.ahead[2]} if self.ahead is not None and self.ahead[0] == most else {}
+
+    def queued(self, most, head):
+        """The mark from before the product queued ahead, where it is the products of these head
+        rows into chunks of `most` rows; else None."""
+        return self.ahead[3] if self.ahead is not None and self.ahead[:2] == (most, head) else None
+
+    def remember(self, backend, most):
+        """Record this default call for the thread's next one."""
+        _last_rows.first = self.tag, backend, backend.ahead_key(self._xs, self._ws), most
+
+
 def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer, chunk_size, memory_budget,
-        compute_grad, shard=None):
+        compute_grad, shard=None, first=None):
     """Compute the per-row losses and, with compute_grad, the gradient sums.
 
     select: the rows, called once the first products are queued: in a default call select(after),
@@ -120,14 +162,16 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
     from before those products), in a capturable one select(), the Rows of its mark_rows (every
     row computed, the ignored ones masked). normalizer(count): N, the divisor of the summed row
     losses. shard: under vocab parallelism, this rank's parallel.Shard (its weights and biases
-    are then its shards of the vocabulary), else None. Returns (hard_loss, soft_loss, Gradients
-    or None, Rows); the losses are 0-d float32 backend arrays.
+    are then its shards of the vocabulary), else None. first: the call's FirstProduct, or None.
+    Returns (hard_loss, soft_loss, Gradients or None, Rows); the losses are 0-d float32 backend
+    arrays.
 
     Nothing here waits for the GPU but the selection (and a torch process group's all-reduces,
     parallel.py, and the first product of each shape class in a process, jsdgpu.cuda.products).
     So that the GPU does not idle while the host sets the call up and reads the selection, the
     first products are the call's first GPU work, queued with as little host work before them as
-    there can be (queue_head). The buffers are made for the most rows the call can have, the
+    there can be (queue_head; in a call like the last, the student's before the checks:
+    FirstProduct). The buffers are made for the most rows the call can have, the
     chunks cut once their count is known.
     """
     xp = backend.xp
@@ -138,9 +182,10 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
     widest = (vs, vt) if shard is None else (shard.max_vs, shard.max_vt)
     per_row = backend.bytes_per_row(*widest, ws.dtype, compute_grad, fused=comm is None)
     most = min(plan_chunks(n_all, chunk_size, *per_row, memory_budget)[0], n_all) if n_all else 0
-    work = backend.prepare(ws, wt, bs, bt, most, fused=comm is None) if n_all else None
+    buffers = {} if first is None else first.buffers(most)
+    work = backend.prepare(ws, wt, bs, bt, most, fused=comm is None, **buffers) if n_all else None
     products = functools.partial(backend.logits, work)
-    head, rows = queue_head(backend, products, xs, xt, most, select, capturable, normalizer)
+    head, rows = queue_head(backend, products, xs, xt, most, select, capturable, normalizer, first)
     if rows.valid_rows is not None:
         xs, xt = backend.take_rows(rows.valid_rows, xs, xt)
     target, inv_n = rows.target, rows.inv_n
@@ -182,12 +227,22 @@ def _head_rows(expected, most):
     return min(most, max(HEAD_ROWS, expected // ROW_ALIGN * ROW_ALIGN))
 
 
-def queue_head(backend, products, xs, other, most, select, capturable, normalizer):
+def planned_head(most, n_all):
+    """(as_they_are, head) of a default call of n_all rows in chunks of at most `most` (queue_head),
+    by the thread's last default call's rows."""
+    leading, count = getattr(_last_rows, "seen", (n_all, n_all))
+    as_they_are = leading >= min(HEAD_ROWS, most)
+    return as_they_are, _head_rows(leading if as_they_are else count, most)
+
+
+def queue_head(backend, products, xs, other, most, select, capturable, normalizer, first=None):
     """Queue the call's first products, then select its rows: (head, Rows), head the rows of
     the first chunk whose products are queued (the caller queues the rest of that chunk's once
-    it knows the rows: cut_chunks). products(xs, other, at=0): the products of those rows of xs
-    (and of other, the teacher's input or the top-k's ids: the rows that go with them) into the
-    chunk's rows from `at` on. select: run's. most: the rows of the largest chunk.
+    it knows the rows: cut_chunks). products(xs, other, at=0, student=True): the products of
+    those rows of xs (and of other, the teacher's input or the top-k's ids: the rows that go with
+    them) into the chunk's rows from `at` on; student=False leaves out the student's logits.
+    select: run's. most: the rows of the largest chunk. first: the call's FirstProduct (the
+    student's logits of the head, queued ahead of the call's setup where it could be), or None.
 
     A capturable call's head is its first chunk (its rows are the call's own). A default call's
     head is sized by the thread's last default call: where that one's leading rows were valid
@@ -206,16 +261,19 @@ def queue_head(backend, products, xs, other, most, select, capturable, normalize
         return most, select()
     if not backend.queues_ahead:
         return 0, select(backend.mark()).wait(normalizer)
-    leading, count = getattr(_last_rows, "seen", (n_all, n_all))
-    as_they_are = leading >= min(HEAD_ROWS, most)
-    head = _head_rows(leading if as_they_are else count, most)
-    after = backend.mark()  # before the head: the selection waits for what was queued before it only
+    as_they_are, head = planned_head(most, n_all)
+    after = None if first is None or not as_they_are else first.queued(most, head)
+    queued_ahead = after is not None
+    if not queued_ahead:  # before the head: the selection waits for what was queued before it only
+        after = backend.mark()
     if n_all and as_they_are:
-        products(xs[:head], other[:head])
+        products(xs[:head], other[:head], student=not queued_ahead)
     selection = select(after)
     if n_all and not as_they_are:  # the first selected rows' products, queued before the selection is read
         products(*backend.take_rows(selection.rows[:head], xs, other))
     rows = selection.wait(normalizer)
+    if first is not None:
+        first.remember(backend, most)
     if n_all:
         _last_rows.seen = (rows.leading, rows.count)
         head = min(head, rows.leading if as_they_are else rows.count)  # the rows whose products are right

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import checks
 from .api import Context, backend_for, backward, bridged, runs_capturable, weighted_loss
-from .chunks import chunk_g, cut_chunks, finish_gradients, plan_chunks, queue_head, row_means, row_outputs
+from .chunks import FirstProduct, chunk_g, cut_chunks, finish_gradients, plan_chunks, queue_head, row_means, row_outputs
 from .options import split_options
 
 MISSING_MASS = ("bucket", "renormalize")
@@ -50,6 +50,8 @@ def forward_topk_with(student_input, student_weight, teacher_indices, teacher_lo
 
 
 def _forward_topk(arrays, opts, run_opts, missing_mass):
+    # first of all, where this call is like the last: its first product (chunks.FirstProduct)
+    first = FirstProduct(("topk", run_opts), arrays["student_input"], arrays["student_weight"])
     kind = checks.check_topk_arrays(arrays)
     if run_opts.vocab_parallel is not None:
         raise NotImplementedError("vocab_parallel with the top-k loss: not built; the student's logits of one "
@@ -69,7 +71,8 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
         budget = backend.default_memory_budget if run_opts.memory_budget is None else run_opts.memory_budget
         per_row = backend.topk_bytes_per_row(vs, ws.dtype, compute_grad)
         most = min(plan_chunks(n_all, run_opts.chunk_size, *per_row, budget)[0], n_all) if n_all else 0
-        work = backend.topk_prepare(ws, bs, most)  # the buffers for the most rows the call can have
+        # the buffers for the most rows the call can have
+        work = backend.topk_prepare(ws, bs, most, **first.buffers(most))
         launched = []
 
         def select(after=None):  # the top-k's checks, then the rows (a default call reads both at one wait)
@@ -79,9 +82,10 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
                 return backend.mark_rows(arrays["target"], vs, opts.ignore_index, run_opts.num_valid_tokens)
             return backend.select_rows(arrays["target"], vs, opts.ignore_index, after)
 
-        def products(x, _ids, at=0):  # the student's logits (the ids go with the rows, for queue_head)
-            backend.head_logits(work, x, at)
-        head, rows = queue_head(backend, products, xs, ids, most, select, capturable, run_opts.normalizer)
+        def products(x, _ids, at=0, student=True):  # the student's logits (the ids go with the rows, for queue_head)
+            if student:
+                backend.head_logits(work, x, at)
+        head, rows = queue_head(backend, products, xs, ids, most, select, capturable, run_opts.normalizer, first)
         check, bad_topk_row = launched[0], None
         if capturable:  # a bad row makes 1/N NaN
             rows.inv_n, bad_topk_row = check.poisoned(rows.inv_n, n_all)

@@ -91,3 +91,70 @@ def test_a_call_gives_the_same_bits_whatever_came_before(xp, rng):
     for run in runs[1:]:
         for got, first in zip(run, runs[0]):
             np.testing.assert_array_equal(got, first)
+
+
+@pytest.mark.gpu
+def test_a_call_like_the_last_queues_its_first_product_ahead(rng, monkeypatch):
+    """A default call like the thread's last one (the same options, student arrays of the same
+    types, shapes and strides) queues its first product before its checks (chunks.FirstProduct).
+    It gives the bits of the same call after one that is not like it (whose first product is
+    queued after the checks, the same head); it drops that product where its own plan differs
+    (another teacher vocabulary, under a budget that binds); it raises the checks' error where
+    they fail."""
+    import cupy
+    from jsdgpu.cuda.backend import CudaBackend
+    queued = []
+    queue_ahead = CudaBackend.logits_ahead
+    monkeypatch.setattr(CudaBackend, "logits_ahead",
+                        staticmethod(lambda xs, ws, rows, head: queued.append((rows, head)) or
+                                     queue_ahead(xs, ws, rows, head)))
+    T, vs, vt_wide = 2 * HEAD_ROWS + 37, 1031, 4099
+    # a budget under which the teacher's vocabulary changes the rows a chunk
+    per_row = {vt: jsdgpu.cuda.backend.CudaBackend.bytes_per_row(vs, vt, np.dtype(np.float32), True, True)
+               for vt in (vs, vt_wide)}
+    budget = 160 * sum(per_row[vs][:2])
+    rows = {vt: plan_chunks(T, None, *per_row[vt], budget)[0] for vt in per_row}
+    assert rows[vs] != rows[vt_wide], rows
+
+    def call(case, **options):
+        loss, ctx = jsdgpu.forward(**to_xp(case, cupy), beta=0.3, **options)
+        return [to_numpy(a) for a in (loss, *jsdgpu.backward(ctx))]
+
+    def case(vt=vs):
+        c = make_case(rng, T=T, vs=vs, vt=vt, bias=True)
+        c["target"][HEAD_ROWS + 20::3] = -100  # the leading rows valid: a head of its rows as they are
+        return c
+
+    for options, vt in ((dict(), vs), (dict(memory_budget=budget), vt_wide)):
+        this = case(vt)
+        call(case(), memory_budget=123 * 2**20)  # not like it: the same rows, other options
+        queued.clear()
+        unlike = call(this, **options)
+        assert not queued
+        call(case(), **options)  # like it
+        queued.clear()
+        like = call(this, **options)
+        assert queued, "the call like the last queued nothing ahead"
+        for got, want in zip(like, unlike):
+            np.testing.assert_array_equal(got, want)
+        ref = jsdgpu.reference(**this, beta=0.3)
+        assert abs(float(like[0]) - ref[0]) <= 1e-5 * abs(ref[0])
+        for got, want in zip(like[1:], ref[3:]):
+            assert rel_err(got, want) <= 1e-4
+
+    # student arrays that are not C-contiguous are never queued ahead (the product reads them as they are)
+    strided = case()
+    for _ in range(2):
+        queued.clear()
+        loss, ctx = jsdgpu.forward(**{**to_xp(strided, cupy), "student_input": cupy.asfortranarray(
+            cupy.asarray(strided["student_input"]))}, beta=0.3)
+        assert not queued
+    assert abs(float(loss) - jsdgpu.reference(**strided, beta=0.3)[0]) <= 1e-5 * abs(float(loss))
+
+    call(case())
+    bad = case()
+    bad["teacher_input"] = bad["teacher_input"][:, :-1].copy()
+    queued.clear()
+    with pytest.raises(ValueError, match="teacher_weight has hidden size"):
+        call(bad)
+    assert queued  # its student arrays were like the last call's: the product was queued, then the checks raised

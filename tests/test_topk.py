@@ -156,6 +156,36 @@ def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
         check_against_reference(xp, case, dict(beta=0.4), "bucket", np.float32, chunk_size=chunk)
 
 
+@pytest.mark.gpu
+def test_a_call_like_the_last_queues_its_first_product_ahead(rng, monkeypatch):
+    """As the online loss's (test_chunks): a call like the thread's last queues its student
+    logits' first product before its checks, and gives the bits of the same call after one that
+    is not like it."""
+    import cupy
+    from jsdgpu.cuda.backend import CudaBackend
+    queued = []
+    queue_ahead = CudaBackend.logits_ahead
+    monkeypatch.setattr(CudaBackend, "logits_ahead",
+                        staticmethod(lambda *args: queued.append(args[2:]) or queue_ahead(*args)))
+    T = HEAD_ROWS + 44
+
+    def call(case, **options):
+        loss, ctx = jsdgpu.forward_topk(**to_xp(case, cupy), beta=0.4, **options)
+        return [to_numpy(a) for a in (loss, *jsdgpu.backward(ctx))]
+
+    this, other = (make_topk_case(rng, T=T, ignored=0.0) for _ in range(2))
+    call(other, memory_budget=123 * 2**20)  # not like it: other options
+    queued.clear()
+    unlike = call(this)
+    assert not queued
+    call(other)  # like it
+    queued.clear()
+    like = call(this)
+    assert queued, "the call like the last queued nothing ahead"
+    for got, want in zip(like, unlike):
+        np.testing.assert_array_equal(got, want)
+
+
 SCALES, TEMPERATURES = (1.0, 8.0, 40.0), (0.05, 1.0, 50.0)
 
 

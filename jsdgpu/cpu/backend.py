@@ -143,8 +143,9 @@ class CpuBackend:
         return np.empty((g_rows, work.ws.shape[0]), np.float32)
 
     @staticmethod
-    def logits(work, xs, xt, at=0):
-        """The logits of rows [at, at + len(xs)) of the chunk."""
+    def logits(work, xs, xt, at=0, student=True):
+        """The logits of rows [at, at + len(xs)) of the chunk (the CPU queues nothing ahead: the
+        student's are always made here)."""
         rows = slice(at, at + xs.shape[0])
         np.matmul(xs.astype(np.float32), work.ws.T, out=work.s[rows])
         np.matmul(xt.astype(np.float32), work.wt.T, out=work.t[rows])

@@ -156,14 +156,38 @@ class CudaBackend:
         return 4 * (leading_dim(vs) + leading_dim(vt)), grad, 0 if fused else grad
 
     @staticmethod
-    def prepare(ws, wt, bs, bt, rows, fused):
-        """The buffers for chunks of `rows` rows; with fused (and a teacher vocabulary of at most
-        FUSED_MAX_VOCAB), the fused row kernel."""
+    def ahead_key(xs, ws):
+        """What queueing xs @ ws.T ahead of a call's checks depends on (chunks.FirstProduct): both
+        CuPy arrays, C-contiguous (the product reads them as they are), their shapes, dtypes and
+        strides, on the current device, with the current stream not capturing (a capture takes
+        the capturable path, which queues nothing ahead); None where that is not so."""
+        if (type(xs) is not cupy.ndarray or type(ws) is not cupy.ndarray or not xs.flags.c_contiguous
+                or not ws.flags.c_contiguous):
+            return None
+        device = xs.data.device_id
+        if device != cupy.cuda.runtime.getDevice() or cupy.cuda.get_current_stream().is_capturing():
+            return None
+        return xs.shape, xs.dtype, xs.strides, ws.shape, ws.dtype, ws.strides, ws.data.device_id, device
+
+    @staticmethod
+    def logits_ahead(xs, ws, rows, head):
+        """The student logits' buffer for chunks of `rows` rows, with the products of xs's first
+        head rows queued into it."""
+        logits = cupy.empty((rows, leading_dim(ws.shape[0])), np.float32)
+        # no slice where the head is all of an array: each took 2-4 µs of this host time
+        products.logits(xs if head == len(xs) else xs[:head], ws, logits if head == rows else logits[:head])
+        return logits
+
+    @staticmethod
+    def prepare(ws, wt, bs, bt, rows, fused, logits_s=None):
+        """The buffers for chunks of `rows` rows (logits_s: the student logits', where
+        logits_ahead made it); with fused (and a teacher vocabulary of at most FUSED_MAX_VOCAB),
+        the fused row kernel."""
         vs, vt = ws.shape[0], wt.shape[0]
         fused = fused and vt <= FUSED_MAX_VOCAB
         return CudaWork(
             ws=ws, wt=wt, bias_s=_padded_bias(bs, vs), bias_t=_padded_bias(bt, vt),
-            logits_s=cupy.empty((rows, leading_dim(vs)), np.float32),
+            logits_s=cupy.empty((rows, leading_dim(vs)), np.float32) if logits_s is None else logits_s,
             logits_t=cupy.empty((rows, leading_dim(vt)), np.float32),
             ones=cupy.ones(rows, ws.dtype) if bs is not None else None,
             fused=kernels.fused_kernel(cupy.cuda.Device().id, ws.dtype) if fused else None)
@@ -179,10 +203,12 @@ class CudaBackend:
         return cupy.empty((g_rows, leading_dim(work.ws.shape[0])), work.ws.dtype)
 
     @staticmethod
-    def logits(work, xs, xt, at=0):
-        """The logits of rows [at, at + len(xs)) of the chunk."""
+    def logits(work, xs, xt, at=0, student=True):
+        """The logits of rows [at, at + len(xs)) of the chunk (the teacher's alone where not
+        student)."""
         stop = at + xs.shape[0]
-        products.logits(xs, work.ws, work.logits_s[at:stop])
+        if student:
+            products.logits(xs, work.ws, work.logits_s[at:stop])
         products.logits(xt, work.wt, work.logits_t[at:stop])
 
     @staticmethod
@@ -229,10 +255,10 @@ class CudaBackend:
         return 4 * leading_dim(vs), grad, grad
 
     @staticmethod
-    def topk_prepare(ws, bs, rows):
+    def topk_prepare(ws, bs, rows, logits_s=None):
         vs = ws.shape[0]
-        return TopKWork(ws, _padded_bias(bs, vs), cupy.empty((rows, leading_dim(vs)), np.float32),
-                        cupy.ones(rows, ws.dtype) if bs is not None else None)
+        logits_s = cupy.empty((rows, leading_dim(vs)), np.float32) if logits_s is None else logits_s
+        return TopKWork(ws, _padded_bias(bs, vs), logits_s, cupy.ones(rows, ws.dtype) if bs is not None else None)
 
     @staticmethod
     def topk_gradient_rows(work, g_rows):
