@@ -15,9 +15,8 @@ queued ahead of the selection, 0.14-0.18 ms before the launch.
     python experiments/host_time.py --waits synchronize spin none  # after each kind of wait
 
 Each step starts from an idle GPU (the device synchronized), as bench.py's steps do, unless
---waits says otherwise. The first product's launch is marked by jsdgpu.cuda.products.observing,
-a callback as each product is about to be queued, and its return by a wrapper of the product's
-run.
+--waits says otherwise. The first product's launch and its return are marked by
+jsdgpu.cuda.products.observing's callbacks.
 """
 
 import argparse
@@ -59,32 +58,26 @@ def host_before_first_product(step, repeats, profile=None, wait=wait_idle):
     the part before the launch profiled (and the times then include its cost)."""
     from jsdgpu.cuda import products
     times, queued = [], []
-    run = products._Product.run
+    for _ in range(repeats):
+        marks = []
 
-    def timed_run(*args, **kwargs):  # the product's launch, its return marked
-        run(*args, **kwargs)
-        if len(marks) == 1:
-            marks.append(time.perf_counter())
-    products._Product.run = timed_run
-    try:
-        for _ in range(repeats):
-            marks = []
-
-            def mark(m, n, k):
-                if not marks:
-                    marks.append(time.perf_counter())
-                    if profile is not None:
-                        profile.disable()
-            wait()
-            with products.observing(mark):
-                start = time.perf_counter()
+        def mark(m, n, k):
+            if not marks:
+                marks.append(time.perf_counter())
                 if profile is not None:
-                    profile.enable()
-                step()
-            times.append(1e3 * (marks[0] - start))
-            queued.append(1e3 * (marks[1] - start))
-    finally:
-        products._Product.run = run
+                    profile.disable()
+
+        def mark_queued(m, n, k):
+            if len(marks) == 1:
+                marks.append(time.perf_counter())
+        wait()
+        with products.observing(mark, mark_queued):
+            start = time.perf_counter()
+            if profile is not None:
+                profile.enable()
+            step()
+        times.append(1e3 * (marks[0] - start))
+        queued.append(1e3 * (marks[1] - start))
     return statistics.median(times), statistics.median(queued)
 
 

@@ -216,15 +216,16 @@ _observed = threading.local()
 
 
 @contextlib.contextmanager
-def observing(callback):
-    """For the block, callback(m, n, k) as each product of this thread is queued (how
-    experiments/host_time.py marks the host's time to a step's first product)."""
-    before = getattr(_observed, "callback", None)
-    _observed.callback = callback
+def observing(callback, queued=None):
+    """For the block, callback(m, n, k) as each product of this thread is about to be queued, and
+    queued(m, n, k), where given, once it is (how experiments/host_time.py marks the host's time
+    to a step's first product, and to that product's launch's return)."""
+    before = getattr(_observed, "observers", None)
+    _observed.observers = callback, queued
     try:
         yield
     finally:
-        _observed.callback = before
+        _observed.observers = before
 
 
 def _choose(product, key, run, timed):
@@ -254,9 +255,9 @@ def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd, workspa
     float32 device array (read by cuBLAS when the product runs: no wait for the GPU); beta: a
     float. By the cuBLASLt algorithm that ran fastest for the shape class (above), among those
     that take at most workspace_bytes of workspace."""
-    callback = getattr(_observed, "callback", None)
-    if callback is not None:
-        callback(m, n, k)
+    observers = getattr(_observed, "observers", None)
+    if observers is not None:
+        observers[0](m, n, k)
     types = (_CUDA_TYPE[a.dtype], _CUDA_TYPE[b.dtype], _CUDA_TYPE[d.dtype])
     device = cupy.cuda.Device().id
     device_scalars = isinstance(alpha, cupy.ndarray)
@@ -269,9 +270,12 @@ def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd, workspa
             product.run, a=a, b=b, d=d, alpha=alpha, beta=_device_constant(0.0) if device_scalars else 0.0,
             workspace=room), timed=beta == 0.0 and not cupy.cuda.get_current_stream().is_capturing())
     if algo is None:  # no cuBLASLt candidate for the shape
-        return _gemm_default(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd)
-    product.run(algo, a, b, d, alpha, _device_constant(beta) if device_scalars else beta,
-                cupy.empty(workspace, np.uint8) if workspace else None)
+        _gemm_default(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd)
+    else:
+        product.run(algo, a, b, d, alpha, _device_constant(beta) if device_scalars else beta,
+                    cupy.empty(workspace, np.uint8) if workspace else None)
+    if observers is not None and observers[1] is not None:
+        observers[1](m, n, k)
 
 
 def _gemm_default(transa, transb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
