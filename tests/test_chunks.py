@@ -110,7 +110,7 @@ def test_a_call_like_the_last_queues_its_first_product_ahead(rng, monkeypatch):
                                      queue_ahead(xs, ws, rows, head)))
     T, vs, vt_wide = 2 * HEAD_ROWS + 37, 1031, 4099
     # a budget under which the teacher's vocabulary changes the rows a chunk
-    per_row = {vt: jsdgpu.cuda.backend.CudaBackend.bytes_per_row(vs, vt, np.dtype(np.float32), True, True)
+    per_row = {vt: CudaBackend.bytes_per_row(vs, vt, np.dtype(np.float32), True, True)
                for vt in (vs, vt_wide)}
     budget = 160 * sum(per_row[vs][:2])
     rows = {vt: plan_chunks(T, None, *per_row[vt], budget)[0] for vt in per_row}
