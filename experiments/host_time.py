@@ -4,10 +4,11 @@ step?
 The GPU idles from the moment it has run what was queued until the first product is queued, so
 the host time before that product is time the step loses. Answer (H200, 2026-12-02;
 docs/design.md, "The host before the first product"): at T = 1024 with every row valid, where
-the call is like the last (chunks.FirstProduct), 0.032-0.042 ms before the first product's
-launch and 0.064-0.089 until it is queued (the launch itself: jsdgpu's gemm and cublasLtMatmul's
-call through ctypes; --parts times pieces of it); with half the rows ignored, where nothing is
-queued ahead of the selection, 0.14-0.18 ms before the launch.
+the call is like the last (chunks.FirstProduct), 0.031-0.050 ms before the first product's
+launch with each step queued behind the last and 0.037-0.086 after cudaDeviceSynchronize (three
+machines), and 0.061-0.181 until it is queued (the launch itself: jsdgpu's gemm and
+cublasLtMatmul's call through ctypes; --parts times pieces of it); with half the rows ignored,
+where nothing is queued ahead of the selection, 0.14-0.18 ms before the launch.
 
     python experiments/host_time.py                 # T = 1024, all rows valid and half ignored
     python experiments/host_time.py --tokens 1024 8192 --valid 1 --capturable
