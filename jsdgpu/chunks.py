@@ -112,6 +112,9 @@ def _row_work(backend, work, comm, target, opts, ce, jsd, G, label_terms):
     backend.row_finish(work, target, stats, kl, opts, ce, jsd, G, label_terms)
 
 
+_NOT_YET = object()
+
+
 class FirstProduct:
     """A default call's first product queued ahead of its checks and setup (made by the API
     before anything else): where the call is like the thread's last default call (the same loss
@@ -128,11 +131,15 @@ class FirstProduct:
 
     def __init__(self, tag, xs, ws):
         self.tag, self._xs, self._ws, self.ahead = tag, xs, ws, None
+        self._key = _NOT_YET  # backend.ahead_key(xs, ws), once made (remember records it)
         last = getattr(_last_rows, "first", None)
         if last is None or last[0] != tag:
             return
         _, backend, key, most = last
-        if not most or key is None or backend.ahead_key(xs, ws) != key:
+        if not most or key is None:
+            return
+        self._key = backend.ahead_key(xs, ws)
+        if self._key != key:
             return
         as_they_are, head = planned_head(most, xs.shape[0])
         if as_they_are:
@@ -149,8 +156,10 @@ class FirstProduct:
         return self.ahead[3] if self.ahead is not None and self.ahead[:2] == (most, head) else None
 
     def remember(self, backend, most):
-        """Record this default call for the thread's next one."""
-        _last_rows.first = self.tag, backend, backend.ahead_key(self._xs, self._ws), most
+        """Record this default call for the thread's next one (only a backend that queues ahead
+        records: the key made above, if any, is this backend's)."""
+        key = backend.ahead_key(self._xs, self._ws) if self._key is _NOT_YET else self._key
+        _last_rows.first = self.tag, backend, key, most
 
 
 def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer, chunk_size, memory_budget,

@@ -36,6 +36,17 @@ def rng():
     return np.random.default_rng(seed)
 
 
+@pytest.fixture
+def queued_ahead(monkeypatch):
+    """A list of (rows a chunk, head rows) of each student logits' product queued ahead of a call's
+    checks (CudaBackend.logits_ahead, chunks.FirstProduct), for the test's duration."""
+    from jsdgpu.cuda.backend import CudaBackend
+    queued, queue_ahead = [], CudaBackend.logits_ahead
+    monkeypatch.setattr(CudaBackend, "logits_ahead", staticmethod(
+        lambda xs, ws, rows, head: queued.append((rows, head)) or queue_ahead(xs, ws, rows, head)))
+    return queued
+
+
 @pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
 def xp(request):
     """The array module of the backend under test."""

@@ -94,7 +94,7 @@ def test_a_call_gives_the_same_bits_whatever_came_before(xp, rng):
 
 
 @pytest.mark.gpu
-def test_a_call_like_the_last_queues_its_first_product_ahead(rng, monkeypatch):
+def test_a_call_like_the_last_queues_its_first_product_ahead(rng, queued_ahead):
     """A default call like the thread's last one (the same options, student arrays of the same
     types, shapes and strides) queues its first product before its checks (chunks.FirstProduct).
     It gives the bits of the same call after one that is not like it (whose first product is
@@ -103,11 +103,7 @@ def test_a_call_like_the_last_queues_its_first_product_ahead(rng, monkeypatch):
     they fail."""
     import cupy
     from jsdgpu.cuda.backend import CudaBackend
-    queued = []
-    queue_ahead = CudaBackend.logits_ahead
-    monkeypatch.setattr(CudaBackend, "logits_ahead",
-                        staticmethod(lambda xs, ws, rows, head: queued.append((rows, head)) or
-                                     queue_ahead(xs, ws, rows, head)))
+    queued = queued_ahead
     T, vs, vt_wide = 2 * HEAD_ROWS + 37, 1031, 4099
     # a budget under which the teacher's vocabulary changes the rows a chunk
     per_row = {vt: CudaBackend.bytes_per_row(vs, vt, np.dtype(np.float32), True, True)

@@ -157,16 +157,12 @@ def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
 
 
 @pytest.mark.gpu
-def test_a_call_like_the_last_queues_its_first_product_ahead(rng, monkeypatch):
+def test_a_call_like_the_last_queues_its_first_product_ahead(rng, queued_ahead):
     """As the online loss's (test_chunks): a call like the thread's last queues its student
     logits' first product before its checks, and gives the bits of the same call after one that
     is not like it."""
     import cupy
-    from jsdgpu.cuda.backend import CudaBackend
-    queued = []
-    queue_ahead = CudaBackend.logits_ahead
-    monkeypatch.setattr(CudaBackend, "logits_ahead",
-                        staticmethod(lambda *args: queued.append(args[2:]) or queue_ahead(*args)))
+    queued = queued_ahead
     T = HEAD_ROWS + 44
 
     def call(case, **options):

@@ -144,13 +144,14 @@ class CpuBackend:
 
     @staticmethod
     def logits(work, xs, xt, at=0, student=True):
-        """The logits of rows [at, at + len(xs)) of the chunk (the CPU queues nothing ahead: the
-        student's are always made here)."""
+        """The logits of rows [at, at + len(xs)) of the chunk (the teacher's alone where not
+        student, as the protocol says; the CPU queues nothing ahead, so its calls ask for both)."""
         rows = slice(at, at + xs.shape[0])
-        np.matmul(xs.astype(np.float32), work.ws.T, out=work.s[rows])
+        if student:
+            np.matmul(xs.astype(np.float32), work.ws.T, out=work.s[rows])
+            if work.bs is not None:
+                work.s[rows] += work.bs
         np.matmul(xt.astype(np.float32), work.wt.T, out=work.t[rows])
-        if work.bs is not None:
-            work.s[rows] += work.bs
         if work.bt is not None:
             work.t[rows] += work.bt
 
