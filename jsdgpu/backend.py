@@ -15,6 +15,7 @@ class HeldG:
     inv_n: float      # 1/N
     label_terms: Any  # [rows] float32: the label terms kept out of G
     target: Any       # [rows] int32: the labels (-1: on another rank)
+    xs_g: Any = None  # [rows, Hs]: the rows as G's product takes them (xs times G's row scales), None: xs
 
 
 @dataclasses.dataclass
@@ -39,6 +40,8 @@ class Gradients:
     grad_weight: Any        # [Vs, Hs], or None where held makes it
     grad_bias: Any          # [Vs] or None
     held: HeldG = None      # G of all rows, where grad_weight is None
+    g_scale: Any = None     # [Tv] float32 where G is stored scaled (topk_scales_g): G's row i is
+                            # g_scale[i] times its stored values
 
 
 class Selection(Protocol):
@@ -126,7 +129,8 @@ class Backend(Protocol):
 
     def grad_products(self, work, G, xs, inv_n, grads, start, stop):
         """grad_input rows [start, stop), and the chunk's part of the grad_weight and grad_bias
-        sums (the first chunk writes them, the others add)."""
+        sums (the first chunk writes them, the others add); G's rows times grads.g_scale's, where
+        it is stored scaled."""
 
     def zero_masked_rows(self, G, target):
         """G's rows whose target is -1 zeroed (masked rows)."""
@@ -134,8 +138,8 @@ class Backend(Protocol):
     def add_label_terms(self, work, label_terms, target, xs, inv_n, grads):
         """The label terms the row kernel kept out of G, added exactly."""
 
-    def hold_g(self, work, G, xs, inv_n, label_terms, target) -> HeldG:
-        """What weight_product needs of G held for all rows."""
+    def hold_g(self, work, G, xs, inv_n, label_terms, target, g_scale=None) -> HeldG:
+        """What weight_product needs of G held for all rows (g_scale: Gradients.g_scale)."""
 
     def weight_product(self, held, scale, dtype):
         """grad_weight from held G, times scale (None for 1), in dtype."""
@@ -160,8 +164,12 @@ class Backend(Protocol):
     def head_logits(self, work, xs, at=0):
         """The logits of rows [at, at + len(xs)) of the chunk, of the head of topk_prepare."""
 
-    def topk_rows(self, work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms):
-        """The top-k row work: the rows' CE and soft part and, where G is not None, G."""
+    def topk_scales_g(self, opts, dtype):
+        """Whether topk_rows takes g_scale for G in dtype under these LossOptions."""
+
+    def topk_rows(self, work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None):
+        """The top-k row work: the rows' CE and soft part and, where G is not None, G (with
+        g_scale, as its rows' scales times what is stored, into g_scale: topk_scales_g)."""
 
     def teacher_topk_rows(self, work, rows, k, temperature, ids, logprobs):
         """The k largest logits of each of the chunk's first `rows` rows, by descending value, and

@@ -332,7 +332,7 @@ def finish_gradients(backend, work, grads, G_all, hold_g, label_terms, target, x
     if len(target):
         backend.add_label_terms(work, label_terms, target, xs, inv_n, grads)
     if hold_g:  # work (the logits buffers) is not kept: only what the product needs
-        grads.held = backend.hold_g(work, G_all, xs, inv_n, label_terms, target)
+        grads.held = backend.hold_g(work, G_all, xs, inv_n, label_terms, target, grads.g_scale)
 
 
 def row_means(xp, ce, jsd, inv_n, masked_target=None):

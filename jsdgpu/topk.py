@@ -100,6 +100,8 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
         chunk, hold_g = cut_chunks(products, xs, ids, head, most, run_opts.chunk_size, per_row, budget)
         G_all = backend.topk_gradient_rows(work, n_rows if hold_g else chunk) if compute_grad and n_rows else None
         ce, soft, grads, label_terms = row_outputs(xp, n_rows, hs, vs, hold_g, bs is not None, compute_grad)
+        if G_all is not None and backend.topk_scales_g(opts, ws.dtype):  # G's rows stored scaled: read once
+            grads.g_scale = xp.empty(n_rows, np.float32)
         for start in range(0, n_rows, chunk or 1):
             stop = min(start + chunk, n_rows)
             if start:  # the first chunk's logits are queued above
@@ -107,7 +109,8 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             G = chunk_g(G_all, hold_g, start, stop)
             backend.topk_rows(work, ids[start:stop], lq[start:stop], target[start:stop], opts, missing_mass,
                               ce[start:stop], soft[start:stop], G,
-                              None if label_terms is None else label_terms[start:stop])
+                              None if label_terms is None else label_terms[start:stop],
+                              None if grads is None or grads.g_scale is None else grads.g_scale[start:stop])
             if compute_grad:
                 if rows.masked:
                     backend.zero_masked_rows(G, target[start:stop])

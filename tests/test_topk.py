@@ -182,6 +182,30 @@ def test_a_call_like_the_last_queues_its_first_product_ahead(rng, queued_ahead):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("missing_mass", MODES)
+@pytest.mark.parametrize("temperature,weight_hard", [(1.0, 0.3), (2.0, 0.0)])
+def test_rows_read_once_or_twice(rng, dtype, missing_mass, temperature, weight_hard):
+    """Where the rest's gradient is one exponential of the logits (no temperature, or no hard
+    part), the GPU kernel reads a row once and stores G as a row scale times values taken against
+    its first batch's max (topk_rows.cu); a row whose max lies far above that batch's takes the
+    second pass (its scale 1), as does every row where the rest's gradient is 0 (renormalized,
+    no hard part). Both kinds of row in one call, against the reference."""
+    import cupy
+    case = make_topk_case(rng, T=7, vs=5003, hs=256, k=9, dtype=DTYPES[dtype], ignored=0.0)
+    far = [0, 4]  # these rows' logit of id 4500, past the first batch (4096 columns), 80 above the rest
+    w = case["student_weight"].astype(np.float64)
+    case["student_input"][far] = (80.0 * w[4500] / (w[4500] @ w[4500])).astype(case["student_input"].dtype)
+    opts = dict(beta=0.4, temperature=temperature, weight_hard_loss=weight_hard, weight_soft_loss=0.7)
+    check_against_reference(cupy, case, opts, missing_mass, DTYPES[dtype])
+    _, ctx = jsdgpu.forward_topk(**to_xp(case, cupy), missing_mass=missing_mass, **opts)
+    scale = to_numpy(ctx._grads.g_scale)
+    twice = np.isin(np.arange(7), far) | (missing_mass == "renormalize" and weight_hard == 0.0)
+    np.testing.assert_array_equal(scale[twice], 1.0)
+    assert np.all(scale[~twice] != 1.0)
+
+
 SCALES, TEMPERATURES = (1.0, 8.0, 40.0), (0.05, 1.0, 50.0)
 
 

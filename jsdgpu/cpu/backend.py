@@ -185,7 +185,11 @@ class CpuBackend:
             s += work.bs
 
     @staticmethod
-    def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms):
+    def topk_scales_g(opts, dtype):
+        return False  # G is stored as it is
+
+    @staticmethod
+    def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None):
         """The top-k row work (cpu/topk.py); the label's one-hot term stays in G (float32)."""
         topk_rows(work.s[:len(target)], ids, lq, target, opts, missing_mass, ce, soft, G)
 
@@ -246,7 +250,7 @@ class CpuBackend:
             np.add.at(grads.grad_bias, labels, terms)
 
     @staticmethod
-    def hold_g(work, G, xs, inv_n, label_terms, target):
+    def hold_g(work, G, xs, inv_n, label_terms, target, g_scale=None):
         return HeldG(G, work.ws.shape[0], xs, inv_n, label_terms, target)
 
     @staticmethod

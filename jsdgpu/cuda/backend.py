@@ -271,9 +271,16 @@ class CudaBackend:
         products.logits(xs, work.ws, work.logits_s[at:at + xs.shape[0]])
 
     @staticmethod
-    def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms):
+    def topk_scales_g(opts, dtype):
+        """Where the rest's gradient is one exponential of the logits (no temperature, or no hard
+        part), the row kernel reads the row once, writing G scaled (topk_rows.cu); not in float16,
+        whose range would not hold it."""
+        return np.dtype(dtype) != np.float16 and (opts.temperature == 1.0 or opts.weight_hard_loss == 0.0)
+
+    @staticmethod
+    def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None):
         kernels.topk_rows(work.logits_s, work.bias_s, target, work.ws.shape[0], ids, lq, opts,
-                          missing_mass == "bucket", ce, soft, G, label_terms)
+                          missing_mass == "bucket", ce, soft, G, label_terms, g_scale)
 
     @staticmethod
     def teacher_topk_rows(work, rows, k, temperature, ids, logprobs):
@@ -316,16 +323,26 @@ class CudaBackend:
         grad_weight is None, weight_product makes it later)."""
         vs = work.ws.shape[0]
         accumulate = 0.0 if start == 0 else 1.0
-        products.input_gradient(G, work.ws, inv_n, grads.grad_input[start:stop])
+        grad_input = grads.grad_input[start:stop]
+        products.input_gradient(G, work.ws, inv_n, grad_input)
+        ones = work.ones[:stop - start] if grads.grad_bias is not None else None
+        if grads.g_scale is not None:  # G's rows are scaled: grad_input's rows, and the rows G's sums take
+            scale = grads.g_scale[start:stop]
+            grad_input *= scale[:, None]
+            if grads.grad_weight is not None:
+                xs = kernels.scale_rows(xs, scale)
+            if ones is not None:
+                ones = scale if ones.dtype == np.float32 else kernels.scale_cast(scale, None, ones.dtype)
         if grads.grad_weight is not None:
             products.weight_gradient(G, vs, xs, inv_n, accumulate, grads.grad_weight)
-        if grads.grad_bias is not None:
-            products.bias_gradient(G, vs, work.ones[:stop - start], inv_n, accumulate, grads.grad_bias)
+        if ones is not None:
+            products.bias_gradient(G, vs, ones, inv_n, accumulate, grads.grad_bias)
 
     @staticmethod
-    def hold_g(work, G, xs, inv_n, label_terms, target):
+    def hold_g(work, G, xs, inv_n, label_terms, target, g_scale=None):
         """What weight_product needs of G held for all rows (work's logits are not kept)."""
-        return HeldG(G, work.ws.shape[0], xs, inv_n, label_terms, target)
+        xs_g = None if g_scale is None else kernels.scale_rows(xs, g_scale)
+        return HeldG(G, work.ws.shape[0], xs, inv_n, label_terms, target, xs_g)
 
     @staticmethod
     def weight_product(held, scale, dtype, out=None):
@@ -336,6 +353,6 @@ class CudaBackend:
         out = cupy.empty((held.vocab, held.xs.shape[1]), dtype) if out is None else out
         inv_n = _device_scalar(held.inv_n)
         alpha = held.inv_n if scale is None else scale * inv_n
-        products.weight_gradient(held.G, held.vocab, held.xs, alpha, 0.0, out)
+        products.weight_gradient(held.G, held.vocab, held.xs if held.xs_g is None else held.xs_g, alpha, 0.0, out)
         kernels.label_scatter(held.label_terms, held.target, held.xs, inv_n, scale, out, None)
         return out

@@ -174,6 +174,14 @@ def scale_cast(a, scale, dtype, out=None):
     return out
 
 
+def scale_rows(x, scale):
+    """scale[i] x[i] for each row of x (2-D, C-contiguous; scale float32 [rows]), in x's dtype."""
+    out = cupy.empty_like(x)
+    if len(x):
+        function("gradient_sums", sources.scale_rows(x.dtype))((len(x),), (256,), (x, scale, np.int32(x.shape[1]), out))
+    return out
+
+
 def label_rows(label_terms, target, ws, inv_n, grad_input):
     """grad_input[i] += inv_n label_terms[i] ws[target[i]] where target[i] >= 0; inv_n: a 0-d
     float32 device array."""
@@ -357,8 +365,9 @@ def _bitmap_bytes(vocab):
     return 4 * (-(-vocab // 32))
 
 
-def topk_rows(logits_s, bias_s, target, vs, ids, lq, opts, bucket, ce, soft, G, label_terms):
-    """The top-k row work over the chunk's rows (topk_rows.cu; G None: the loss alone)."""
+def topk_rows(logits_s, bias_s, target, vs, ids, lq, opts, bucket, ce, soft, G, label_terms, row_scale=None):
+    """The top-k row work over the chunk's rows (topk_rows.cu; G None: the loss alone; row_scale:
+    G stored as row_scale[i] times its rows, read once, where the kernel can)."""
     rows, k = ids.shape
     if not rows:
         return
@@ -369,7 +378,7 @@ def topk_rows(logits_s, bias_s, target, vs, ids, lq, opts, bucket, ce, soft, G, 
             np.float32(np.log2(np.e) / opts.temperature), np.int32(opts.divergence), np.int32(bucket),
             np.float64(opts.beta), np.float64(opts.one_minus_beta), np.float32(opts.weight_hard_loss),
             np.float32(opts.w_soft_over_t), ce, soft, _pointer(G), np.int64(0 if G is None else G.shape[1]),
-            _NULL if G is None else label_terms),
+            _NULL if G is None else label_terms, _pointer(row_scale)),
            shared_mem=shared)
 
 

@@ -73,6 +73,10 @@ def scale_cast(dtype):
     return f"scale_cast<{FORMATS[np.dtype(dtype)]}>"
 
 
+def scale_rows(dtype):
+    return f"scale_rows<{FORMATS[np.dtype(dtype)]}>"
+
+
 def label_rows(dtype):
     return f"label_rows<{FORMATS[np.dtype(dtype)]}>"
 
@@ -126,6 +130,7 @@ FAMILIES = {
     "fused_rows": [fused_rows(d) for d in _ALL_DTYPES],
     "phase_rows": [phase_stats(), phase_kl()] + [phase_finish(d) for d in _ALL_DTYPES],
     "gradient_sums": ([scale_cast(d) for d in _16BIT] + [label_rows(d) for d in _ALL_DTYPES]
+                      + [scale_rows(d) for d in _ALL_DTYPES]
                       + [label_scatter(d, np.float32) for d in _ALL_DTYPES]
                       + [label_scatter(d, d) for d in _16BIT] + [label_order()]),
     "targets": [select_rows(np.int32), select_rows(np.int64), gather_rows(16), gather_rows(2),

@@ -1,6 +1,7 @@
-// The gradient sums' kernels: float32 sums to 16-bit gradients (scale_cast), and the label
-// terms that the row kernels keep out of 16-bit G, added exactly (label_rows for grad_input,
-// label_scatter for grad_weight and grad_bias, over the rows in the order label_order gives).
+// The gradient sums' kernels: float32 sums to 16-bit gradients (scale_cast), the label terms
+// that the row kernels keep out of 16-bit G, added exactly (label_rows for grad_input,
+// label_scatter for grad_weight and grad_bias, over the rows in the order label_order gives), and
+// the student's rows times the row scales of a G stored scaled (scale_rows).
 // 1/N comes as a device pointer: in a capturable call it is known on the device only.
 // Instantiated by jsdgpu/cuda/kernels.py.
 #include "common.cuh"
@@ -27,6 +28,17 @@ __device__ __forceinline__ void scale_cast_body(const float* __restrict__ in, un
 template <int OUT>
 __global__ void scale_cast(const float* in, unsigned short* out, long long n, const float* scale) {
   scale_cast_body<OUT>(in, out, n, scale);
+}
+
+// scale_rows: out[i] = scale[i] x[i], x and out [rows, hs] in IN's format, one block per row
+template <int IN>
+__global__ void scale_rows(const void* __restrict__ x, const float* __restrict__ scale, int hs, void* __restrict__ out) {
+  const long long i = blockIdx.x;
+  const float k = scale[i];
+  for (int h = threadIdx.x; h < hs; h += blockDim.x) {
+    const float v = k * load_value<IN>(x, i * hs + h);
+    store4<IN>(out, i * hs + h, &v, 1);
+  }
 }
 
 // label_rows: grad_input[i] += *inv_n * label_terms[i] * ws[target[i]] for the rows whose label this

@@ -33,6 +33,11 @@ struct SlotLse {
 
 struct SlotSums {
   double soft, pu;  // the slots' shares of the divergence and of u_bar = sum_c P_c u_c
+  double pu_most;   // the largest |P_c u_c| of a slot (a bound of the slots' gradients)
+};
+
+struct Max {
+  float m;
 };
 
 __device__ __forceinline__ float shfl_x(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
@@ -44,8 +49,9 @@ __device__ __forceinline__ RowLse shfl_x(RowLse v, int mask) {
 }
 __device__ __forceinline__ SlotLse shfl_x(SlotLse v, int mask) { return {shfl_x(v.q, mask), shfl_x(v.p, mask)}; }
 __device__ __forceinline__ SlotSums shfl_x(SlotSums v, int mask) {
-  return {shfl_x(v.soft, mask), shfl_x(v.pu, mask)};
+  return {shfl_x(v.soft, mask), shfl_x(v.pu, mask), shfl_x(v.pu_most, mask)};
 }
+__device__ __forceinline__ Max shfl_x(Max v, int mask) { return {shfl_x(v.m, mask)}; }
 __device__ __forceinline__ int shfl_x(int v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
 // Lse in bits; a part of NaNs keeps s = NaN
@@ -63,7 +69,10 @@ __device__ __forceinline__ DLse merge(DLse a, DLse b) {
 }
 __device__ __forceinline__ RowLse merge(RowLse a, RowLse b) { return {merge(a.s, b.s), merge(a.z, b.z), merge(a.rest, b.rest)}; }
 __device__ __forceinline__ SlotLse merge(SlotLse a, SlotLse b) { return {merge(a.q, b.q), merge(a.p, b.p)}; }
-__device__ __forceinline__ SlotSums merge(SlotSums a, SlotSums b) { return {a.soft + b.soft, a.pu + b.pu}; }
+__device__ __forceinline__ SlotSums merge(SlotSums a, SlotSums b) {
+  return {a.soft + b.soft, a.pu + b.pu, fmax(a.pu_most, b.pu_most)};
+}
+__device__ __forceinline__ Max merge(Max a, Max b) { return {fmaxf(a.m, b.m)}; }
 __device__ __forceinline__ int merge(int a, int b) { return a | b; }
 
 // v merged over the block: lanes by an xor tree, then the warps' totals in warp order by every
@@ -258,15 +267,26 @@ struct RestGradient {
 // as the fused kernel's). Dynamic shared memory: the slot bitmap, (vs + 31) / 32 words (bucket).
 //
 // The gradient in the tempered logits z is p_j (u_j - u_bar), u_j the u of column j's category:
-// the rest's for every column that is no slot's id, written by the streaming pass; then the slots'
-// columns are written over by their own.
+// the rest's for every column that is no slot's id, written by a streaming pass; then the slots'
+// columns (and the label's) are written over by their own.
+//
+// row_scale not null (asked for where the rest's gradient is one exponential of the row's
+// columns: no temperature, or no hard part; G in bf16 or float32): one streaming pass. Its
+// statistics pass also writes G~ = 2^(x scale2 - r2), r2 the first batch's max, and the row's
+// gradient is row_scale[row] G~ (the slots' and label's columns written over as their value /
+// row_scale), which the gradient products apply ([T, Hs] work, not [T, V]): the row is read once,
+// 6 bytes a column where two passes move 10. Where that cannot hold the row's values (its
+// logsumexp over 64 bits above r2, a scale outside 2^-100..2^100, a slot's value over 2^64 G~,
+// another kind of rest gradient, NaN), the row takes the second pass as without row_scale, and
+// row_scale[row] = 1 (docs/design.md, "Top-k").
 template <int MODE, int OUT, int THREADS, int STAGES>
 __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long long lds, const float* __restrict__ bias_s,
                                           const int* __restrict__ target, int vs, const int* __restrict__ ids,
                                           const float* __restrict__ lq_in, int k, float scale2, int bucket,
                                           double beta, double one_minus_beta, float w_hard, float w_soft_over_t,
                                           float* __restrict__ ce_out, float* __restrict__ soft_out, void* G,
-                                          long long ldg, float* __restrict__ label_terms) {
+                                          long long ldg, float* __restrict__ label_terms,
+                                          float* __restrict__ row_scale) {
   // Dynamic shared memory: the ring of STAGES batches of the row (BATCH columns each), then the
   // slot bitmap (bucket)
   constexpr int UNROLL = 4, BATCH = 4 * THREADS * UNROLL;
@@ -281,6 +301,11 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   const int y = target[row];
   const double scale2d = scale2;  // the float32 scale the streaming passes use, so both agree
   auto logit = [&](int column) { return srow[column] + (bias_s ? bias_s[column] : 0.0f); };
+  // (the row's G made where it is needed, as copies() below: held in registers, they left the
+  // kernel spilling)
+  auto grow = [&] { return static_cast<void*>(static_cast<char*>(G) + row * ldg * (OUT == OUT_F32 ? 4 : 2)); };
+  const bool one_pass = G != nullptr && row_scale != nullptr;
+  bool second_pass = G != nullptr && !one_pass;  // one pass: set where the row needs the second after all
 
   // The streaming passes read the row batch by batch from the ring: thread 0 keeps STAGES
   // batches on their way (bulk copies, in the order the passes take them: the row, then again
@@ -288,7 +313,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   // the first ones from here on, while the slots' bitmap is made.
   // (copies() made where it is needed: held in a register, it left the kernel spilling)
   const int batches = (vs + BATCH - 1) / BATCH;
-  auto copies = [&] { return G != nullptr ? 2 * batches : batches; };
+  auto copies = [&] { return second_pass ? 2 * batches : batches; };
   auto copy_batch = [&](int n) {  // copy n (of the passes' batches in order) into stage n % STAGES
     const int c0 = n % batches * BATCH;
     const unsigned bytes = 16 * ((min(BATCH, vs - c0) + 3) / 4), bar = smem_addr(bars + n % STAGES);
@@ -339,11 +364,26 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     return bits;
   };
   ThreadStats ts(scale2, bucket, scale2 != LOG2E);
+  __shared__ float r2;  // one pass: G~'s reference (bits of z), the first batch's max (in a register: spills)
   for (int n = 0; n < batches; ++n) {
     const int base = n * BATCH + 4 * threadIdx.x;
     float4 x[UNROLL];
     batch(n, base, x);
     ts.add(x, batch_slots(base));
+    if (!one_pass) continue;
+    if (n == 0) {
+      const float first_max = block_all<THREADS>(Max{ts.mx}).m;
+      if (threadIdx.x == 0) r2 = first_max * scale2;
+      __syncthreads();
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int i = base + 4 * THREADS * u;
+      if (i >= vs) break;
+      const float out[4] = {ex2(fmaf(x[u].x, scale2, -r2)), ex2(fmaf(x[u].y, scale2, -r2)),
+                            ex2(fmaf(x[u].z, scale2, -r2)), ex2(fmaf(x[u].w, scale2, -r2))};
+      store4<OUT>(grow(), i, out, min(4, vs - i));
+    }
   }
   float rest_sum = ts.sr;
   if (ts.rest_apart()) {  // rare: the rest far below the max; its sum again, against its own max
@@ -401,7 +441,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   };
 
   // 3. the divergence and u_bar
-  SlotSums sums = {0.0, 0.0};
+  SlotSums sums = {0.0, 0.0, 0.0};
   for (int c = threadIdx.x; c < k; c += THREADS) {
     if (rlq[c] == NEG_INF) continue;
     double lp, lq;
@@ -409,6 +449,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     const Category cat = category<MODE>(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta);
     sums.soft += cat.d;
     sums.pu += cat.pu;
+    sums.pu_most = fmax(sums.pu_most, fabs(cat.pu));  // NaN: not kept, but u_bar is NaN then
   }
   sums = block_all<THREADS>(sums);
   const Category rest = bucket ? category<MODE>(lp_rest, lq_rest, beta, one_minus_beta, log_beta, log_one_minus_beta)
@@ -424,12 +465,39 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
 
   // 4. the gradient row: every column as the rest's (RestGradient), then the slots' columns
   //    written over
-  const RestGradient g(lse_s * LOG2E, lse_z2 + p_shift * LOG2E, lse_rest2,
-                       bucket ? (MODE == FORWARD_KL ? -u_bar : rest.u - u_bar) : 0.0,
+  const double lse_s2 = lse_s * LOG2E, lse_p2 = lse_z2 + p_shift * LOG2E;
+  const RestGradient g(lse_s2, lse_p2, lse_rest2, bucket ? (MODE == FORWARD_KL ? -u_bar : rest.u - u_bar) : 0.0,
                        bucket && MODE == FORWARD_KL ? -exp(lq_rest) : 0.0, scale2, w_hard, w_soft_over_t);
-  void* grow = static_cast<char*>(G) + row * ldg * (OUT == OUT_F32 ? 4 : 2);
   const int label = label_apart ? -1 : y;  // where G takes the label's one-hot term
-  for (int n = 0; n < batches; ++n) {
+  // one pass: the rest's gradient is F 2^(x scale2 - L) = scale G~ (path 1 without a temperature,
+  // path 2 with no hard part, as the caller asks); the slots' and label's values are below
+  // `most`, which G~ must hold after dividing by scale. Decided by thread 0 (every thread holds
+  // the same bits; in every thread, it left the kernel spilling).
+  __shared__ float row_unscale;  // 1 / row_scale[row] where one pass holds, 0 where the row takes the second
+  if (one_pass) {
+    if (threadIdx.x == 0) {
+      const bool plain = scale2 == LOG2E;
+      const double L = plain ? lse_s2 : lse_p2, F = plain ? g.e : g.c;
+      const double scale = F * exp2((double)r2 - L);
+      const double most = fabs(F) + 2.0 * fabs(w_hard) + fabs(w_soft_over_t) * (sums.pu_most + fabs(u_bar) + 1.0);
+      const bool holds = g.path == (plain ? 1 : 2) && isfinite(r2) && L - r2 <= 64.0 && fabs(scale) >= 0x1p-100
+                         && fabs(scale) <= 0x1p100 && most <= 0x1p64 * fabs(scale);  // false for NaN
+      row_scale[row] = holds ? (float)scale : 1.0f;
+      const float inv = 1.0f / (float)scale;
+      row_unscale = holds ? inv : 0.0f;
+      if (holds && label >= 0) {
+        const float value = g.value(logit(label), true) * inv;
+        store4<OUT>(grow(), label, &value, 1);
+      }
+      if (!holds) {  // the second pass's first batches (every stage is free)
+        fence_proxy_async();
+        for (int n = batches; n < min(batches + STAGES, 2 * batches); ++n) copy_batch(n);
+      }
+    }
+    __syncthreads();
+    second_pass = row_unscale == 0.0f;
+  }
+  for (int n = 0; second_pass && n < batches; ++n) {
     const int base = n * BATCH + 4 * threadIdx.x;
     float4 x[UNROLL];
     batch(batches + n, base, x);
@@ -441,10 +509,11 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
       float out[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) out[j] = g.value(xv[j], i + j == label);
-      store4<OUT>(grow, i, out, min(4, vs - i));
+      store4<OUT>(grow(), i, out, min(4, vs - i));
     }
   }
   __syncthreads();  // the streaming pass's writes come before the slots' own
+  const float unscale = one_pass && !second_pass ? row_unscale : 1.0f;
   for (int c = threadIdx.x; c < k; c += THREADS) {
     if (rlq[c] == NEG_INF) continue;
     double lp, lq;
@@ -454,8 +523,9 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     const double dz = MODE == FORWARD_KL ? P * -u_bar - exp(lq) : P * (cat.u - u_bar);
     const int id = rids[c];
     const float softmax = ex2_minus(logit(id), LOG2E, g.lse_s2);
-    const float value = fmaf(w_hard, softmax - (id == y && !label_apart ? 1.0f : 0.0f), (float)(w_soft_over_t * dz));
-    store4<OUT>(grow, id, &value, 1);
+    const float value =
+        fmaf(w_hard, softmax - (id == y && !label_apart ? 1.0f : 0.0f), (float)(w_soft_over_t * dz)) * unscale;
+    store4<OUT>(grow(), id, &value, 1);
   }
 }
 
@@ -465,11 +535,11 @@ __global__ void __launch_bounds__(THREADS, 3) topk_rows(const float* S, long lon
                                                      int k, float scale2, int mode, int bucket, double beta,
                                                      double one_minus_beta, float w_hard, float w_soft_over_t,
                                                      float* ce_out, float* soft_out, void* G, long long ldg,
-                                                     float* label_terms) {
+                                                     float* label_terms, float* row_scale) {
   mode_dispatch(mode, [&](auto m) {
     topk_rows_body<decltype(m)::value, OUT, THREADS, STAGES>(S, lds, bias_s, target, vs, ids, lq, k, scale2, bucket, beta,
                                                      one_minus_beta, w_hard, w_soft_over_t, ce_out, soft_out, G,
-                                                     ldg, label_terms);
+                                                     ldg, label_terms, row_scale);
   });
 }
 
