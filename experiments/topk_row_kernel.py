@@ -2,10 +2,10 @@
 taken against the row's first batch (topk_rows.cu, row_scale), over its two streaming passes?
 
 Answer (one H200, 2026-12-02; docs/design.md, "Top-k"): yes, by a third. On one chunk of 2731
-rows at V = 128256, bf16 G: k = 64 0.614 ms against 0.938 with two passes, k = 256 0.701 against
-1.019, temperature 2 with no hard part 0.627 against 0.944, renormalized 0.588 against 0.910.
+rows at V = 128256, bf16 G: k = 64 0.620 ms against 0.928 with two passes, k = 256 0.676 against
+0.989, temperature 2 with no hard part 0.602 against 0.930, renormalized 0.564 against 0.887.
 The losses come out with the same bits; G, its scale applied, differs from the two passes' by
-bf16 rounding (at most 2.7e-3 of the chunk's largest |G|, 5.5e-3 of a row's norm).
+bf16 rounding (at most 4.2e-3 of the chunk's largest |G|, 5.5e-3 of a row's norm).
 
     python experiments/topk_row_kernel.py
 

@@ -191,19 +191,51 @@ def test_rows_read_once_or_twice(rng, dtype, missing_mass, temperature, weight_h
     part), the GPU kernel reads a row once and stores G as a row scale times values taken against
     its first batch's max (topk_rows.cu); a row whose max lies far above that batch's takes the
     second pass (its scale 1), as does every row where the rest's gradient is 0 (renormalized,
-    no hard part). Both kinds of row in one call, against the reference."""
+    no hard part). Both kinds of row in one call, against the reference; with a bias, in chunks
+    of 5 rows (a chunk's slice of the scales not 16-byte aligned)."""
     import cupy
-    case = make_topk_case(rng, T=7, vs=5003, hs=256, k=9, dtype=DTYPES[dtype], ignored=0.0)
+    T = 11
+    case = make_topk_case(rng, T=T, vs=5003, hs=256, k=9, dtype=DTYPES[dtype], ignored=0.0)
     far = [0, 4]  # these rows' logit of id 4500, past the first batch (4096 columns), 80 above the rest
     w = case["student_weight"].astype(np.float64)
     case["student_input"][far] = (80.0 * w[4500] / (w[4500] @ w[4500])).astype(case["student_input"].dtype)
     opts = dict(beta=0.4, temperature=temperature, weight_hard_loss=weight_hard, weight_soft_loss=0.7)
-    check_against_reference(cupy, case, opts, missing_mass, DTYPES[dtype])
-    _, ctx = jsdgpu.forward_topk(**to_xp(case, cupy), missing_mass=missing_mass, **opts)
+    check_against_reference(cupy, case, opts, missing_mass, DTYPES[dtype], chunk_size=5)
+    _, ctx = jsdgpu.forward_topk(**to_xp(case, cupy), missing_mass=missing_mass, chunk_size=5, **opts)
     scale = to_numpy(ctx._grads.g_scale)
-    twice = np.isin(np.arange(7), far) | (missing_mass == "renormalize" and weight_hard == 0.0)
+    twice = np.isin(np.arange(T), far) | (missing_mass == "renormalize" and weight_hard == 0.0)
     np.testing.assert_array_equal(scale[twice], 1.0)
     assert np.all(scale[~twice] != 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [1.0, 2.0])  # G stored scaled (one pass); as it is (two)
+def test_benchmark_shape_gradients_near_bf16_rounding(rng, temperature):
+    """T = 1024, V = 128256, Hs = 2048, bf16, logits of std 8, k = 64: the gradients' error
+    against float64 on the same inputs is at most twice the error of merely rounding the float64
+    gradients to bf16, with G stored scaled (grad_weight then takes the rows scaled in bf16: one
+    more rounding) and as it is."""
+    import cupy
+    T, hs, vs, k = 1024, 2048, 128256, 64
+    xs = cupy.asarray(rng.standard_normal((T, hs)), dtype=DTYPES["bfloat16"])
+    ws = cupy.asarray(rng.standard_normal((vs, hs)) * 8.0 / np.sqrt(hs), dtype=DTYPES["bfloat16"])
+    ids = (np.arange(k)[None, :] * (vs // k) + np.arange(T)[:, None] * 7919) % vs  # distinct in a row
+    z = rng.standard_normal((T, k)) * 3
+    lq = np.log(0.9 * np.exp(z) / np.exp(z).sum(1, keepdims=True)).astype(np.float32)
+    target = rng.integers(0, vs, T)
+    target[rng.random(T) < 0.1] = -100
+    case = dict(student_input=xs, student_weight=ws, teacher_indices=cupy.asarray(ids, dtype=np.int32),
+                teacher_logprobs=cupy.asarray(lq), target=cupy.asarray(target))
+    _, ctx = jsdgpu.forward_topk(**case, beta=0.5, temperature=temperature)
+    assert (ctx._grads.g_scale is not None) == (temperature == 1.0)
+    grads = jsdgpu.backward(ctx)
+    ref = reference_topk(**case, beta=0.5, temperature=temperature)
+    for name, got, want in (("grad_input", grads[0], ref[3]), ("grad_weight", grads[1], ref[4])):
+        err = float(cupy.linalg.norm(got.astype(np.float64) - want) / cupy.linalg.norm(want))
+        floor = float(cupy.linalg.norm(want.astype(DTYPES["bfloat16"]).astype(np.float64) - want)
+                      / cupy.linalg.norm(want))
+        print(f"temperature {temperature}, {name}: error {err:.3e}, bf16 rounding {floor:.3e}, ratio {err / floor:.2f}")
+        assert err <= 2.0 * floor, (name, err, floor)
 
 
 SCALES, TEMPERATURES = (1.0, 8.0, 40.0), (0.05, 1.0, 50.0)

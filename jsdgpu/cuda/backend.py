@@ -331,8 +331,8 @@ class CudaBackend:
             grad_input *= scale[:, None]
             if grads.grad_weight is not None:
                 xs = kernels.scale_rows(xs, scale)
-            if ones is not None:
-                ones = scale if ones.dtype == np.float32 else kernels.scale_cast(scale, None, ones.dtype)
+            if ones is not None:  # (not scale_cast: a chunk's slice of the scales need not be 16-byte aligned)
+                ones = scale.astype(ones.dtype)
         if grads.grad_weight is not None:
             products.weight_gradient(G, vs, xs, inv_n, accumulate, grads.grad_weight)
         if ones is not None:
