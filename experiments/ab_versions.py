@@ -16,7 +16,9 @@ its checks and selection against 8afdcab: T = 1024 -10% to +2%, half ignored -16
 G held for all rows in more chunks (docs/design.md, "Chunks and G"): see there. A call like the
 last queuing its first product ahead of its checks (docs/design.md, "The host before the first
 product"; --tokens 1024, three pairs in one run): 4.33 / 4.43 / 4.18 ms against 4.01 / 4.20 /
-4.60 before, no change that the noise lets through.
+4.60 before, no change that the noise lets through. The top-k row kernel reading a row once
+(docs/design.md, "Top-k"; --topk 64 --tokens 1024 2048 4096 8192, two pairs): 2.70 / 2.73 ms
+against 2.97 / 3.05 at T = 1024, 21.97 / 22.19 against 23.72 / 22.69 at T = 8192.
 
     mkdir -p /tmp/old && git archive 682ba3f jsdgpu | tar -x -C /tmp/old
     for v in /tmp/old . /tmp/old .; do PYTHONPATH=$v python experiments/ab_versions.py $v; done
