@@ -15,7 +15,7 @@ class HeldG:
     inv_n: float      # 1/N
     label_terms: Any  # [rows] float32: the label terms kept out of G
     target: Any       # [rows] int32: the labels (-1: on another rank)
-    xs_g: Any = None  # [rows, Hs]: the rows as G's product takes them (xs times G's row scales), None: xs
+    g_scale: Any = None  # [rows] float32: G's row scales (Gradients.g_scale), None: 1
 
 
 @dataclasses.dataclass

@@ -341,8 +341,7 @@ class CudaBackend:
     @staticmethod
     def hold_g(work, G, xs, inv_n, label_terms, target, g_scale=None):
         """What weight_product needs of G held for all rows (work's logits are not kept)."""
-        xs_g = None if g_scale is None else kernels.scale_rows(xs, g_scale)
-        return HeldG(G, work.ws.shape[0], xs, inv_n, label_terms, target, xs_g)
+        return HeldG(G, work.ws.shape[0], xs, inv_n, label_terms, target, g_scale)
 
     @staticmethod
     def weight_product(held, scale, dtype, out=None):
@@ -353,6 +352,8 @@ class CudaBackend:
         out = cupy.empty((held.vocab, held.xs.shape[1]), dtype) if out is None else out
         inv_n = _device_scalar(held.inv_n)
         alpha = held.inv_n if scale is None else scale * inv_n
-        products.weight_gradient(held.G, held.vocab, held.xs if held.xs_g is None else held.xs_g, alpha, 0.0, out)
+        # G's row scales go with the rows of Xs here, not in forward: a forward may never be backpropagated
+        xs_g = held.xs if held.g_scale is None else kernels.scale_rows(held.xs, held.g_scale)
+        products.weight_gradient(held.G, held.vocab, xs_g, alpha, 0.0, out)
         kernels.label_scatter(held.label_terms, held.target, held.xs, inv_n, scale, out, None)
         return out
