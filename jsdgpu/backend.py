@@ -46,10 +46,11 @@ class Gradients:
 
 class Selection(Protocol):
     """The valid rows being selected (Backend.select_rows): where the backend queues ahead,
-    rows, the valid rows' indices first (any prefix of which can be taken before wait());
-    wait(normalizer) gives the Rows, with 1/N = 1 / normalizer(count), or raises the ValueError
-    of a bad target."""
+    rows, the valid rows' indices first, and row_target, their int32 targets (any prefix of
+    either can be read on the device before wait()); wait(normalizer) gives the Rows, with 1/N =
+    1 / normalizer(count), or raises the ValueError of a bad target."""
     rows: Any
+    row_target: Any
 
     def wait(self, normalizer) -> Rows: ...
 

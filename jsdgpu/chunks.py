@@ -244,7 +244,13 @@ def planned_head(most, n_all):
     return as_they_are, _head_rows(leading if as_they_are else count, most)
 
 
-def queue_head(backend, products, xs, other, most, select, capturable, normalizer, first=None):
+def expects_all_valid(n_all):
+    """A default call's guess that its n_all rows are all valid: the thread's last default call's
+    were, as far as n_all (or there was none)."""
+    return getattr(_last_rows, "seen", (n_all, n_all))[0] >= n_all
+
+
+def queue_head(backend, products, xs, other, most, select, capturable, normalizer, first=None, before_wait=None):
     """Queue the call's first products, then select its rows: (head, Rows), head the rows of
     the first chunk whose products are queued (the caller queues the rest of that chunk's once
     it knows the rows: cut_chunks). products(xs, other, at=0, student=True): the products of
@@ -262,7 +268,10 @@ def queue_head(backend, products, xs, other, most, select, capturable, normalize
     selection, and the selection runs beside them (backend.mark, select_rows' after), so that
     the host's wait is for the selection alone and the GPU runs the head meanwhile, and while the
     host queues what follows (docs/design.md, "The host before the first product"). A backend
-    that does not queue ahead (the CPU's, queues_ahead) selects first: its head is empty."""
+    that does not queue ahead (the CPU's, queues_ahead) selects first: its head is empty.
+    before_wait(selection, head), where given, is called in a default call whose head is its
+    first rows as they are, before the host's wait (the top-k loss queues its first row kernel
+    there)."""
     n_all = xs.shape[0]
     if capturable:
         if n_all:
@@ -280,6 +289,8 @@ def queue_head(backend, products, xs, other, most, select, capturable, normalize
     selection = select(after)
     if n_all and not as_they_are:  # the first selected rows' products, queued before the selection is read
         products(*backend.take_rows(selection.rows[:head], xs, other))
+    if n_all and as_they_are and before_wait is not None:
+        before_wait(selection, head)
     rows = selection.wait(normalizer)
     if first is not None:
         first.remember(backend, most)

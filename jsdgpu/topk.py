@@ -12,7 +12,8 @@ import numpy as np
 
 from . import checks
 from .api import Context, backend_for, backward, bridged, runs_capturable, weighted_loss
-from .chunks import FirstProduct, chunk_g, cut_chunks, finish_gradients, plan_chunks, queue_head, row_means, row_outputs
+from .chunks import (FirstProduct, chunk_g, cut_chunks, expects_all_valid, finish_gradients, plan_chunks, queue_head,
+                     row_means, row_outputs)
 from .options import split_options
 
 MISSING_MASS = ("bucket", "renormalize")
@@ -85,7 +86,39 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
         def products(x, _ids, at=0, student=True):  # the student's logits (the ids go with the rows, for queue_head)
             if student:
                 backend.head_logits(work, x, at)
-        head, rows = queue_head(backend, products, xs, ids, most, select, capturable, run_opts.normalizer, first)
+
+        def outputs(n_rows, chunk, hold_g):  # (G_all, ce, soft, Gradients, label_terms) for n_rows rows
+            G_all = backend.topk_gradient_rows(work, n_rows if hold_g else chunk) if compute_grad and n_rows else None
+            ce, soft, grads, label_terms = row_outputs(xp, n_rows, hs, vs, hold_g, bs is not None, compute_grad)
+            if G_all is not None and backend.topk_scales_g(opts, ws.dtype):  # G's rows stored scaled: read once
+                grads.g_scale = xp.empty(n_rows, np.float32)
+            return G_all, ce, soft, grads, label_terms
+
+        def row_work(out, hold_g, start, stop, ids, lq, target):  # the rows' kernel (ids, lq, target: theirs)
+            G_all, ce, soft, grads, label_terms = out
+            backend.topk_rows(work, ids, lq, target, opts, missing_mass, ce[start:stop], soft[start:stop],
+                              chunk_g(G_all, hold_g, start, stop),
+                              None if label_terms is None else label_terms[start:stop],
+                              None if grads is None or grads.g_scale is None else grads.g_scale[start:stop])
+
+        ahead = None  # (chunk, hold_g, outputs): the first chunk's row work, queued before the host's wait
+
+        def before_wait(selection, head):
+            """A default call whose head is its whole first chunk, its rows all valid by the last
+            call's guess: that chunk's row kernel, queued before the host reads the selection, so
+            that the GPU runs it while the host reads it and queues what follows (where it idled
+            0.2-0.5 ms a step: docs/design.md, "Top-k"). Kept where the guess was right; the ids
+            are clipped into the vocabulary, as a bad one (the call then raises) reads nothing
+            outside its row."""
+            nonlocal ahead
+            chunk, hold_g = plan_chunks(n_all, run_opts.chunk_size, *per_row, budget)
+            if expects_all_valid(n_all) and min(chunk, most) == head:
+                ahead = head, hold_g, outputs(n_all, head, hold_g)
+                row_work(ahead[2], hold_g, 0, head, xp.clip(ids[:head], 0, vs - 1), lq[:head],
+                         selection.row_target[:head])
+
+        head, rows = queue_head(backend, products, xs, ids, most, select, capturable, run_opts.normalizer, first,
+                                before_wait)
         check, bad_topk_row = launched[0], None
         if capturable:  # a bad row makes 1/N NaN
             rows.inv_n, bad_topk_row = check.poisoned(rows.inv_n, n_all)
@@ -98,20 +131,18 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
         target, inv_n = rows.target, rows.inv_n
         n_rows = len(target)
         chunk, hold_g = cut_chunks(products, xs, ids, head, most, run_opts.chunk_size, per_row, budget)
-        G_all = backend.topk_gradient_rows(work, n_rows if hold_g else chunk) if compute_grad and n_rows else None
-        ce, soft, grads, label_terms = row_outputs(xp, n_rows, hs, vs, hold_g, bs is not None, compute_grad)
-        if G_all is not None and backend.topk_scales_g(opts, ws.dtype):  # G's rows stored scaled: read once
-            grads.g_scale = xp.empty(n_rows, np.float32)
+        if ahead is not None and (rows.valid_rows is not None or ahead[:2] != (chunk, hold_g)):
+            ahead = None  # the guess was wrong: the rows or their chunks are others
+        out = outputs(n_rows, chunk, hold_g) if ahead is None else ahead[2]
+        G_all, ce, soft, grads, label_terms = out
         for start in range(0, n_rows, chunk or 1):
             stop = min(start + chunk, n_rows)
             if start:  # the first chunk's logits are queued above
                 products(xs[start:stop], ids[start:stop])
-            G = chunk_g(G_all, hold_g, start, stop)
-            backend.topk_rows(work, ids[start:stop], lq[start:stop], target[start:stop], opts, missing_mass,
-                              ce[start:stop], soft[start:stop], G,
-                              None if label_terms is None else label_terms[start:stop],
-                              None if grads is None or grads.g_scale is None else grads.g_scale[start:stop])
+            if start or ahead is None:  # (the first chunk's row work may be queued above)
+                row_work(out, hold_g, start, stop, ids[start:stop], lq[start:stop], target[start:stop])
             if compute_grad:
+                G = chunk_g(G_all, hold_g, start, stop)
                 if rows.masked:
                     backend.zero_masked_rows(G, target[start:stop])
                 backend.grad_products(work, G, xs[start:stop], inv_n, grads, start, stop)

@@ -33,6 +33,21 @@ def test_select_rows(xp, rng, T, dtype):
     assert row_target.dtype == np.int32 and np.array_equal(to_numpy(row_target), target[want])
 
 
+@pytest.mark.gpu
+def test_select_rows_labels_past_the_count_and_of_bad_rows_are_none():
+    """Before the host's wait the GPU may read any prefix of the selection's targets as labels
+    (the top-k loss's first row kernel, queued ahead): -1 (no label) past the count and where a
+    target is out of range, never an id outside the vocabulary."""
+    import cupy
+
+    from jsdgpu.cuda.backend import CudaBackend
+    target = cupy.asarray([3, -100, 12, 4, -100, -100])  # 12: out of [0, 10)
+    selection = CudaBackend.select_rows(target, 10, -100)
+    with pytest.raises(ValueError):
+        selection.wait(lambda count: 1.0)
+    assert to_numpy(selection.row_target).tolist() == [3, -1, 4, -1, -1, -1]
+
+
 @pytest.mark.parametrize("T", [7, 8193, 20000])
 @pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64, np.uint64])
 def test_select_rows_names_the_first_bad_target(xp, rng, T, dtype):

@@ -183,6 +183,49 @@ def test_a_call_like_the_last_queues_its_first_product_ahead(rng, queued_ahead):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("chunk_size", [None, 128])
+def test_first_row_work_queued_before_the_wait_where_the_rows_are_guessed_valid(rng, monkeypatch, chunk_size):
+    """A default call guessed to have every row valid (the thread's last call had) queues its
+    first chunk's row kernel before the host reads the selection (topk.py, before_wait), and
+    gives the bits of the same call not guessed so. Where the guess fails (ignored rows), or an
+    id is bad (the call raises, its inputs untouched), that work is dropped."""
+    import cupy
+
+    import jsdgpu.topk
+    guess, guesses = jsdgpu.topk.expects_all_valid, []
+    monkeypatch.setattr(jsdgpu.topk, "expects_all_valid", lambda n: guesses.append(guess(n)) or guesses[-1])
+    T = 300
+
+    def call(case):
+        loss, ctx = jsdgpu.forward_topk(**to_xp(case, cupy), beta=0.3, chunk_size=chunk_size)
+        return [to_numpy(a) for a in (loss, *jsdgpu.backward(ctx))]
+
+    def same(got, want):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+    valid, half = make_topk_case(rng, T=T, ignored=0.0, unused=0.0), make_topk_case(rng, T=T, ignored=0.5)
+    call(half)
+    guesses.clear()
+    plain = call(valid)
+    assert not any(guesses)
+    same(call(valid), plain)
+    assert guesses == [True]
+    plain_half = call(half)
+    call(valid)
+    guesses.clear()
+    same(call(half), plain_half)
+    assert guesses == [True]
+    bad = {name: a.copy() if a is not None else None for name, a in valid.items()}
+    bad["teacher_indices"][5, 3] = 523  # in the first chunk, whose row kernel is queued before the checks are read
+    arrays = to_xp(bad, cupy)
+    with pytest.raises(ValueError, match="outside"):
+        jsdgpu.forward_topk(**arrays, beta=0.3, chunk_size=chunk_size)
+    np.testing.assert_array_equal(to_numpy(arrays["teacher_indices"]), bad["teacher_indices"])
+    same(call(valid), plain)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("missing_mass", MODES)
 @pytest.mark.parametrize("temperature,weight_hard", [(1.0, 0.3), (2.0, 0.0)])

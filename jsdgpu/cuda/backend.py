@@ -41,13 +41,13 @@ class CudaWork:
 
 class Selection:
     """The valid rows of a default call: select_rows launched (kernels.PendingSelection); rows:
-    their indices, any prefix of which can be gathered before wait(), the call's one wait for the
-    GPU, gives the Rows."""
+    their indices, and row_target their targets, any prefix of which can be read on the device
+    before wait(), the call's one wait for the GPU, gives the Rows."""
 
     def __init__(self, target, vocab, ignore_index, after):
         self._target, self._vocab, self._ignore_index = target, vocab, ignore_index
         self._pending = kernels.PendingSelection(target, vocab, ignore_index, after)
-        self.rows = self._pending.rows
+        self.rows, self.row_target = self._pending.rows, self._pending.row_target
 
     def wait(self, normalizer):
         """The Rows (normalizer(count): N); raises checks.target_error's ValueError for a bad

@@ -294,8 +294,9 @@ def kernel_ids(ids):
 class PendingSelection:
     """select_rows launched: rows [n] (the valid rows' indices first, in order; 0 past their count,
     so any prefix can be gathered before the count is known) and row_target [n] (their int32
-    targets). wait() waits for the kernel and returns (count, first bad row, first ignored row),
-    each row n where there is none. With `after` (mark's event), the kernel runs beside the
+    targets; -1 where out of range and past the count, so any prefix can be read as labels).
+    wait() waits for the kernel and returns (count, first bad row, first ignored row), each row n
+    where there is none. With `after` (mark's event), the kernel runs beside the
     current stream's work queued since that mark (a head's products), so wait() does not wait for
     that work; else it is queued on the current stream, and wait() waits for what it holds too."""
 

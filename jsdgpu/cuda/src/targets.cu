@@ -8,7 +8,8 @@
 // One CTA scans the targets in order, in tiles of THREADS * ITEMS: rows gets the
 // indices of the rows whose target is not ignore_index (has_ignore: ignore_index is an int64), in
 // order, then 0 up to n (so that any prefix of rows can be gathered before the count is read),
-// and row_target their targets as int32; out[0] = their count, out[1] = the first row
+// and row_target their targets as int32 (-1 where out of range, and past the count: any prefix
+// can be read in the vocabulary's bounds before the count is); out[0] = their count, out[1] = the first row
 // whose target is neither ignore_index nor in [0, vocab), out[2] the first ignored row (each n
 // where there is none: the rows before out[2] are selected as they are). One CTA keeps
 // the order with no second kernel; the targets of T = 8192 rows are one tile.
@@ -38,7 +39,10 @@ __device__ __forceinline__ void select_rows_body(const T* __restrict__ target, i
       if (i0 + j < n && !(has_ignore && t == ignore_index)) {
         valid |= 1u << j;
         // as unsigned, a negative target is >= vocab too
-        if ((unsigned long long)t >= (unsigned long long)vocab) atomicMin(&first_bad, i0 + j);
+        if ((unsigned long long)t >= (unsigned long long)vocab) {
+          atomicMin(&first_bad, i0 + j);
+          v[j] = -1;  // read by nothing outside its row before the host's wait (which then raises)
+        }
       } else if (i0 + j < n) {
         ignored = min(ignored, i0 + j);
       }
@@ -66,7 +70,10 @@ __device__ __forceinline__ void select_rows_body(const T* __restrict__ target, i
     if (threadIdx.x == 0) done += warp_total[WARPS - 1];
     __syncthreads();
   }
-  for (int i = done + threadIdx.x; i < n; i += THREADS) rows[i] = 0;  // a prefix past the count: row 0 again
+  for (int i = done + threadIdx.x; i < n; i += THREADS) {  // a prefix past the count: row 0 again, no label
+    rows[i] = 0;
+    row_target[i] = -1;
+  }
   if (threadIdx.x == 0) {
     out[0] = done;
     out[1] = first_bad;
