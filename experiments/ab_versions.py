@@ -18,7 +18,9 @@ last queuing its first product ahead of its checks (docs/design.md, "The host be
 product"; --tokens 1024, three pairs in one run): 4.33 / 4.43 / 4.18 ms against 4.01 / 4.20 /
 4.60 before, no change that the noise lets through. The top-k row kernel reading a row once
 (docs/design.md, "Top-k"; --topk 64 --tokens 1024 2048 4096 8192, two pairs): 2.70 / 2.73 ms
-against 2.97 / 3.05 at T = 1024, 21.97 / 22.19 against 23.72 / 22.69 at T = 8192.
+against 2.97 / 3.05 at T = 1024, 21.97 / 22.19 against 23.72 / 22.69 at T = 8192. The top-k's
+first row kernel queued before the host's wait (docs/design.md, "Top-k"; same tokens, five
+pairs): -3.1% at T = 1024 and 2048, -1.7% at 4096, -1.2% at 8192, faster in 18 of 20 pairs.
 
     mkdir -p /tmp/old && git archive 682ba3f jsdgpu | tar -x -C /tmp/old
     for v in /tmp/old . /tmp/old .; do PYTHONPATH=$v python experiments/ab_versions.py $v; done
