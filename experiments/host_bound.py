@@ -15,6 +15,7 @@ before the host has queued a step's first work, not the host's pace in the rest 
     python experiments/host_bound.py
 """
 
+import argparse
 import pathlib
 import statistics
 import sys
@@ -50,10 +51,8 @@ def measure(forward, backward, n=15, warmup=4):
 
 
 def main():
-    if "--help" in sys.argv or "-h" in sys.argv:
-        print(__doc__)
-        return
-    import harness  # needs the GPU
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    import harness  # needs the GPU: after --help
     import jsdgpu
     weights = harness.make_weights(2)
     rng = np.random.default_rng(0)
