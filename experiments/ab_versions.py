@@ -21,9 +21,15 @@ product"; --tokens 1024, three pairs in one run): 4.33 / 4.43 / 4.18 ms against 
 against 2.97 / 3.05 at T = 1024, 21.97 / 22.19 against 23.72 / 22.69 at T = 8192. The top-k's
 first row kernel queued before the host's wait (docs/design.md, "Top-k"; same tokens, five
 pairs): -3.1% at T = 1024 and 2048, -1.7% at 4096, -1.2% at 8192, faster in 18 of 20 pairs.
+With --against (docs/design.md, "The host before the first product"; 682ba3f's jsdgpu beside
+this code, three runs): T = 1024 -0.127 ± 0.053, -0.013 ± 0.063 and -0.093 ± 0.047 ms back to
+back at the GPU's power cap, and -0.291 ± 0.057 each step after half a second of idle (--cool
+0.5), where the clock is free.
 
     mkdir -p /tmp/old && git archive 682ba3f jsdgpu | tar -x -C /tmp/old
     for v in /tmp/old . /tmp/old .; do PYTHONPATH=$v python experiments/ab_versions.py $v; done
+    python experiments/ab_versions.py new --against /tmp/old              # in one process, in turns
+    python experiments/ab_versions.py new --against /tmp/old --cool 0.5   # each step from an idle GPU
 
 jsdgpu (the one PYTHONPATH gives: this script puts no path of its own first) forward + backward
 at the benchmark shape, medians of 15 CUDA-event-timed steps after 3, for T = 1024 (all rows
@@ -35,6 +41,11 @@ rounds), as a training loop queues its steps. --vocab sets both vocabularies (pa
 teacher's rows take the three phase kernels), --beta the divergence. --topk K: the top-k loss
 (jsdgpu.forward_topk) against the teacher's top K (jsdgpu.teacher_topk) instead, at T = 1024
 (all rows valid and half ignored) and 8192. --tokens: those T instead, every row valid.
+--against DIR: DIR/jsdgpu is loaded beside the first one (as jsdgpu_other) and the two are timed
+in turns in this process (ABBA over 24 rounds, so that the GPU's clock, which falls as it meets
+its power cap, falls on both alike): the medians of each one's round medians, and the mean
+difference with two standard errors. --cool S: each round's time is one step after S seconds of
+idle instead.
 """
 
 import argparse
@@ -54,6 +65,10 @@ def main():
     p.add_argument("--beta", type=float, default=0.5)
     p.add_argument("--topk", type=int, metavar="K", help="the top-k loss against the teacher's top K")
     p.add_argument("--tokens", type=int, nargs="+", help="these T instead, every row valid")
+    p.add_argument("--against", metavar="DIR",
+                   help="DIR/jsdgpu loaded beside this one, the two timed in turns in this process")
+    p.add_argument("--cool", type=float, metavar="SECONDS",
+                   help="with --against: each timed step one step after the GPU idled this long")
     a = p.parse_args()
     if a.jax:
         import os
@@ -62,6 +77,7 @@ def main():
     import ml_dtypes
 
     import jsdgpu
+    other = load_other(a.against) if a.against else None
     bf16 = ml_dtypes.bfloat16
     V, HS, HT = a.vocab, 2048, 4096
     rng = cupy.random.default_rng(0)
@@ -80,6 +96,15 @@ def main():
             stop.synchronize()
             times.append(cupy.cuda.get_elapsed_time(start, stop))
         return statistics.median(times)
+
+    def after_idle(step):
+        time.sleep(a.cool)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        step()
+        stop.record()
+        stop.synchronize()
+        return cupy.cuda.get_elapsed_time(start, stop)
 
     def back_to_back(step, wait):
         rounds = []
@@ -104,10 +129,14 @@ def main():
 
         stored = jsdgpu.teacher_topk(xt, wt, a.topk) if a.topk else None
 
-        def step():
-            loss_ctx = (jsdgpu.forward_topk(xs, ws, *stored, target, beta=a.beta) if a.topk
-                        else jsdgpu.forward(xs, ws, xt, wt, target, beta=a.beta))
-            jsdgpu.backward(loss_ctx[1])
+        def step(lib=jsdgpu):
+            loss_ctx = (lib.forward_topk(xs, ws, *stored, target, beta=a.beta) if a.topk
+                        else lib.forward(xs, ws, xt, wt, target, beta=a.beta))
+            lib.backward(loss_ctx[1])
+        if other:
+            step(), step(other)  # compiled, the products' algorithms chosen
+            out.append(f"T={T} valid={valid}: {in_turns(after_idle if a.cool else timed, step, lambda: step(other))}")
+            continue
         out.append(f"T={T} valid={valid}: {timed(step):.3f} ms")
         if a.jax:
             out.append(f"back to back {back_to_back(step, lambda r: cupy.cuda.Device().synchronize()):.3f} ms")
@@ -120,6 +149,34 @@ def main():
             out.append(f"jax: {timed(lambda: jax.block_until_ready(jitted(*args))):.3f} ms, back to back "
                        f"{back_to_back(lambda: jitted(*args), jax.block_until_ready):.3f} ms")
     print(a.label, "; ".join(out))
+
+
+def load_other(root):
+    """The package at root/jsdgpu, imported as jsdgpu_other (its imports are relative)."""
+    import importlib.util
+    import pathlib
+    import sys
+    package = pathlib.Path(root) / "jsdgpu"
+    spec = importlib.util.spec_from_file_location("jsdgpu_other", package / "__init__.py",
+                                                  submodule_search_locations=[str(package)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["jsdgpu_other"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def in_turns(timed, this, other, rounds=24):
+    """Both steps timed in turns (ABBA, so that a drift of the GPU's clocks falls on both alike):
+    the medians of each one's per-round medians, and the mean of this minus other per round with
+    two standard errors."""
+    ours, theirs = [], []
+    for r in range(rounds):
+        for step, times in ((this, ours), (other, theirs))[::1 if r % 2 == 0 else -1]:
+            times.append(timed(step))
+    diffs = [x - y for x, y in zip(ours, theirs)]
+    error = 2 * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return (f"this {statistics.median(ours):.3f} ms, other {statistics.median(theirs):.3f} ms, "
+            f"this - other {statistics.mean(diffs):+.3f} ± {error:.3f} ms ({rounds} rounds)")
 
 
 if __name__ == "__main__":

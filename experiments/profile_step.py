@@ -17,7 +17,10 @@ copies, the GPU's idle time from the first product to the step's last kernel, an
 the step's first kernel to the first product. From PyTorch's profiler (CUPTI records every kernel
 of the process, CuPy's too), beside the step's CUDA-event time. The profiler's callbacks slow the
 host's CUDA calls, so the idle times it shows are upper bounds, the host's setup before the first
-product most of all (experiments/host_time.py measures that without the profiler). Needs PyTorch.
+product most of all (experiments/host_time.py measures that without the profiler); and a profile
+covers a few steps, nearer the GPU's full clock than the event-timed loop, which runs at its power
+cap (docs/design.md, "The benchmark"), so its kernels sum to less than the step's event time.
+Needs PyTorch.
 """
 
 import argparse

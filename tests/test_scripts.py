@@ -19,7 +19,8 @@ MAINS = [p for p in SCRIPTS if "__main__" in p.read_text()]
 def test_scripts_found():
     names = {p.name for p in MAINS}
     assert {"bench.py", "bench_vocab_parallel.py", "profile_step.py", "host_time.py",
-            "fused_row_kernel.py", "jax_step.py", "ab_versions.py", "products.py", "sharp_rows.py"} <= names
+            "fused_row_kernel.py", "jax_step.py", "ab_versions.py", "products.py", "sharp_rows.py",
+            "graph_replay.py"} <= names
 
 
 @pytest.mark.parametrize("path", MAINS, ids=[p.name for p in MAINS])
