@@ -32,6 +32,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    p.add_argument("--warm-seconds", type=float, default=1.0,
+                   help="each measurement's warm-up runs at least this long (the GPU at its power cap)")
     p.add_argument("--name", help="result file name (default: the device's name)")
     p.add_argument("--budgets-gib", type=float, nargs="*", default=[0.25, 0.5, 1.0, 5.0],
                    help="memory_budget values (GiB) timed at the largest T beside the default")
@@ -99,7 +101,7 @@ def main(argv=None):
               "liger": lambda: impl_liger(sets, mode), "torch": lambda: impl_torch(sets, mode)}[impl]()
         torch_based = impl in ("liger", "torch", "jsdgpu_torch", "jsdgpu_torch_compiled")
         try:
-            ms = time_ms(fn, a.sets, a.warmup, a.repeats)
+            ms = time_ms(fn, a.sets, a.warmup, a.repeats, a.warm_seconds)
             mib = peak_mib(fn, torch_too=torch_based)
         except Exception as e:  # e.g. out of memory for the full-logits PyTorch at large T
             print(f"\n{impl} T={T} {mode}: {type(e).__name__}: {e}", file=sys.stderr)

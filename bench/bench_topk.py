@@ -43,6 +43,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sets", type=int, default=2)
+    p.add_argument("--warm-seconds", type=float, default=1.0,
+                   help="each measurement's warm-up runs at least this long (the GPU at its power cap)")
     p.add_argument("--no-torch", action="store_true", help="leave out the plain PyTorch implementation")
     p.add_argument("--out", default=None, help="write <out>.json")
     a = p.parse_args(argv)
@@ -59,7 +61,7 @@ def main(argv=None):
         records.append(r)
         print(json.dumps(r), flush=True)
 
-    timing = dict(n_sets=a.sets, warmup=a.warmup, repeats=a.repeats)
+    timing = dict(n_sets=a.sets, warmup=a.warmup, repeats=a.repeats, warm_s=a.warm_seconds)
     for T in a.tokens:
         sets = make_sets(T, weights, rng)
         floor4 = _floor(sets, with_teacher=True)
