@@ -4,9 +4,8 @@ too). Needs a GPU and CuPy.
 
 Workload (docs/design.md, "The benchmark"): V = 128256, teacher hidden 4096, student hidden 2048,
 bf16. Times are medians of CUDA-event timings after warm-up (by the benchmarks, a second of the
-workload: the GPU at its power cap), the inputs rotated over several sets
-so the L2 cache does not flatter anyone; peak memory is that of a separate, untimed run, beyond
-the inputs.
+workload: the GPU at its power cap), the inputs rotated over several sets so the L2 cache does
+not flatter anyone; peak memory is that of a separate, untimed run, beyond the inputs.
 """
 
 import statistics
