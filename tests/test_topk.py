@@ -233,15 +233,20 @@ def test_rows_read_once_or_twice(rng, dtype, missing_mass, temperature, weight_h
     """Where the rest's gradient is one exponential of the logits (no temperature, or no hard
     part), the GPU kernel reads a row once and stores G as a row scale times values taken against
     its first batch's max (topk_rows.cu); a row whose max lies far above that batch's takes the
-    second pass (its scale 1), as does every row where the rest's gradient is 0 (renormalized,
+    second pass (its scale 1: at temperature 1 the max is over 64 bits above, at 2 the rest's
+    factor is too small for G~), as does every row where the rest's gradient is 0 (renormalized,
     no hard part). Both kinds of row in one call, against the reference; with a bias, in chunks
     of 5 rows (a chunk's slice of the scales not 16-byte aligned)."""
     import cupy
     T = 11
     case = make_topk_case(rng, T=T, vs=5003, hs=256, k=9, dtype=DTYPES[dtype], ignored=0.0)
-    far = [0, 4]  # these rows' logit of id 4500, past the first batch (4096 columns), 80 above the rest
+    # these rows' logit of one id past the first batch (4096 columns), 80 above the rest; an id in
+    # no slot of theirs, so that their rest holds nearly all the mass and its gradient factor is
+    # near 0, which G~ cannot hold at temperature 2 (as a slot, the row would be read once)
+    far = [0, 4]
+    far_id = next(j for j in range(4500, 5003) if j not in case["teacher_indices"][far])
     w = case["student_weight"].astype(np.float64)
-    case["student_input"][far] = (80.0 * w[4500] / (w[4500] @ w[4500])).astype(case["student_input"].dtype)
+    case["student_input"][far] = (80.0 * w[far_id] / (w[far_id] @ w[far_id])).astype(case["student_input"].dtype)
     opts = dict(beta=0.4, temperature=temperature, weight_hard_loss=weight_hard, weight_soft_loss=0.7)
     check_against_reference(cupy, case, opts, missing_mass, DTYPES[dtype], chunk_size=5)
     _, ctx = jsdgpu.forward_topk(**to_xp(case, cupy), missing_mass=missing_mass, chunk_size=5, **opts)
