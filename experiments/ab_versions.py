@@ -85,11 +85,11 @@ def main():
     wt = (rng.standard_normal((V, HT), dtype=np.float32) * (4 / HT**0.5)).astype(bf16)
     out = []
 
-    def timed(step):
-        for _ in range(3):
+    def timed(step, warmup=3, repeats=15):
+        for _ in range(warmup):
             step()
         start, stop, times = cupy.cuda.Event(), cupy.cuda.Event(), []
-        for _ in range(15):
+        for _ in range(repeats):
             start.record()
             step()
             stop.record()
@@ -99,12 +99,7 @@ def main():
 
     def after_idle(step):
         time.sleep(a.cool)
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        step()
-        stop.record()
-        stop.synchronize()
-        return cupy.cuda.get_elapsed_time(start, stop)
+        return timed(step, warmup=0, repeats=1)
 
     def back_to_back(step, wait):
         rounds = []
