@@ -41,9 +41,10 @@ def kind(event):
     if event.get("cat") != "kernel":
         return "other"
     if any(k in name for k in ("fused_rows", "phase_stats", "phase_kl", "phase_finish",
-                               "topk_rows")):  # mangled or not
+                               "topk_rows", "topk_finish")):  # mangled or not
         return "rows"
-    if any(k in name for k in ("gemm", "nvjet", "xmma", "cutlass", "splitKreduce")):
+    # (topk_logits: the top-k loss's own logits product, with the row work's streaming part)
+    if any(k in name for k in ("gemm", "nvjet", "xmma", "cutlass", "splitKreduce", "topk_logits")):
         return "products"
     return "other"
 

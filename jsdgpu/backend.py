@@ -152,25 +152,33 @@ class Backend(Protocol):
         select_rows'); its wait(), after the selection's, raises checks.topk_error's ValueError
         for the first bad row."""
 
-    def topk_bytes_per_row(self, vs, dtype, compute_grad):
-        """(logits, G held for all rows, G per chunk) bytes per row of the top-k loss."""
+    def topk_own_product(self, opts, xs, ws, compute_grad):
+        """Whether the top-k loss takes the logits product of the backend's own, whose epilogue does
+        the row kernel's streaming work (no [rows, V] float32 logits: topk_prepare's own)."""
 
-    def topk_prepare(self, ws, bs, rows, logits_s=None):
+    def topk_bytes_per_row(self, vs, dtype, compute_grad, own=False):
+        """(logits, G held for all rows, G per chunk) bytes per row of the top-k loss (logits: the
+        own product's per-row buffers where own)."""
+
+    def topk_prepare(self, ws, bs, rows, logits_s=None, own=False):
         """The buffers for chunks of `rows` rows of one head (the student's, or teacher_topk's
-        teacher's): ws, and what the gradient steps above need of it (logits_s as prepare's)."""
+        teacher's): ws, and what the gradient steps above need of it (logits_s as prepare's); own:
+        the own product's instead of the logits."""
 
     def topk_gradient_rows(self, work, g_rows):
         """G's memory for g_rows rows, apart from the logits."""
 
     def head_logits(self, work, xs, at=0):
-        """The logits of rows [at, at + len(xs)) of the chunk, of the head of topk_prepare."""
+        """The logits of rows [at, at + len(xs)) of the chunk, of the head of topk_prepare (none
+        with the own product: topk_rows makes them)."""
 
     def topk_scales_g(self, opts, dtype):
         """Whether topk_rows takes g_scale for G in dtype under these LossOptions."""
 
-    def topk_rows(self, work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None):
+    def topk_rows(self, work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None, x=None):
         """The top-k row work: the rows' CE and soft part and, where G is not None, G (with
-        g_scale, as its rows' scales times what is stored, into g_scale: topk_scales_g)."""
+        g_scale, as its rows' scales times what is stored, into g_scale: topk_scales_g). x: the
+        rows of the student's input (which the own product takes)."""
 
     def teacher_topk_rows(self, work, rows, k, temperature, ids, logprobs):
         """The k largest logits of each of the chunk's first `rows` rows, by descending value, and

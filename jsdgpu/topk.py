@@ -70,10 +70,14 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
         n_all = xs.shape[0]
         compute_grad = run_opts.compute_grad
         budget = backend.default_memory_budget if run_opts.memory_budget is None else run_opts.memory_budget
-        per_row = backend.topk_bytes_per_row(vs, ws.dtype, compute_grad)
+        own = backend.topk_own_product(opts, xs, ws, compute_grad)  # (no logits: topk_rows makes them from x)
+        per_row = backend.topk_bytes_per_row(vs, ws.dtype, compute_grad, own)
         most = min(plan_chunks(n_all, run_opts.chunk_size, *per_row, budget)[0], n_all) if n_all else 0
+        if own:  # nothing to queue ahead (the product is the row work's), in this call or the next
+            first.remember(backend, 0)
+            first = None
         # the buffers for the most rows the call can have
-        work = backend.topk_prepare(ws, bs, most, **first.buffers(most))
+        work = backend.topk_prepare(ws, bs, most, **(first.buffers(most) if first else {}), own=own)
         launched = []
 
         def select(after=None):  # the top-k's checks, then the rows (a default call reads both at one wait)
@@ -94,12 +98,12 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
                 grads.g_scale = xp.empty(n_rows, np.float32)
             return G_all, ce, soft, grads, label_terms
 
-        def row_work(out, hold_g, start, stop, ids, lq, target):  # the rows' kernel (ids, lq, target: theirs)
+        def row_work(out, hold_g, start, stop, x, ids, lq, target):  # the rows' kernel (x, ids, lq, target: theirs)
             G_all, ce, soft, grads, label_terms = out
             backend.topk_rows(work, ids, lq, target, opts, missing_mass, ce[start:stop], soft[start:stop],
                               chunk_g(G_all, hold_g, start, stop),
                               None if label_terms is None else label_terms[start:stop],
-                              None if grads is None or grads.g_scale is None else grads.g_scale[start:stop])
+                              None if grads is None or grads.g_scale is None else grads.g_scale[start:stop], x)
 
         ahead = None  # (chunk, hold_g, outputs): the first chunk's row work, queued before the host's wait
 
@@ -114,7 +118,7 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             chunk, hold_g = plan_chunks(n_all, run_opts.chunk_size, *per_row, budget)
             if expects_all_valid(n_all) and min(chunk, most) == head:
                 ahead = head, hold_g, outputs(n_all, head, hold_g)
-                row_work(ahead[2], hold_g, 0, head, xp.clip(ids[:head], 0, vs - 1), lq[:head],
+                row_work(ahead[2], hold_g, 0, head, xs[:head], xp.clip(ids[:head], 0, vs - 1), lq[:head],
                          selection.row_target[:head])
 
         head, rows = queue_head(backend, products, xs, ids, most, select, capturable, run_opts.normalizer, first,
@@ -140,7 +144,7 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             if start:  # the first chunk's logits are queued above
                 products(xs[start:stop], ids[start:stop])
             if start or ahead is None:  # (the first chunk's row work may be queued above)
-                row_work(out, hold_g, start, stop, ids[start:stop], lq[start:stop], target[start:stop])
+                row_work(out, hold_g, start, stop, xs[start:stop], ids[start:stop], lq[start:stop], target[start:stop])
             if compute_grad:
                 G = chunk_g(G_all, hold_g, start, stop)
                 if rows.masked:

@@ -257,6 +257,78 @@ def test_rows_read_once_or_twice(rng, dtype, missing_mass, temperature, weight_h
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("missing_mass", MODES)
+@pytest.mark.parametrize("beta,weight_hard", [(0.0, 0.3), (0.5, 0.3), (1.0, 0.0)])
+@pytest.mark.parametrize("chunk_size,capturable", [(None, False), (130, False), (None, True)])
+def test_own_product_against_the_reference(rng, monkeypatch, missing_mass, beta, weight_hard, chunk_size, capturable):
+    """bf16 at temperature 1 takes the logits product of our own (topk_logits.cu, its epilogue the
+    row kernel's streaming work; topk_finish after it): against the reference and the cuBLAS
+    product with the row kernel, on rows not a multiple of its 128-row tiles, in chunks, a
+    vocabulary not a multiple of its 256 columns, a bias, ignored rows, slots in every tile, and
+    rows whose max lies far above their first tile's (their tile takes a reference of its own,
+    and topk_finish rescales the row: its scale 1), or whose rest is far below it."""
+    import cupy
+
+    from jsdgpu.cuda import backend, kernels
+    T, vs, k = 300, 5003, 40
+    case = make_topk_case(rng, T=T, vs=vs, hs=256, k=k, dtype=DTYPES["bfloat16"], ignored=0.1)
+    edges = [0, 1, 255, 256, vs - 1]  # a first tile's ids, the tiles' edges, the last (distinct in the row)
+    case["teacher_indices"][3] = edges + list(rng.choice(np.setdiff1d(np.arange(vs), edges), k - 5, replace=False))
+    # these rows' logit of one id past the first tile 100 above the rest (about 70 above the first
+    # tile's max: its tile's max over 64 bits above ref)
+    far = [0, 130]
+    far_id = next(j for j in range(4500, vs) if j not in case["teacher_indices"][far])
+    w = case["student_weight"].astype(np.float64)
+    case["student_input"][far] = (100.0 * w[far_id] / (w[far_id] @ w[far_id])).astype(case["student_input"].dtype)
+    case["target"][far] = far_id
+    opts = dict(beta=beta, weight_hard_loss=weight_hard, weight_soft_loss=0.7)
+    launched, launch = [], kernels.topk_logits
+    monkeypatch.setattr(kernels, "topk_logits", lambda *a: launched.append(1) or launch(*a))
+
+    def call(own):
+        monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", own)
+        loss, ctx = jsdgpu.forward_topk(**to_xp(case, cupy), missing_mass=missing_mass, chunk_size=chunk_size,
+                                        capturable=capturable, **opts)
+        return loss, jsdgpu.backward(ctx)
+
+    loss, grads = call(True)
+    assert launched
+    if not capturable:
+        monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", True)
+        check_against_reference(cupy, case, opts, missing_mass, DTYPES["bfloat16"], chunk_size=chunk_size)
+    _, ctx = jsdgpu.forward_topk(**to_xp(case, cupy), missing_mass=missing_mass, chunk_size=chunk_size,
+                                 capturable=capturable, **opts)
+    valid = case["target"] != -100
+    scale = to_numpy(ctx._grads.g_scale)  # the valid rows' (every row's where capturable)
+    scale = scale[valid] if capturable else scale
+    rescaled = (np.isin(np.arange(T), far) | (missing_mass == "renormalize" and weight_hard == 0.0))[valid]
+    np.testing.assert_array_equal(scale[rescaled], 1.0)
+    assert np.all(scale[~rescaled] != 1.0)
+    launched.clear()
+    loss_c, grads_c = call(False)
+    assert not launched
+    np.testing.assert_allclose(float(loss), float(loss_c), rtol=2e-6)
+    for got, want in zip(grads, grads_c):
+        got, want = to_numpy(got).astype(np.float64), to_numpy(want).astype(np.float64)
+        assert np.linalg.norm(got - want) <= 2 * 2.0**-8 * np.linalg.norm(want)
+
+
+@pytest.mark.gpu
+def test_the_row_kernel_with_its_ring_alone_launches_first(rng):
+    """topk_rows in the renormalize mode takes 48 KiB of dynamic shared memory (its ring, no bitmap)
+    beside its static memory: as a process's first launch of it, its limit must be raised too
+    (it was only above 48 KiB, which a bucket-mode launch happened to do first)."""
+    import cupy
+
+    from jsdgpu.cuda import kernels
+    kernels._module.cache_clear()  # the kernels loaded anew: their limits as the driver's defaults
+    kernels._function.cache_clear()
+    case = make_topk_case(rng, dtype=DTYPES["bfloat16"])
+    loss, _ = jsdgpu.forward_topk(**to_xp(case, cupy), missing_mass="renormalize", temperature=2.0)
+    assert np.isfinite(float(loss))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("temperature", [1.0, 2.0])  # G stored scaled (one pass); as it is (two)
 def test_benchmark_shape_gradients_near_bf16_rounding(rng, temperature):
     """T = 1024, V = 128256, Hs = 2048, bf16, logits of std 8, k = 64: the gradients' error

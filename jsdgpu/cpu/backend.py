@@ -163,13 +163,17 @@ class CpuBackend:
         return CheckedTopK(checks.topk_problem(ids, lq, vocab, bucket), vocab)
 
     @staticmethod
-    def topk_bytes_per_row(vs, dtype, compute_grad):
+    def topk_own_product(opts, xs, ws, compute_grad):
+        return False
+
+    @staticmethod
+    def topk_bytes_per_row(vs, dtype, compute_grad, own=False):
         """Bytes per row of the logits chunk, of G held for all rows, and of G per chunk."""
         grad = 4 * vs if compute_grad else 0
         return 4 * vs, grad, grad
 
     @staticmethod
-    def topk_prepare(ws, bs, rows):
+    def topk_prepare(ws, bs, rows, own=False):
         return TopKWork(_f32(ws), _f32(bs), np.empty((rows, ws.shape[0]), np.float32))
 
     @staticmethod
@@ -189,7 +193,7 @@ class CpuBackend:
         return False  # G is stored as it is
 
     @staticmethod
-    def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None):
+    def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None, x=None):
         """The top-k row work (cpu/topk.py); the label's one-hot term stays in G (float32)."""
         topk_rows(work.s[:len(target)], ids, lq, target, opts, missing_mass, ce, soft, G)
 

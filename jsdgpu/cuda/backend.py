@@ -5,16 +5,23 @@ a process, which times cuBLASLt's candidate algorithms (products.py)."""
 
 import dataclasses
 import functools
+import os
 
 import cupy
+import ml_dtypes
 import numpy as np
 
 from .. import checks
 from ..backend import HeldG, Rows
-from . import kernels, products
+from . import kernels, products, sources
 from .sources import FUSED
 
 FUSED_MAX_VOCAB = FUSED.max_vocab  # 131072 columns; wider rows take the phase kernels
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device_id):
+    return cupy.cuda.Device(device_id).compute_capability
 
 
 def leading_dim(n):
@@ -64,11 +71,43 @@ class Selection:
 @dataclasses.dataclass
 class TopKWork:
     """One top-k call's buffers (or teacher_topk's): the LM head, its bias as float32 padded with
-    zeros, a chunk's float32 logits, and ones for grad_bias's product."""
+    zeros, a chunk's float32 logits, and ones for grad_bias's product; with the own product
+    (OwnProduct) its buffers instead of the logits."""
     ws: object
     bias_s: object
     logits_s: object
     ones: object
+    own: object = None
+
+
+# The top-k loss's logits product of our own (topk_logits.cu), whose epilogue does the row
+# kernel's streaming work, where it can run, with JSDGPU_TOPK_PRODUCT=own in the environment; by
+# default cuBLAS's product and the row kernel, until the own one is measured faster at the power
+# cap (docs/design.md, "Top-k: the logits product of our own").
+OWN_TOPK_PRODUCT = os.environ.get("JSDGPU_TOPK_PRODUCT") == "own"
+
+
+class OwnProduct:
+    """The own product's buffers for chunks of `rows` rows: the slots' bitmap, the slots' logits
+    (at their columns of a [rows, V] float32 buffer, of which a few sectors a row are written and
+    read), the rows' G~ references and their flags, the tiles' partials (topk_logits.cu), and the
+    LM head's tensor map. The bitmap and flags start zeroed, and topk_finish clears them after
+    each chunk."""
+
+    def __init__(self, ws, rows):
+        vs = ws.shape[0]
+        n_tiles = -(-vs // sources.TOPK_LOGITS_TILE[1])
+        self.bitmap = cupy.zeros((rows, n_tiles * sources.TOPK_LOGITS_TILE[1] // 32), np.uint32)
+        self.ready = cupy.zeros(-(-rows // 64), np.int32)  # a flag per 64 rows
+        self.ref = cupy.empty(rows, np.float32)
+        self.partials = cupy.empty((rows, n_tiles, 4), np.float32)
+        self.slot_logits = cupy.empty((rows, leading_dim(vs)), np.float32)
+        self.map_w = kernels.tensor_map(ws, ws.shape[1], sources.TOPK_LOGITS_TILE[1], 64)
+
+    @staticmethod
+    def bytes_per_row(vs):
+        n_tiles = -(-vs // sources.TOPK_LOGITS_TILE[1])
+        return 16 * n_tiles + 4 * 8 * n_tiles + 4 * leading_dim(vs) + 8
 
 
 class PendingTopKCheck:
@@ -248,17 +287,32 @@ class CudaBackend:
         return PendingTopKCheck(ids, lq, vocab, bucket, capturable, after)
 
     @staticmethod
-    def topk_bytes_per_row(vs, dtype, compute_grad):
-        """Bytes per row of the logits chunk, of G held for all rows, and of G per chunk (G is
-        apart from the logits: the slots' pass reads the logits after G's streaming pass)."""
-        grad = np.dtype(dtype).itemsize * leading_dim(vs) if compute_grad else 0
-        return 4 * leading_dim(vs), grad, grad
+    def topk_own_product(opts, xs, ws, compute_grad):
+        """Where topk_logits.cu runs: sm_90 (wgmma), bf16, temperature 1 (the rest's gradient one
+        exponential of the logits: G~ for every column), with gradients (its finishing kernel
+        writes G), and rows whose 16-byte pieces the Tensor Memory Accelerator can address."""
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        return (OWN_TOPK_PRODUCT and compute_grad and opts.temperature == 1.0 and ws.dtype == bf16
+                and xs.dtype == bf16 and ws.shape[1] % 8 == 0 and xs.data.ptr % 16 == 0 and ws.data.ptr % 16 == 0
+                and _compute_capability(ws.data.device_id) == "90")
 
     @staticmethod
-    def topk_prepare(ws, bs, rows, logits_s=None):
+    def topk_bytes_per_row(vs, dtype, compute_grad, own=False):
+        """Bytes per row of the logits chunk (the own product's buffers where own), of G held for
+        all rows, and of G per chunk (G is apart from the logits: the slots' pass reads the logits
+        after G's streaming pass)."""
+        grad = np.dtype(dtype).itemsize * leading_dim(vs) if compute_grad else 0
+        return OwnProduct.bytes_per_row(vs) if own else 4 * leading_dim(vs), grad, grad
+
+    @staticmethod
+    def topk_prepare(ws, bs, rows, logits_s=None, own=False):
         vs = ws.shape[0]
-        logits_s = cupy.empty((rows, leading_dim(vs)), np.float32) if logits_s is None else logits_s
-        return TopKWork(ws, _padded_bias(bs, vs), logits_s, cupy.ones(rows, ws.dtype) if bs is not None else None)
+        if own:
+            logits_s = None
+        elif logits_s is None:
+            logits_s = cupy.empty((rows, leading_dim(vs)), np.float32)
+        return TopKWork(ws, _padded_bias(bs, vs), logits_s, cupy.ones(rows, ws.dtype) if bs is not None else None,
+                        OwnProduct(ws, rows) if own else None)
 
     @staticmethod
     def topk_gradient_rows(work, g_rows):
@@ -267,8 +321,9 @@ class CudaBackend:
     @staticmethod
     def head_logits(work, xs, at=0):
         """The logits of rows [at, at + len(xs)) of the chunk (unbiased: the kernels add the bias)
-        into work.logits_s."""
-        products.logits(xs, work.ws, work.logits_s[at:at + xs.shape[0]])
+        into work.logits_s (none with the own product: topk_rows makes them)."""
+        if work.own is None:
+            products.logits(xs, work.ws, work.logits_s[at:at + xs.shape[0]])
 
     @staticmethod
     def topk_scales_g(opts, dtype):
@@ -278,9 +333,20 @@ class CudaBackend:
         return np.dtype(dtype) != np.float16 and (opts.temperature == 1.0 or opts.weight_hard_loss == 0.0)
 
     @staticmethod
-    def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None):
-        kernels.topk_rows(work.logits_s, work.bias_s, target, work.ws.shape[0], ids, lq, opts,
-                          missing_mass == "bucket", ce, soft, G, label_terms, g_scale)
+    def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None, x=None):
+        vs, own = work.ws.shape[0], work.own
+        if own is None:
+            kernels.topk_rows(work.logits_s, work.bias_s, target, vs, ids, lq, opts, missing_mass == "bucket",
+                              ce, soft, G, label_terms, g_scale)
+            return
+        rows = len(x)
+        bm = sources.TOPK_LOGITS_TILE[0]
+        kernels.topk_slot_bits(ids, lq, own.bitmap[:rows])
+        maps = kernels.tensor_map(x, x.shape[1], bm, 64), own.map_w, kernels.tensor_map(G, vs, 64, 64)
+        kernels.topk_logits(maps, rows, vs, x.shape[1], work.bias_s, own.bitmap, own.ref, own.ready,
+                            own.partials, own.slot_logits)
+        kernels.topk_finish(target, vs, ids, lq, opts, missing_mass == "bucket", ce, soft, G, label_terms, g_scale,
+                            own.partials, own.ref, own.slot_logits, x, work.ws, work.bias_s, own.bitmap, own.ready)
 
     @staticmethod
     def teacher_topk_rows(work, rows, k, temperature, ids, logprobs):

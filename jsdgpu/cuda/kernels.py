@@ -356,8 +356,9 @@ def gather_rows(rows, a, b):
 # ---- offline distillation: the top-k loss's row work, its checks, the teacher's top-k ----
 
 def _with_shared(kernel, nbytes):
-    """kernel, allowed nbytes of dynamic shared memory (beyond the 48 KiB every kernel may take)."""
-    if nbytes > 48 * 1024:
+    """kernel, allowed nbytes of dynamic shared memory (beyond what every kernel may take: 48 KiB
+    with its static shared memory, which is at most 16 KiB here)."""
+    if nbytes > 32 * 1024:
         kernel.max_dynamic_shared_size_bytes = nbytes
     return kernel
 
@@ -381,6 +382,116 @@ def topk_rows(logits_s, bias_s, target, vs, ids, lq, opts, bucket, ce, soft, G, 
             np.float32(opts.w_soft_over_t), ce, soft, _pointer(G), np.int64(0 if G is None else G.shape[1]),
             _NULL if G is None else label_terms, _pointer(row_scale)),
            shared_mem=shared)
+
+
+# ---- the top-k loss's own logits product (topk_logits.cu, sm_90a) and its finishing kernel ----
+
+@functools.lru_cache(maxsize=None)
+def _topk_logits_function(device_id):
+    """topk_logits (an sm_90a family: sources.SM90A), compiled by NVRTC for sm_90a and loaded as a
+    module of the driver's (CuPy's RawModule compiles for the device's sm_90, without wgmma)."""
+    from cupy_backends.cuda.libs import nvrtc
+    family, name = "topk_logits", sources.topk_logits()
+    prog = nvrtc.createProgram(sources.source(family), f"{family}.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, ["-arch=sm_90a", *sources.OPTIONS])
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"{family}.cu: {nvrtc.getProgramLog(prog)}") from e
+        module = cupy.cuda.function.Module()
+        module.load(nvrtc.getCUBIN(prog))
+        function = module.get_function(nvrtc.getLoweredName(prog, name))
+    finally:
+        nvrtc.destroyProgram(prog)
+    driver.funcSetAttribute(function.ptr, _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, sources.topk_logits_shared_bytes())
+    return module, function  # the module kept loaded with its function
+
+
+_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_TENSOR_MAP_BFLOAT16, _TENSOR_MAP_SWIZZLE_128B, _TENSOR_MAP_L2_256B = 9, 3, 3
+
+
+class _TensorMap(ctypes.Structure):
+    """The driver's CUtensorMap: 128 opaque bytes, passed to a kernel by value."""
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    u32, u64, p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
+    lib.cuTensorMapEncodeTiled.argtypes = [p, ctypes.c_int, u32, p, ctypes.POINTER(u64), ctypes.POINTER(u64),
+                                           ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_int, ctypes.c_int]
+    lib.cuLaunchKernel.argtypes = [p, u32, u32, u32, u32, u32, u32, u32, p, ctypes.POINTER(p), p]
+    return lib
+
+
+def tensor_map(a, columns, box_rows, box_columns):
+    """The CUtensorMap of the first `columns` columns of a C-contiguous bf16 matrix (its row pitch
+    a multiple of 16 bytes, its start 16-byte aligned), in boxes of box_rows x box_columns with the
+    128-byte swizzle; a box reads zeros outside the matrix and writes nothing there."""
+    u32, u64 = ctypes.c_uint32, ctypes.c_uint64
+    out = _TensorMap()
+    err = _driver().cuTensorMapEncodeTiled(
+        ctypes.byref(out), _TENSOR_MAP_BFLOAT16, 2, ctypes.c_void_p(a.data.ptr), (u64 * 2)(columns, a.shape[0]),
+        (u64 * 1)(a.strides[0]), (u32 * 2)(box_columns, box_rows), (u32 * 2)(1, 1), 0, _TENSOR_MAP_SWIZZLE_128B,
+        _TENSOR_MAP_L2_256B, 0)
+    if err:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {err})")
+    return out
+
+
+def _launch(function, grid, block, shared, args):
+    """function<<<grid, block, shared, the current stream>>>(args), each a ctypes value (the tensor
+    maps by value: CuPy's launcher takes no struct)."""
+    params = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args))
+    err = _driver().cuLaunchKernel(ctypes.c_void_p(function.ptr), grid, 1, 1, block, 1, 1, shared,
+                                   ctypes.c_void_p(cupy.cuda.get_current_stream().ptr), params, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernel failed (CUresult {err})")
+
+
+def _ptr(a):
+    return ctypes.c_void_p(0 if a is None else a.data.ptr)
+
+
+def topk_slot_bits(ids, lq, bitmap):
+    """The slots' bitmap of the chunk's rows (bits set; topk_finish clears them)."""
+    rows, k = ids.shape
+    if rows:
+        function("topk_rows", "topk_slot_bits")((-(-rows * k // 256),), (256,),
+                                                (ids, lq, np.int32(rows), np.int32(k), bitmap, np.int32(bitmap.shape[1])))
+
+
+def topk_logits(maps, rows, vs, hs, bias, bitmap, ref, ready, partials, slot_logits):
+    """The chunk's rows of the student's input through the product with the row work's epilogue
+    (topk_logits.cu); maps: the tensor maps of those rows, of the LM head and of G's rows."""
+    device_id = cupy.cuda.Device().id
+    _, fn = _topk_logits_function(device_id)
+    bm, bn = sources.TOPK_LOGITS_TILE
+    tiles = -(-rows // bm) * -(-vs // bn)
+    i32 = ctypes.c_int
+    _launch(fn, min(tiles, sm_count(device_id)), 384, sources.topk_logits_shared_bytes(),
+            (*maps, i32(rows), i32(vs), i32(hs), _ptr(bias), ctypes.c_float(np.log2(np.e)),
+             _ptr(bitmap), i32(bitmap.shape[1]), _ptr(ref), _ptr(ready), _ptr(partials), _ptr(slot_logits),
+             ctypes.c_longlong(slot_logits.shape[1])))
+
+
+def topk_finish(target, vs, ids, lq, opts, bucket, ce, soft, G, label_terms, row_scale, partials, ref, slot_logits,
+                xs, ws, bias, bitmap, ready):
+    """The rows' results after topk_logits (topk_rows.cu, FUSED): ce, soft, label_terms, and G
+    (G~ kept or rescaled, the slots' and label's columns written over) with its row scales."""
+    rows, k = ids.shape
+    if rows:
+        function("topk_rows", sources.topk_finish())(
+            (rows,), (sources.TOPK_THREADS,),
+            (slot_logits, np.int64(slot_logits.shape[1]), target, np.int32(vs), ids, lq, np.int32(k),
+             np.int32(opts.divergence), np.int32(bucket), np.float64(opts.beta), np.float64(opts.one_minus_beta),
+             np.float32(opts.weight_hard_loss), np.float32(opts.w_soft_over_t), ce, soft, G, np.int64(G.shape[1]),
+             label_terms, row_scale, partials, np.int32(partials.shape[1]), ref, xs, ws, np.int32(ws.shape[1]),
+             _pointer(bias), bitmap, np.int32(bitmap.shape[1]), ready))
 
 
 class PendingTopKCheck:

@@ -50,6 +50,10 @@ MARK_THREADS = 1024  # mark_rows: one CTA
 ORDER_THREADS = 128  # label_order: one thread per row, so that small T spreads over many SMs
 TOPK_THREADS = 256  # topk_rows, topk_check, teacher_topk: one CTA of these per row (topk_rows: 80 registers a thread, 3 CTAs per SM)
 TOPK_STAGES = 3  # topk_rows: batches of a row on their way at once (16 KiB each, in shared memory)
+# topk_logits: shared-memory stages of the product's ring (48 KiB each, beside 64 KiB of G~ tiles:
+# three fit; without the tiles, four measured no faster: experiments/own_gemm.py of commit 625e3d5)
+TOPK_LOGITS_STAGES = 3
+TOPK_LOGITS_TILE = (128, 256)  # rows, columns: its tiles (BM, BN in topk_logits.cu)
 
 
 def fused_rows(dtype, shape=FUSED):
@@ -115,6 +119,21 @@ def topk_ring_bytes(stages=TOPK_STAGES):
     return stages * 16 * 4 * TOPK_THREADS
 
 
+def topk_finish():
+    return f"topk_finish<{TOPK_THREADS}>"
+
+
+def topk_logits(stages=TOPK_LOGITS_STAGES):
+    return f"topk_logits<{stages}>"
+
+
+def topk_logits_shared_bytes(stages=TOPK_LOGITS_STAGES):
+    """topk_logits' dynamic shared memory: its stages, two consumers' G~ tiles, the mbarriers, and
+    1 KiB to align the stages to."""
+    rows, columns = TOPK_LOGITS_TILE
+    return stages * (rows + columns) * 64 * 2 + 64 * columns * 2 * 2 + 16 * stages + 1024
+
+
 def topk_check(ids_dtype):
     return f"topk_check<{_index(ids_dtype)}, {TOPK_THREADS}>"
 
@@ -135,8 +154,16 @@ FAMILIES = {
                       + [label_scatter(d, d) for d in _16BIT] + [label_order()]),
     "targets": [select_rows(np.int32), select_rows(np.int64), gather_rows(16), gather_rows(2),
                 mark_rows(np.int32), mark_rows(np.int64), "zero_rows"],
-    "topk_rows": [topk_rows(d) for d in _ALL_DTYPES] + [topk_check(np.int32), topk_check(np.int64), teacher_topk()],
+    "topk_rows": ([topk_rows(d) for d in _ALL_DTYPES] + [topk_finish(), "topk_slot_bits"]
+                  + [topk_check(np.int32), topk_check(np.int64), teacher_topk()]),
+    "topk_logits": [topk_logits()],
 }
+# the families that take sm_90a's instructions (wgmma, setmaxnreg), compiled for it
+SM90A = ("topk_logits",)
+
+
+def arch(family):
+    return "sm_90a" if family in SM90A else "sm_90"
 
 
 def prelude():
@@ -163,4 +190,7 @@ def source(family, root=SRC):
                 out.append(line)
         return "".join(out)
 
-    return prelude() + inline(root / f"{family}.cu")
+    # wgmma's 128 accumulator registers as asm operands, spelt out once here
+    return (prelude() + inline(root / f"{family}.cu")).replace(
+        "WGMMA_OPERANDS", ", ".join(f"%{i}" for i in range(128))).replace(
+        "WGMMA_OUTPUTS", ", ".join(f'"+f"(d[{i}])' for i in range(128)))

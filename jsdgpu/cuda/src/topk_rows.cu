@@ -40,6 +40,10 @@ struct Max {
   float m;
 };
 
+struct Sum {
+  double s;
+};
+
 __device__ __forceinline__ float shfl_x(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ double shfl_x(double v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ Lse shfl_x(Lse v, int mask) { return {shfl_x(v.m, mask), shfl_x(v.s, mask)}; }
@@ -52,6 +56,7 @@ __device__ __forceinline__ SlotSums shfl_x(SlotSums v, int mask) {
   return {shfl_x(v.soft, mask), shfl_x(v.pu, mask), shfl_x(v.pu_most, mask)};
 }
 __device__ __forceinline__ Max shfl_x(Max v, int mask) { return {shfl_x(v.m, mask)}; }
+__device__ __forceinline__ Sum shfl_x(Sum v, int mask) { return {shfl_x(v.s, mask)}; }
 __device__ __forceinline__ int shfl_x(int v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
 // Lse in bits; a part of NaNs keeps s = NaN
@@ -73,6 +78,7 @@ __device__ __forceinline__ SlotSums merge(SlotSums a, SlotSums b) {
   return {a.soft + b.soft, a.pu + b.pu, fmax(a.pu_most, b.pu_most)};
 }
 __device__ __forceinline__ Max merge(Max a, Max b) { return {fmaxf(a.m, b.m)}; }
+__device__ __forceinline__ Sum merge(Sum a, Sum b) { return {a.s + b.s}; }
 __device__ __forceinline__ int merge(int a, int b) { return a | b; }
 
 // v merged over the block: lanes by an xor tree, then the warps' totals in warp order by every
@@ -257,6 +263,25 @@ struct RestGradient {
   }
 };
 
+// What topk_finish reads beside the slots' logits (S, biased: at their columns only), from
+// topk_logits.cu's epilogue: per row, the tiles' partials (G~'s ref, its sum, the rest's max and
+// sum) and the row's ref; the chunk's slot bitmap and ref flags, which it clears for the next
+// chunk. The label's logit it makes itself, from the row of Xs and the label's of Ws (bf16;
+// bias: padded, or null).
+struct FromProduct {
+  static constexpr int TILE_COLUMNS = 256;  // topk_logits.cu's BN
+  const float4* partials;
+  int n_tiles;
+  const float* ref;
+  const unsigned short* xs;  // the chunk's rows
+  const unsigned short* ws;
+  int hs;
+  const float* bias;
+  unsigned* bitmap;
+  int words;
+  int* ready;
+};
+
 // ---- the loss's row work ----
 //
 // S [rows, lds]: the chunk's float32 student logits without bias; bias_s: float32, padded with
@@ -279,14 +304,20 @@ struct RestGradient {
 // logsumexp over 64 bits above r2, a scale outside 2^-100..2^100, a slot's value over 2^64 G~,
 // another kind of rest gradient, NaN), the row takes the second pass as without row_scale, and
 // row_scale[row] = 1 (docs/design.md, "Top-k").
-template <int MODE, int OUT, int THREADS, int STAGES>
+//
+// FUSED (topk_finish): the row's statistics from the product's epilogue (FromProduct), S its
+// slots' logits (biased: bias_s null), the label's logit made here; G holds G~ (bf16) already,
+// against the row's ref, and the row keeps it as the one pass does, or (where that cannot hold
+// it, or a tile took its own ref) each tile's G~ is rescaled in place (its ref and the row's
+// factor known): no logits are read. Temperature 1 and bf16 only (the caller's choice).
+template <int MODE, int OUT, int THREADS, int STAGES, bool FUSED = false>
 __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long long lds, const float* __restrict__ bias_s,
                                           const int* __restrict__ target, int vs, const int* __restrict__ ids,
                                           const float* __restrict__ lq_in, int k, float scale2, int bucket,
                                           double beta, double one_minus_beta, float w_hard, float w_soft_over_t,
                                           float* __restrict__ ce_out, float* __restrict__ soft_out, void* G,
                                           long long ldg, float* __restrict__ label_terms,
-                                          float* __restrict__ row_scale) {
+                                          float* __restrict__ row_scale, FromProduct fp = {}) {
   // Dynamic shared memory: the ring of STAGES batches of the row (BATCH columns each), then the
   // slot bitmap (bucket)
   constexpr int UNROLL = 4, BATCH = 4 * THREADS * UNROLL;
@@ -320,19 +351,29 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     mbar_expect_bytes(bar, bytes);
     bulk_copy(smem_addr(ring + n % STAGES * (BATCH / 4)), srow + c0, bytes, bar);
   };
-  if (threadIdx.x == 0) {
+  if (!FUSED && threadIdx.x == 0) {
     for (int i = 0; i < STAGES; ++i) mbar_init(smem_addr(bars + i), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     for (int n = 0; n < min(STAGES, copies()); ++n) copy_batch(n);
   }
 
-  if (bucket) {
+  if (!FUSED && bucket) {
     for (int w = threadIdx.x; w < (vs + 31) / 32; w += THREADS) bitmap[w] = 0u;
     __syncthreads();
     for (int c = threadIdx.x; c < k; c += THREADS)
       if (rlq[c] != NEG_INF) atomicOr(bitmap + (rids[c] >> 5), 1u << (rids[c] & 31));
   }
-  if (threadIdx.x == 0) target_logit = y >= 0 ? logit(y) : 0.0f;  // y = -1: a masked row (capturable)
+  if constexpr (FUSED) {  // the label's logit, Xs[row] . Ws[y] (+ bias), summed in float64
+    Sum dot = {0.0};
+    if (y >= 0)
+      for (int h = threadIdx.x; h < fp.hs; h += THREADS)
+        dot.s += (double)(__uint_as_float((unsigned)fp.xs[row * fp.hs + h] << 16) *
+                          __uint_as_float((unsigned)fp.ws[(long long)y * fp.hs + h] << 16));  // exact in float32
+    dot = block_all<THREADS>(dot);
+    if (threadIdx.x == 0) target_logit = y < 0 ? 0.0f : (float)dot.s + (fp.bias ? fp.bias[y] : 0.0f);
+  } else if (threadIdx.x == 0) {  // y = -1: a masked row (capturable)
+    target_logit = y < 0 ? 0.0f : logit(y);
+  }
   __syncthreads();  // the bitmap, the target's logit and the ring's mbarriers are ready
 
   // 1. the row statistics over the vocabulary, UNROLL float4 groups of a thread at a time
@@ -363,51 +404,72 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     }
     return bits;
   };
-  ThreadStats ts(scale2, bucket, scale2 != LOG2E);
   __shared__ float r2;  // one pass: G~'s reference (bits of z), the first batch's max (in a register: spills)
-  for (int n = 0; n < batches; ++n) {
-    const int base = n * BATCH + 4 * threadIdx.x;
-    float4 x[UNROLL];
-    batch(n, base, x);
-    ts.add(x, batch_slots(base));
-    if (!one_pass) continue;
-    if (n == 0) {
-      const float first_max = block_all<THREADS>(Max{ts.mx}).m;
-      if (threadIdx.x == 0) r2 = first_max * scale2;
-      __syncthreads();
+  __shared__ int own_refs;  // FUSED: a tile of the row took a ref of its own
+  RowLse st;
+  if constexpr (FUSED) {  // the tiles' partials merged (in a fixed order)
+    const float row_ref = fp.ref[row];
+    Lse z = {NEG_INF, 0.0f}, rest = {NEG_INF, 0.0f};
+    int own = 0;
+    for (int t = threadIdx.x; t < fp.n_tiles; t += THREADS) {
+      const float4 part = fp.partials[row * fp.n_tiles + t];
+      z = merge(z, Lse{part.x, part.y});
+      rest = merge(rest, Lse{part.z, part.w});
+      own |= !(part.x == row_ref);
     }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int i = base + 4 * THREADS * u;
-      if (i >= vs) break;
-      const float out[4] = {ex2(fmaf(x[u].x, scale2, -r2)), ex2(fmaf(x[u].y, scale2, -r2)),
-                            ex2(fmaf(x[u].z, scale2, -r2)), ex2(fmaf(x[u].w, scale2, -r2))};
-      store4<OUT>(grow(), i, out, min(4, vs - i));
+    st = block_all<THREADS>(RowLse{z, z, rest});  // temperature 1: s is z
+    own = block_all<THREADS>(own);
+    if (threadIdx.x == 0) {
+      r2 = row_ref;
+      own_refs = own;
     }
-  }
-  float rest_sum = ts.sr;
-  if (ts.rest_apart()) {  // rare: the rest far below the max; its sum again, against its own max
-    rest_sum = 0.0f;
-    for (int base = 4 * threadIdx.x; base < vs; base += BATCH) {  // from global memory: some threads only
+    __syncthreads();
+  } else {
+    ThreadStats ts(scale2, bucket, scale2 != LOG2E);
+    for (int n = 0; n < batches; ++n) {
+      const int base = n * BATCH + 4 * threadIdx.x;
       float4 x[UNROLL];
-#pragma unroll
+      batch(n, base, x);
+      ts.add(x, batch_slots(base));
+      if (!one_pass) continue;
+      if (n == 0) {
+        const float first_max = block_all<THREADS>(Max{ts.mx}).m;
+        if (threadIdx.x == 0) r2 = first_max * scale2;
+        __syncthreads();
+      }
+  #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int i = base + 4 * THREADS * u;
-        x[u] = i < vs ? *reinterpret_cast<const float4*>(srow + i) : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
-        if (i < vs && bias_s) x[u] = add4(x[u], *reinterpret_cast<const float4*>(bias_s + i));
-        if (i < vs && i + 4 > vs) x[u] = fill(x[u], vs - i, 4, NEG_INF);
-      }
-      const unsigned bits = batch_slots(base);
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const float xv[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (!(bits >> (4 * u + j) & 1u)) rest_sum += ts.rest_term(xv[j]);
+        if (i >= vs) break;
+        const float out[4] = {ex2(fmaf(x[u].x, scale2, -r2)), ex2(fmaf(x[u].y, scale2, -r2)),
+                              ex2(fmaf(x[u].z, scale2, -r2)), ex2(fmaf(x[u].w, scale2, -r2))};
+        store4<OUT>(grow(), i, out, min(4, vs - i));
       }
     }
+    float rest_sum = ts.sr;
+    if (ts.rest_apart()) {  // rare: the rest far below the max; its sum again, against its own max
+      rest_sum = 0.0f;
+      for (int base = 4 * threadIdx.x; base < vs; base += BATCH) {  // from global memory: some threads only
+        float4 x[UNROLL];
+  #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const int i = base + 4 * THREADS * u;
+          x[u] = i < vs ? *reinterpret_cast<const float4*>(srow + i) : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+          if (i < vs && bias_s) x[u] = add4(x[u], *reinterpret_cast<const float4*>(bias_s + i));
+          if (i < vs && i + 4 > vs) x[u] = fill(x[u], vs - i, 4, NEG_INF);
+        }
+        const unsigned bits = batch_slots(base);
+  #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const float xv[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+  #pragma unroll
+          for (int j = 0; j < 4; ++j)
+            if (!(bits >> (4 * u + j) & 1u)) rest_sum += ts.rest_term(xv[j]);
+        }
+      }
+    }
+    st = block_all<THREADS>(ts.parts(rest_sum));
   }
-  const RowLse st = block_all<THREADS>(ts.parts(rest_sum));
   const double lse_s = lse_bits(st.s) * LN2, lse_z2 = lse_bits(st.z), lse_rest2 = lse_bits(st.rest);
 
   // 2. the categories' normalizations: log P_c = z_c - lse_z, normalized by the sum of every
@@ -481,15 +543,16 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
       const double scale = F * exp2((double)r2 - L);
       const double most = fabs(F) + 2.0 * fabs(w_hard) + fabs(w_soft_over_t) * (sums.pu_most + fabs(u_bar) + 1.0);
       const bool holds = g.path == (plain ? 1 : 2) && isfinite(r2) && L - r2 <= 64.0 && fabs(scale) >= 0x1p-100
-                         && fabs(scale) <= 0x1p100 && most <= 0x1p64 * fabs(scale);  // false for NaN
+                         && fabs(scale) <= 0x1p100 && most <= 0x1p64 * fabs(scale)  // false for NaN
+                         && !(FUSED && own_refs);
       row_scale[row] = holds ? (float)scale : 1.0f;
       const float inv = 1.0f / (float)scale;
       row_unscale = holds ? inv : 0.0f;
       if (holds && label >= 0) {
-        const float value = g.value(logit(label), true) * inv;
+        const float value = g.value(target_logit, true) * inv;
         store4<OUT>(grow(), label, &value, 1);
       }
-      if (!holds) {  // the second pass's first batches (every stage is free)
+      if (!FUSED && !holds) {  // the second pass's first batches (every stage is free)
         fence_proxy_async();
         for (int n = batches; n < min(batches + STAGES, 2 * batches); ++n) copy_batch(n);
       }
@@ -497,7 +560,25 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     __syncthreads();
     second_pass = row_unscale == 0.0f;
   }
-  for (int n = 0; second_pass && n < batches; ++n) {
+  if (FUSED && second_pass) {  // G = E 2^(ref_t - L) G~ in each tile t, 8 columns a thread at a time
+    const double L = g.lse_s2.hi + (double)g.lse_s2.lo;
+    uint4* grow8 = static_cast<uint4*>(grow());
+    for (int c8 = threadIdx.x; 8 * c8 < vs; c8 += THREADS) {
+      const float factor = (float)(g.e * exp2((double)fp.partials[row * fp.n_tiles + 8 * c8 / FromProduct::TILE_COLUMNS].x - L));
+      uint4 v = grow8[c8];
+      unsigned* w = &v.x;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        w[j] = pack_16bit<OUT_BF16>(__uint_as_float(w[j] << 16) * factor, __uint_as_float(w[j] & 0xffff0000u) * factor);
+      grow8[c8] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && label >= 0) {
+      const float value = g.value(target_logit, true);
+      store4<OUT>(grow(), label, &value, 1);
+    }
+  }
+  for (int n = 0; !FUSED && second_pass && n < batches; ++n) {
     const int base = n * BATCH + 4 * threadIdx.x;
     float4 x[UNROLL];
     batch(batches + n, base, x);
@@ -527,6 +608,11 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
         fmaf(w_hard, softmax - (id == y && !label_apart ? 1.0f : 0.0f), (float)(w_soft_over_t * dz)) * unscale;
     store4<OUT>(grow(), id, &value, 1);
   }
+  if constexpr (FUSED) {  // the chunk's slot bitmap and ref flags cleared for the next chunk
+    for (int c = threadIdx.x; c < k; c += THREADS)
+      if (rlq[c] != NEG_INF) fp.bitmap[row * fp.words + (rids[c] >> 5)] = 0u;
+    if (threadIdx.x == 0 && row % 64 == 0) fp.ready[row / 64] = 0;
+  }
 }
 
 template <int OUT, int THREADS, int STAGES>
@@ -541,6 +627,32 @@ __global__ void __launch_bounds__(THREADS, 3) topk_rows(const float* S, long lon
                                                      one_minus_beta, w_hard, w_soft_over_t, ce_out, soft_out, G,
                                                      ldg, label_terms, row_scale);
   });
+}
+
+// The rows after topk_logits (FUSED above): temperature 1, G bf16, row_scale given; S [rows, lds]:
+// the slots' logits at their columns (biased).
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS, 3)
+    topk_finish(const float* S, long long lds, const int* target, int vs, const int* ids, const float* lq, int k,
+                int mode, int bucket, double beta, double one_minus_beta, float w_hard, float w_soft_over_t,
+                float* ce_out, float* soft_out, void* G, long long ldg, float* label_terms, float* row_scale,
+                const float4* partials, int n_tiles, const float* ref, const unsigned short* xs,
+                const unsigned short* ws, int hs, const float* bias, unsigned* bitmap, int words, int* ready) {
+  const FromProduct fp = {partials, n_tiles, ref, xs, ws, hs, bias, bitmap, words, ready};
+  mode_dispatch(mode, [&](auto m) {
+    topk_rows_body<decltype(m)::value, OUT_BF16, THREADS, 1, true>(
+        S, lds, nullptr, target, vs, ids, lq, k, LOG2E, bucket, beta, one_minus_beta, w_hard, w_soft_over_t,
+        ce_out, soft_out, G, ldg, label_terms, row_scale, fp);
+  });
+}
+
+// The slots' bitmap of the chunk's rows for topk_logits: bit id of row r set for every used slot
+// (the bitmap zero before: topk_finish clears what it set). A thread per slot.
+__global__ void topk_slot_bits(const int* ids, const float* lq, int rows, int k, unsigned* bitmap, int words) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i >= (long long)rows * k || lq[i] == NEG_INF) return;
+  const int id = ids[i];
+  atomicOr(bitmap + i / k * words + (id >> 5), 1u << (id & 31));
 }
 
 // ---- the check of the stored top-k ----

@@ -1,0 +1,282 @@
+// The top-k loss's student logits with the row kernel's streaming work in the product's epilogue
+// (docs/design.md, "Top-k: the logits product of our own"): per chunk, S = Xs @ Ws.T + bias by
+// wgmma (bf16 in, float32 accumulators), and instead of S, per 128 x 256 tile and row, G~ =
+// 2^(S scale2 - ref) in bf16 (the rest's gradient up to a factor of the row), the sums of those
+// terms over the tile's columns and over the columns that are no slot's id, and the float32
+// logits of the row's slots (at their columns of a [rows, V] buffer: a few sectors a row); topk_rows' finishing kernel (topk_finish) takes it from
+// there. sm_90a (wgmma, setmaxnreg); compiled apart from the other families (kernels.py).
+//
+// The product: persistent (a CTA per SM, tiles handed out in turn, rows fastest, so that a tile
+// of Ws is read from HBM once and from L2 by the CTAs beside it); K in steps of 64 through a ring
+// of STAGES shared-memory stages; a producer thread (its warpgroup's registers given back,
+// setmaxnreg) loads both operands' tiles by the Tensor Memory Accelerator (128-byte swizzle, as
+// wgmma reads them) onto a full mbarrier per stage; two consumer warpgroups of 64 rows each run
+// wgmma m64n256k16 with one group in flight and free a stage (its empty mbarrier) once their group
+// on it is done. ptxas allocates every warp the launch bound's 168 registers (not setmaxnreg's
+// 232): the epilogue is written to fit them (experiments/own_gemm.py: a producer of the
+// consumers' own threads ran the product 1.5 times slower).
+//
+// ref, G~'s reference: the row's first tile's max (bits, rounded up to an integer), which that
+// tile's epilogue publishes (ref[], then ready[] for its 64 rows); every other tile's epilogue
+// waits for it (all CTAs are resident and take their tiles in order, and the first tiles come
+// first in every CTA's order: no wait can close a cycle). A tile whose max lies over 64 bits
+// above ref takes its own (and says so in partials): topk_finish then rescales the row. Its
+// rest's sum is taken against the rest's own max where that lies 64 bits or more below ref.
+#include "common.cuh"
+
+typedef unsigned long long u64;
+
+struct alignas(64) TensorMap {  // CUtensorMap, made by the host (cuTensorMapEncodeTiled)
+  u64 opaque[16];
+};
+
+__device__ __forceinline__ unsigned shared_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void bar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_expect_bytes(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  } while (!done);
+}
+// the box at (x: the inner coordinate, y) of the tensor map to shared memory, on the mbarrier
+__device__ __forceinline__ void tma_load(unsigned dst, const TensorMap* map, int x, int y, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          dst),
+      "l"(map), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+// the box at (x, y) of the tensor map from shared memory (a bulk group of this thread)
+__device__ __forceinline__ void tma_store(const TensorMap* map, int x, int y, unsigned src) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(map), "r"(x),
+               "r"(y), "r"(src)
+               : "memory");
+}
+__device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+
+// whether column c of a tile is a slot's id, by the row's bitmap words from the tile's first
+__device__ __forceinline__ bool is_slot(const unsigned* row_words, int c) { return row_words[c / 32] >> (c % 32) & 1u; }
+
+// a K-major operand's tile in shared memory as wgmma reads it: rows of 128 bytes (64 bf16),
+// swizzled in 8-row atoms of 1024 bytes, as the TMA's 128-byte swizzle wrote them
+__device__ __forceinline__ u64 operand(unsigned addr) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+// d (64 x 256, this warpgroup's) += A (64 x 16) B (256 x 16).T, or = where !accumulate
+__device__ __forceinline__ void wgmma_256(float (&d)[128], u64 a, u64 b, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {WGMMA_OPERANDS}, %128, %129, p, 1, 1, 0, 0;\n}"
+      : WGMMA_OUTPUTS
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+constexpr int BM = 128, BN = 256, BK = 64, CONSUMERS = 2;
+constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int OUT_BYTES = 64 * BN * 2;  // a consumer's G~ tile: 4 boxes of 64 x 64 bf16
+constexpr float APART = 64.0f;          // bits: a tile's max this far above ref, or a rest this far below, apart
+
+// Per row and tile of the chunk's rows [0, m) (partials[row * n_tiles + tile]): x = the ref the
+// tile's G~ took, y = the sum of its G~ (2^(z - x)), z and w = the rest's max and sum against it.
+// slot_logits [m, lds]: the logits of the columns that are a slot's id (bitmap: [m, words] bits,
+// bit c of row r: column c of row r is one), at their places (the rest of it is not written).
+template <int STAGES>
+__global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
+    topk_logits(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
+                const __grid_constant__ TensorMap map_g, int m, int n, int k,
+                const float* __restrict__ bias, float scale2, const unsigned* __restrict__ bitmap, int words, float* __restrict__ ref, int* __restrict__ ready,
+                float4* __restrict__ partials, float* __restrict__ slot_logits, long long lds) {
+  extern __shared__ unsigned char shared_raw[];
+  // the stages (1024-byte aligned, as the swizzle's atoms must be), the consumers' G~ tiles, the
+  // stages' mbarriers
+  const unsigned base = (shared_addr(shared_raw) + 1023) & ~1023u;
+  const unsigned staging = base + STAGES * STAGE_BYTES;
+  const unsigned full = staging + CONSUMERS * OUT_BYTES, empty = full + 8 * STAGES;
+  const int m_tiles = (m + BM - 1) / BM, n_tiles = (n + BN - 1) / BN, tiles = m_tiles * n_tiles;
+  const int k_steps = (k + BK - 1) / BK;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      bar_init(full + 8 * s, 1);
+      bar_init(empty + 8 * s, 4 * CONSUMERS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x >= 128 * CONSUMERS) {  // the producer: its first thread loads, onto the full mbarriers
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 128 * CONSUMERS) {
+      int stage = 0;
+      unsigned phase = 0;
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
+        for (int ks = 0; ks < k_steps; ++ks) {
+          bar_wait(empty + 8 * stage, phase ^ 1);
+          const unsigned a = base + stage * STAGE_BYTES, bar = full + 8 * stage;
+          bar_expect_bytes(bar, STAGE_BYTES);
+          tma_load(a, &map_x, ks * BK, tile % m_tiles * BM, bar);
+          tma_load(a + A_BYTES, &map_w, ks * BK, tile / m_tiles * BN, bar);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  // a stage is free once a lane of every consumer warp says its group on it is done
+  auto free_stage = [&](int g) {
+    if (threadIdx.x % 32 == 0) bar_arrive(empty + 8 * (g % STAGES));
+  };
+  const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, quad = lane % 4;
+  const bool leader = threadIdx.x % 128 == 0;
+  const unsigned out = staging + consumer * OUT_BYTES;
+  float d[128];
+  int g = 0;  // the step
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int tm = tile % m_tiles, tn = tile / m_tiles, row0 = tm * BM, col0 = tn * BN;
+    for (int ks = 0; ks < k_steps; ++ks, ++g) {
+      bar_wait(full + 8 * (g % STAGES), g / STAGES & 1);
+      const unsigned a = base + g % STAGES * STAGE_BYTES + consumer * (A_BYTES / CONSUMERS);
+      const unsigned b = base + g % STAGES * STAGE_BYTES + A_BYTES;
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) wgmma_256(d, operand(a + 32 * kk), operand(b + 32 * kk), ks > 0 || kk > 0);
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // the step before's group is done
+      if (ks > 0) free_stage(g - 1);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    free_stage(g - 1);
+
+    // The epilogue. Thread (warp, lane) holds rows 16 warp + lane / 4 + 8 h (h = 0, 1) of its
+    // consumer's 64, columns 8 i + 2 quad + e (i < 32, e = 0, 1): d[4 i + 2 h + e].
+    const int r_local = consumer * 64 + warp * 16 + lane / 4;  // of the tile's rows, h = 0
+    if (col0 + BN > n) {  // the last tile's columns past n: none (a pass of its own: in the one
+#pragma unroll               // below, the test left the epilogue spilling)
+      for (int j = 0; j < 128; ++j)
+        if (col0 + 8 * (j / 4) + 2 * quad + j % 2 >= n) d[j] = NEG_INF;
+    }
+    float top[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the logits: bias added; their max
+      top[h] = NEG_INF;
+      // the slots' logits kept at their columns (a store in the loops below, or in a smaller buffer,
+      // left the epilogue spilling)
+      const int row = row0 + r_local + 8 * h;
+      float* slot_row = row < m ? slot_logits + row * lds : nullptr;
+      const unsigned* slot_words = bitmap + (long long)min(row, m - 1) * words + col0 / 32;
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = 8 * i + 2 * quad + e, col = col0 + c;
+          float& x = d[4 * i + 2 * h + e];
+          x += bias && col < n ? bias[col] : 0.0f;
+          top[h] = max_nan(top[h], x);
+          if (is_slot(slot_words, c) && slot_row) slot_row[col] = x;
+        }
+      }
+      top[h] = max_nan(top[h], __shfl_xor_sync(0xffffffffu, top[h], 1));
+      top[h] = max_nan(top[h], __shfl_xor_sync(0xffffffffu, top[h], 2));
+    }
+    // the rows' ref: published by the rows' first tile, else waited for (one flag per 64 rows;
+    // none where all 64 are past the chunk's, whose results are not kept)
+    const int half = (row0 + consumer * 64) / 64;
+    const bool any_row = row0 + consumer * 64 < m;
+    float ref_row[2] = {0.0f, 0.0f};
+    if (any_row && tn == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + r_local + 8 * h;
+        ref_row[h] = ceilf(top[h] * scale2);  // NaN stays NaN
+        if (quad == 0 && row < m) ref[row] = ref_row[h];
+      }
+      warpgroup_sync(1 + consumer);
+      if (leader) {
+        __threadfence();
+        asm volatile("st.release.gpu.global.s32 [%0], 1;" ::"l"(ready + half) : "memory");
+      }
+    } else if (any_row) {
+      if (leader) {
+        int seen = 0;
+        do {
+          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(ready + half) : "memory");
+        } while (!seen);
+      }
+      warpgroup_sync(1 + consumer);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) ref_row[h] = __ldcg(ref + min(row0 + r_local + 8 * h, m - 1));
+    }
+    if (leader) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the last tile's G~ is out
+    warpgroup_sync(1 + consumer);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // a row at a time (both at once spilled)
+      const int row = row0 + r_local + 8 * h, row_c = min(row, m - 1);
+      // a tile far above ref takes its own (topk_finish rescales the row); NaN: ref's NaN
+      const float take = top[h] * scale2 - ref_row[h] > APART ? ceilf(top[h] * scale2) : ref_row[h];
+      const unsigned* slot_words = bitmap + (long long)row_c * words + col0 / 32;
+      float all = 0.0f, rest = 0.0f, rest_max = NEG_INF;
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+        float g[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float x = d[4 * i + 2 * h + e];
+          g[e] = ex2(fmaf(x, scale2, -take));
+          all += g[e];
+          const int c = 8 * i + 2 * quad + e;
+          if (!is_slot(slot_words, c)) {  // no slot's id: the rest's
+            rest += g[e];
+            rest_max = max_nan(rest_max, x);
+          }
+        }
+        const int r = warp * 16 + lane / 4 + 8 * h, chunk = (i % 8) ^ (r % 8);
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(out + (i / 8) * 8192 + r * 128 + chunk * 16 + 4 * quad),
+                     "r"(pack_16bit<OUT_BF16>(g[0], g[1]))
+                     : "memory");
+      }
+#pragma unroll
+      for (int o = 1; o < 4; o *= 2) {
+        all += __shfl_xor_sync(0xffffffffu, all, o);
+        rest += __shfl_xor_sync(0xffffffffu, rest, o);
+        rest_max = max_nan(rest_max, __shfl_xor_sync(0xffffffffu, rest_max, o));
+      }
+      float rest_ref = take;
+      if (rest_max != NEG_INF && rest_max * scale2 < take - APART) {
+        // rare: the rest far below; its sum again against its own max, from the registers
+        rest_ref = rest_max * scale2;
+        rest = 0.0f;
+#pragma unroll  // (d's registers indexed by constants only)
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (!is_slot(slot_words, 8 * i + 2 * quad + e)) rest += ex2(fmaf(d[4 * i + 2 * h + e], scale2, -rest_ref));
+        const unsigned quad_lanes = 0xFu << (lane & ~3);  // the branch is the quad's (its lanes agree)
+#pragma unroll
+        for (int o = 1; o < 4; o *= 2) rest += __shfl_xor_sync(quad_lanes, rest, o);
+      }
+      if (quad == 0 && row < m) partials[(long long)row * n_tiles + tn] = make_float4(take, all, rest_ref, rest);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the tile, seen by the bulk copies
+    warpgroup_sync(1 + consumer);
+    if (leader) {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) tma_store(&map_g, col0 + 64 * b, row0 + consumer * 64, out + b * 8192);
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+  }
+  if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
