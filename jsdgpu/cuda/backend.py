@@ -102,7 +102,7 @@ class OwnProduct:
         self.ref = cupy.empty(rows, np.float32)
         self.partials = cupy.empty((rows, n_tiles, 4), np.float32)
         self.slot_logits = cupy.empty((rows, leading_dim(vs)), np.float32)
-        self.map_w = kernels.tensor_map(ws, ws.shape[1], sources.TOPK_LOGITS_TILE[1], 64)
+        self.map_w = kernels.topk_head_map(ws)
 
     @staticmethod
     def bytes_per_row(vs):
@@ -339,12 +339,9 @@ class CudaBackend:
             kernels.topk_rows(work.logits_s, work.bias_s, target, vs, ids, lq, opts, missing_mass == "bucket",
                               ce, soft, G, label_terms, g_scale)
             return
-        rows = len(x)
-        bm = sources.TOPK_LOGITS_TILE[0]
-        kernels.topk_slot_bits(ids, lq, own.bitmap[:rows])
-        maps = kernels.tensor_map(x, x.shape[1], bm, 64), own.map_w, kernels.tensor_map(G, vs, 64, 64)
-        kernels.topk_logits(maps, rows, vs, x.shape[1], work.bias_s, own.bitmap, own.ref, own.ready,
-                            own.partials, own.slot_logits)
+        kernels.topk_slot_bits(ids, lq, own.bitmap[:len(x)])
+        kernels.topk_logits(x, own.map_w, G, vs, work.bias_s, own.bitmap, own.ref, own.ready, own.partials,
+                            own.slot_logits)
         kernels.topk_finish(target, vs, ids, lq, opts, missing_mass == "bucket", ce, soft, G, label_terms, g_scale,
                             own.partials, own.ref, own.slot_logits, x, work.ws, work.bias_s, own.bitmap, own.ready)
 

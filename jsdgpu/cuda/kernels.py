@@ -15,10 +15,12 @@ from cupy.cuda import driver
 
 from . import sources
 
+_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 _FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE = 15
 _CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING = 2
 _NULL = np.uint64(0)
+_TENSOR_MAP_BFLOAT16, _TENSOR_MAP_SWIZZLE_128B, _TENSOR_MAP_L2_256B = 9, 3, 3  # cuda.h's enums
 
 
 def _pointer(a):
@@ -79,7 +81,7 @@ class FusedKernel:
         config = _LaunchConfig((shape.cluster, 1, 1), (shape.threads, 1, 1), shape.shared_bytes, None, None, 0)
         n = ctypes.c_int()
         # not wrapped by CuPy: the driver's own entry point (cluster dims are the kernel's own)
-        err = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters(
+        err = _driver().cuOccupancyMaxActiveClusters(
             ctypes.byref(n), ctypes.c_void_p(ptr), ctypes.byref(config))
         if err or n.value < 1:
             raise RuntimeError(f"cuOccupancyMaxActiveClusters for {name} failed (CUresult {err}, {n.value})")
@@ -404,12 +406,11 @@ def _topk_logits_function(device_id):
         function = module.get_function(nvrtc.getLoweredName(prog, name))
     finally:
         nvrtc.destroyProgram(prog)
-    driver.funcSetAttribute(function.ptr, _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, sources.topk_logits_shared_bytes())
+    driver.funcSetAttribute(function.ptr, _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            sources.topk_logits_shared_bytes())
     return module, function  # the module kept loaded with its function
 
 
-_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-_TENSOR_MAP_BFLOAT16, _TENSOR_MAP_SWIZZLE_128B, _TENSOR_MAP_L2_256B = 9, 3, 3
 
 
 class _TensorMap(ctypes.Structure):
@@ -465,12 +466,22 @@ def topk_slot_bits(ids, lq, bitmap):
                                                 (ids, lq, np.int32(rows), np.int32(k), bitmap, np.int32(bitmap.shape[1])))
 
 
-def topk_logits(maps, rows, vs, hs, bias, bitmap, ref, ready, partials, slot_logits):
-    """The chunk's rows of the student's input through the product with the row work's epilogue
-    (topk_logits.cu); maps: the tensor maps of those rows, of the LM head and of G's rows."""
+_TOPK_LOGITS_K_STEP = 64  # topk_logits.cu's BK: the columns of Xs and Ws a box of theirs holds
+
+
+def topk_head_map(ws):
+    """The LM head's tensor map for topk_logits (made once a call)."""
+    return tensor_map(ws, ws.shape[1], sources.TOPK_LOGITS_TILE[1], _TOPK_LOGITS_K_STEP)
+
+
+def topk_logits(x, map_w, G, vs, bias, bitmap, ref, ready, partials, slot_logits):
+    """The chunk's rows x of the student's input through the product with the row work's epilogue
+    (topk_logits.cu), G~ into G's first vs columns; map_w: topk_head_map's."""
     device_id = cupy.cuda.Device().id
     _, fn = _topk_logits_function(device_id)
+    rows, hs = x.shape
     bm, bn = sources.TOPK_LOGITS_TILE
+    maps = tensor_map(x, hs, bm, _TOPK_LOGITS_K_STEP), map_w, tensor_map(G, vs, 64, 64)  # G~ in 64 x 64 boxes
     tiles = -(-rows // bm) * -(-vs // bn)
     i32 = ctypes.c_int
     _launch(fn, min(tiles, sm_count(device_id)), 384, sources.topk_logits_shared_bytes(),

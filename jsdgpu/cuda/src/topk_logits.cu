@@ -3,8 +3,8 @@
 // wgmma (bf16 in, float32 accumulators), and instead of S, per 128 x 256 tile and row, G~ =
 // 2^(S scale2 - ref) in bf16 (the rest's gradient up to a factor of the row), the sums of those
 // terms over the tile's columns and over the columns that are no slot's id, and the float32
-// logits of the row's slots (at their columns of a [rows, V] buffer: a few sectors a row); topk_rows' finishing kernel (topk_finish) takes it from
-// there. sm_90a (wgmma, setmaxnreg); compiled apart from the other families (kernels.py).
+// logits of the row's slots (at their columns of a [rows, V] buffer: a few sectors a row);
+// topk_rows' finishing kernel (topk_finish) takes it from there. sm_90a (wgmma, setmaxnreg); compiled apart from the other families (kernels.py).
 //
 // The product: persistent (a CTA per SM, tiles handed out in turn, rows fastest, so that a tile
 // of Ws is read from HBM once and from L2 by the CTAs beside it); K in steps of 64 through a ring
@@ -13,8 +13,8 @@
 // wgmma reads them) onto a full mbarrier per stage; two consumer warpgroups of 64 rows each run
 // wgmma m64n256k16 with one group in flight and free a stage (its empty mbarrier) once their group
 // on it is done. ptxas allocates every warp the launch bound's 168 registers (not setmaxnreg's
-// 232): the epilogue is written to fit them (experiments/own_gemm.py: a producer of the
-// consumers' own threads ran the product 1.5 times slower).
+// 232): the epilogue is written to fit them (loading from the consumers' own threads instead,
+// the product ran 1.2-1.3 times slower: docs/record.md).
 //
 // ref, G~'s reference: the row's first tile's max (bits, rounded up to an integer), which that
 // tile's epilogue publishes (ref[], then ready[] for its 64 rows); every other tile's epilogue
@@ -23,6 +23,7 @@
 // above ref takes its own (and says so in partials): topk_finish then rescales the row. Its
 // rest's sum is taken against the rest's own max where that lies 64 bits or more below ref.
 #include "common.cuh"
+#include "ptx.cuh"
 
 typedef unsigned long long u64;
 
@@ -30,26 +31,6 @@ struct alignas(64) TensorMap {  // CUtensorMap, made by the host (cuTensorMapEnc
   u64 opaque[16];
 };
 
-__device__ __forceinline__ unsigned shared_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void bar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_expect_bytes(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(unsigned bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void bar_wait(unsigned bar, unsigned parity) {
-  unsigned done;
-  do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
-  } while (!done);
-}
 // the box at (x: the inner coordinate, y) of the tensor map to shared memory, on the mbarrier
 __device__ __forceinline__ void tma_load(unsigned dst, const TensorMap* map, int x, int y, unsigned bar) {
   asm volatile(
@@ -102,15 +83,15 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
   extern __shared__ unsigned char shared_raw[];
   // the stages (1024-byte aligned, as the swizzle's atoms must be), the consumers' G~ tiles, the
   // stages' mbarriers
-  const unsigned base = (shared_addr(shared_raw) + 1023) & ~1023u;
+  const unsigned base = (smem_addr(shared_raw) + 1023) & ~1023u;
   const unsigned staging = base + STAGES * STAGE_BYTES;
   const unsigned full = staging + CONSUMERS * OUT_BYTES, empty = full + 8 * STAGES;
   const int m_tiles = (m + BM - 1) / BM, n_tiles = (n + BN - 1) / BN, tiles = m_tiles * n_tiles;
   const int k_steps = (k + BK - 1) / BK;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      bar_init(full + 8 * s, 1);
-      bar_init(empty + 8 * s, 4 * CONSUMERS);
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, 4 * CONSUMERS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -122,9 +103,9 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
       unsigned phase = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
         for (int ks = 0; ks < k_steps; ++ks) {
-          bar_wait(empty + 8 * stage, phase ^ 1);
+          mbar_wait(empty + 8 * stage, phase ^ 1);
           const unsigned a = base + stage * STAGE_BYTES, bar = full + 8 * stage;
-          bar_expect_bytes(bar, STAGE_BYTES);
+          mbar_expect_bytes(bar, STAGE_BYTES);
           tma_load(a, &map_x, ks * BK, tile % m_tiles * BM, bar);
           tma_load(a + A_BYTES, &map_w, ks * BK, tile / m_tiles * BN, bar);
           if (++stage == STAGES) {
@@ -138,7 +119,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   // a stage is free once a lane of every consumer warp says its group on it is done
   auto free_stage = [&](int g) {
-    if (threadIdx.x % 32 == 0) bar_arrive(empty + 8 * (g % STAGES));
+    if (threadIdx.x % 32 == 0) mbar_arrive(empty + 8 * (g % STAGES));
   };
   const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, quad = lane % 4;
   const bool leader = threadIdx.x % 128 == 0;
@@ -148,7 +129,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int tm = tile % m_tiles, tn = tile / m_tiles, row0 = tm * BM, col0 = tn * BN;
     for (int ks = 0; ks < k_steps; ++ks, ++g) {
-      bar_wait(full + 8 * (g % STAGES), g / STAGES & 1);
+      mbar_wait(full + 8 * (g % STAGES), g / STAGES & 1);
       const unsigned a = base + g % STAGES * STAGE_BYTES + consumer * (A_BYTES / CONSUMERS);
       const unsigned b = base + g % STAGES * STAGE_BYTES + A_BYTES;
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
