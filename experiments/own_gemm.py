@@ -1,12 +1,12 @@
 """Is the top-k loss's own logits product (jsdgpu/cuda/src/topk_logits.cu, its epilogue the row
 kernel's streaming work; topk_finish after it) faster than cuBLAS's product and the row kernel?
 
-Answer so far (one H200, at the power cap; docs/design.md, "Top-k: the logits product of our
-own"): the first version of this script, with a kernel of its own (commit 625e3d5), timed a plain
-product of ours at 0.950 / 1.819 / 7.562 ms for 1024 / 2048 / 8192 rows against cuBLASLt's 0.844 /
-1.630 / 6.316, and with the epilogue's work 0.936 / 1.800 / 7.536 against cuBLASLt and the row
-kernel's 1.159 / 2.180 / 8.437. This version times the library's kernels as topk.py launches them
-on a chunk; it has not run yet (the session that wrote it had no device time left).
+Answer (one H200, at the power cap; docs/design.md, "Top-k: the logits product of our own"):
+per chunk, yes: the own product and topk_finish took 0.996 / 1.949 / 8.071 ms for 1024 / 2048 /
+8192 rows against cuBLASLt's product and the row kernel's 1.119 / 2.198 / 8.254 (the product
+alone 0.926 / 1.760 / 7.519, cuBLASLt's float32 product alone 0.850 / 1.765 / 6.291). The first
+version of this script timed a kernel of its own (commit 625e3d5): 0.936 / 1.800 / 7.536 ms
+with the epilogue's work.
 
     python experiments/own_gemm.py                  # chunks of 1024, 2048 and 8192 rows, k = 64
     python experiments/own_gemm.py --rows 1024 --k 256 --warm-seconds 0
@@ -14,8 +14,9 @@ on a chunk; it has not run yet (the session that wrote it had no device time lef
 Per chunk size: cuBLASLt's logits product alone; it and the row kernel (the library's path on
 other GPUs, dtypes and temperatures); the own product and topk_finish (bf16, temperature 1, on
 sm_90), with the largest difference of the rows' losses and of G (as its row scales times what is
-stored) between the two. Medians of CUDA-event-timed runs, each measurement after --warm-seconds
-of its own workload (bench/harness.py).
+stored) between the two; then the own product alone (topk_slot_bits and topk_logits).
+Medians of CUDA-event-timed runs, each measurement after --warm-seconds of its own workload
+(bench/harness.py).
 """
 
 import argparse
@@ -44,7 +45,7 @@ def main():
     import harness
     import ml_dtypes
 
-    from jsdgpu.cuda import products
+    from jsdgpu.cuda import kernels, products
     from jsdgpu.cuda.backend import CudaBackend as B
     from jsdgpu.options import split_options
 
@@ -68,7 +69,7 @@ def main():
                 ce, soft, label_terms, scale, G = out
                 B.head_logits(work, x)
                 B.topk_rows(work, ids, lq, target, opts, "bucket", ce, soft, G, label_terms, scale, x)
-            paths[own] = step, out
+            paths[own] = step, out, work
         for own in (False, True):
             paths[own][0]()
         cupy.cuda.Device().synchronize()
@@ -85,6 +86,14 @@ def main():
         for own, name in ((False, "cuBLASLt's product + topk_rows"), (True, "topk_logits + topk_finish")):
             t = harness.time_ms(lambda i: paths[own][0](), 1, 3, args.repeats, args.warm_seconds)
             print(f"{m} | {name} | {t:.3f} | {check if own else '-'}", flush=True)
+        own = paths[True][2].own  # last: it leaves the flags set and the bitmap filled (timing only)
+
+        def product_alone():
+            kernels.topk_slot_bits(ids, lq, own.bitmap[:m])
+            kernels.topk_logits(x, own.map_w, paths[True][1][4], v, None, own.bitmap, own.ref, own.ready,
+                                own.partials, own.slot_logits)
+        t = harness.time_ms(lambda i: product_alone(), 1, 3, args.repeats, args.warm_seconds)
+        print(f"{m} | topk_slot_bits + topk_logits alone | {t:.3f} | -", flush=True)
 
 
 if __name__ == "__main__":

@@ -329,13 +329,18 @@ def test_the_row_kernel_with_its_ring_alone_launches_first(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("temperature", [1.0, 2.0])  # G stored scaled (one pass); as it is (two)
-def test_benchmark_shape_gradients_near_bf16_rounding(rng, temperature):
+@pytest.mark.parametrize("temperature,own", [(1.0, False), (1.0, True), (2.0, False)])  # G stored scaled
+# (one pass; by the row kernel or the own product's epilogue); as it is (two)
+def test_benchmark_shape_gradients_near_bf16_rounding(rng, monkeypatch, temperature, own):
     """T = 1024, V = 128256, Hs = 2048, bf16, logits of std 8, k = 64: the gradients' error
     against float64 on the same inputs is at most twice the error of merely rounding the float64
     gradients to bf16, with G stored scaled (grad_weight then takes the rows scaled in bf16: one
-    more rounding) and as it is."""
+    more rounding), by cuBLAS's product and the row kernel or by the logits product of our own,
+    and as it is."""
     import cupy
+
+    from jsdgpu.cuda import backend
+    monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", own)
     T, hs, vs, k = 1024, 2048, 128256, 64
     xs = cupy.asarray(rng.standard_normal((T, hs)), dtype=DTYPES["bfloat16"])
     ws = cupy.asarray(rng.standard_normal((vs, hs)) * 8.0 / np.sqrt(hs), dtype=DTYPES["bfloat16"])
@@ -354,7 +359,8 @@ def test_benchmark_shape_gradients_near_bf16_rounding(rng, temperature):
         err = float(cupy.linalg.norm(got.astype(np.float64) - want) / cupy.linalg.norm(want))
         floor = float(cupy.linalg.norm(want.astype(DTYPES["bfloat16"]).astype(np.float64) - want)
                       / cupy.linalg.norm(want))
-        print(f"temperature {temperature}, {name}: error {err:.3e}, bf16 rounding {floor:.3e}, ratio {err / floor:.2f}")
+        print(f"temperature {temperature}, own product {own}, {name}: error {err:.3e}, bf16 rounding {floor:.3e}, "
+              f"ratio {err / floor:.2f}")
         assert err <= 2.0 * floor, (name, err, floor)
 
 

@@ -82,8 +82,9 @@ class TopKWork:
 
 # The top-k loss's logits product of our own (topk_logits.cu), whose epilogue does the row
 # kernel's streaming work, where it can run, with JSDGPU_TOPK_PRODUCT=own in the environment; by
-# default cuBLAS's product and the row kernel, until the own one is measured faster at the power
-# cap (docs/design.md, "Top-k: the logits product of our own").
+# default cuBLAS's product and the row kernel: per chunk the own one is faster, but whole steps
+# have not yet been shown faster with it (it queues nothing ahead of the call's checks) beyond
+# the spread between runs (docs/design.md, "Top-k: the logits product of our own").
 OWN_TOPK_PRODUCT = os.environ.get("JSDGPU_TOPK_PRODUCT") == "own"
 
 

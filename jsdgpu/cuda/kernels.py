@@ -398,7 +398,7 @@ def _topk_logits_function(device_id):
     try:
         nvrtc.addNameExpression(prog, name)
         try:
-            nvrtc.compileProgram(prog, ["-arch=sm_90a", *sources.OPTIONS])
+            nvrtc.compileProgram(prog, ["-arch=sm_90a", *sources.NVRTC_OPTIONS])
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"{family}.cu: {nvrtc.getProgramLog(prog)}") from e
         module = cupy.cuda.function.Module()

@@ -13,7 +13,11 @@ import numpy as np
 from ..options import Divergence
 
 SRC = pathlib.Path(__file__).with_name("src")
-OPTIONS = ("-std=c++17",)
+OPTIONS = ("-std=c++17",)  # ours, for CuPy's RawModule, which adds the two below
+# what NVRTC compiles with, by CuPy or directly (topk_logits: kernels.py): unannotated functions,
+# the generic lambdas among them, are device functions (NVRTC 13.0, the H200 machines', took
+# them for host functions without it; 13.5 does not), and float32 denormals flush to zero
+NVRTC_OPTIONS = OPTIONS + ("--device-as-default-execution-space", "-ftz=true")
 
 # The format codes of the kernels' 16-bit and float32 arrays (their OUT and IN parameters)
 FORMATS = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(ml_dtypes.bfloat16): 2}

@@ -45,10 +45,15 @@ __device__ __forceinline__ void tma_store(const TensorMap* map, int x, int y, un
                "r"(y), "r"(src)
                : "memory");
 }
+// rest += g where `slot` is 0, else *p = x: one predicate for both, no branch (a tile's column
+// in the epilogue's loop, where a branch per column cost 9 instructions)
+__device__ __forceinline__ void rest_or_store(unsigned slot, float& rest, float g, float* p, float x) {
+  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @!q add.f32 %0, %0, %2;\n @q st.global.f32 [%3], %4;\n}"
+               : "+f"(rest)
+               : "r"(slot), "f"(g), "l"(p), "f"(x)
+               : "memory");
+}
 __device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
-
-// whether column c of a tile is a slot's id, by the row's bitmap words from the tile's first
-__device__ __forceinline__ bool is_slot(const unsigned* row_words, int c) { return row_words[c / 32] >> (c % 32) & 1u; }
 
 // a K-major operand's tile in shared memory as wgmma reads it: rows of 128 bytes (64 bf16),
 // swizzled in 8-row atoms of 1024 bytes, as the TMA's 128-byte swizzle wrote them
@@ -72,13 +77,13 @@ constexpr float APART = 64.0f;          // bits: a tile's max this far above ref
 
 // Per row and tile of the chunk's rows [0, m) (partials[row * n_tiles + tile]): x = the ref the
 // tile's G~ took, y = the sum of its G~ (2^(z - x)), z and w = the rest's max and sum against it.
-// slot_logits [m, lds]: the logits of the columns that are a slot's id (bitmap: [m, words] bits,
+// slot_logits [m, lds]: the logits of the columns that are a slot's id (bitmap: [m, words_per_row] bits,
 // bit c of row r: column c of row r is one), at their places (the rest of it is not written).
 template <int STAGES>
 __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     topk_logits(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
                 const __grid_constant__ TensorMap map_g, int m, int n, int k,
-                const float* __restrict__ bias, float scale2, const unsigned* __restrict__ bitmap, int words, float* __restrict__ ref, int* __restrict__ ready,
+                const float* __restrict__ bias, float scale2, const unsigned* __restrict__ bitmap, int words_per_row, float* __restrict__ ref, int* __restrict__ ready,
                 float4* __restrict__ partials, float* __restrict__ slot_logits, long long lds) {
   extern __shared__ unsigned char shared_raw[];
   // the stages (1024-byte aligned, as the swizzle's atoms must be), the consumers' G~ tiles, the
@@ -117,11 +122,11 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, quad = lane % 4;
   // a stage is free once a lane of every consumer warp says its group on it is done
   auto free_stage = [&](int g) {
-    if (threadIdx.x % 32 == 0) mbar_arrive(empty + 8 * (g % STAGES));
+    if (lane == 0) mbar_arrive(empty + 8 * (g % STAGES));
   };
-  const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, quad = lane % 4;
   const bool leader = threadIdx.x % 128 == 0;
   const unsigned out = staging + consumer * OUT_BYTES;
   float d[128];
@@ -143,36 +148,30 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     free_stage(g - 1);
 
     // The epilogue. Thread (warp, lane) holds rows 16 warp + lane / 4 + 8 h (h = 0, 1) of its
-    // consumer's 64, columns 8 i + 2 quad + e (i < 32, e = 0, 1): d[4 i + 2 h + e].
+    // consumer's 64, columns 8 i + 2 quad + e (i < 32, e = 0, 1): d[4 i + 2 h + e]; of a row's
+    // bitmap words from the tile's first, word i / 4 holds those columns' bits at 8 (i % 4) +
+    // 2 quad + e.
     const int r_local = consumer * 64 + warp * 16 + lane / 4;  // of the tile's rows, h = 0
     if (col0 + BN > n) {  // the last tile's columns past n: none (a pass of its own: in the one
 #pragma unroll               // below, the test left the epilogue spilling)
       for (int j = 0; j < 128; ++j)
         if (col0 + 8 * (j / 4) + 2 * quad + j % 2 >= n) d[j] = NEG_INF;
     }
-    float top[2];
+    if (bias) {  // (the thread's columns are the same in both rows)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // the logits: bias added; their max
-      top[h] = NEG_INF;
-      // the slots' logits kept at their columns (a store in the loops below, or in a smaller buffer,
-      // left the epilogue spilling)
-      const int row = row0 + r_local + 8 * h;
-      float* slot_row = row < m ? slot_logits + row * lds : nullptr;
-      const unsigned* slot_words = bitmap + (long long)min(row, m - 1) * words + col0 / 32;
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = 8 * i + 2 * quad + e, col = col0 + c;
-          float& x = d[4 * i + 2 * h + e];
-          x += bias && col < n ? bias[col] : 0.0f;
-          top[h] = max_nan(top[h], x);
-          if (is_slot(slot_words, c) && slot_row) slot_row[col] = x;
-        }
+      for (int j = 0; j < 128; ++j) {
+        const int col = col0 + 8 * (j / 4) + 2 * quad + j % 2;
+        d[j] += col < n ? bias[col] : 0.0f;
       }
-      top[h] = max_nan(top[h], __shfl_xor_sync(0xffffffffu, top[h], 1));
-      top[h] = max_nan(top[h], __shfl_xor_sync(0xffffffffu, top[h], 2));
     }
+    const unsigned quad_lanes = 0xFu << (lane & ~3);  // a row's threads (branches below are theirs)
+    auto row_max = [&](int h, unsigned lanes) {  // the row's max over the tile (NaN: NaN)
+      float top = NEG_INF;
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) top = max_nan(top, max_nan(d[4 * i + 2 * h], d[4 * i + 2 * h + 1]));
+      top = max_nan(top, __shfl_xor_sync(lanes, top, 1));
+      return max_nan(top, __shfl_xor_sync(lanes, top, 2));
+    };
     // the rows' ref: published by the rows' first tile, else waited for (one flag per 64 rows;
     // none where all 64 are past the chunk's, whose results are not kept)
     const int half = (row0 + consumer * 64) / 64;
@@ -182,7 +181,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + r_local + 8 * h;
-        ref_row[h] = ceilf(top[h] * scale2);  // NaN stays NaN
+        ref_row[h] = ceilf(row_max(h, 0xffffffffu) * scale2);  // NaN stays NaN
         if (quad == 0 && row < m) ref[row] = ref_row[h];
       }
       warpgroup_sync(1 + consumer);
@@ -205,49 +204,85 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     warpgroup_sync(1 + consumer);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // a row at a time (both at once spilled)
-      const int row = row0 + r_local + 8 * h, row_c = min(row, m - 1);
-      // a tile far above ref takes its own (topk_finish rescales the row); NaN: ref's NaN
-      const float take = top[h] * scale2 - ref_row[h] > APART ? ceilf(top[h] * scale2) : ref_row[h];
-      const unsigned* slot_words = bitmap + (long long)row_c * words + col0 / 32;
-      float all = 0.0f, rest = 0.0f, rest_max = NEG_INF;
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i) {
-        float g[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float x = d[4 * i + 2 * h + e];
-          g[e] = ex2(fmaf(x, scale2, -take));
-          all += g[e];
-          const int c = 8 * i + 2 * quad + e;
-          if (!is_slot(slot_words, c)) {  // no slot's id: the rest's
-            rest += g[e];
-            rest_max = max_nan(rest_max, x);
-          }
-        }
-        const int r = warp * 16 + lane / 4 + 8 * h, chunk = (i % 8) ^ (r % 8);
-        asm volatile("st.shared.u32 [%0], %1;" ::"r"(out + (i / 8) * 8192 + r * 128 + chunk * 16 + 4 * quad),
-                     "r"(pack_16bit<OUT_BF16>(g[0], g[1]))
-                     : "memory");
+      const int row = row0 + r_local + 8 * h;
+      unsigned words[8];  // the row's slot bits over the tile (32-byte aligned)
+      {
+        const uint4* w = reinterpret_cast<const uint4*>(bitmap + (long long)min(row, m - 1) * words_per_row + col0 / 32);
+        const uint4 lo = __ldg(w), hi = __ldg(w + 1);
+        words[0] = lo.x, words[1] = lo.y, words[2] = lo.z, words[3] = lo.w;
+        words[4] = hi.x, words[5] = hi.y, words[6] = hi.z, words[7] = hi.w;
+#pragma unroll  // (a row past the chunk's: none, so that it stores nothing)
+        for (int j = 0; j < 8; ++j) words[j] = row < m ? words[j] >> 2 * quad : 0u;  // each test below: a constant mask
       }
+      auto slot = [&](int i, int e) { return words[i / 4] & 1u << (8 * (i % 4) + e); };
+      // G~ = 2^(s scale2 - take) into the staging tile; the sums of G~ over the tile's columns
+      // and over its rest (its columns that are no slot's id), this thread's; with store,
+      // the slots' logits stored at their columns of slot_row (a few a tile), in the same loop
+      // (a loop of their own took as many bit tests again)
+      float* slot_row = slot_logits + min(row, m - 1) * lds + col0 + 2 * quad;
+      auto terms = [&](float take, float& all, float& rest, bool store) {
+        all = rest = 0.0f;
 #pragma unroll
-      for (int o = 1; o < 4; o *= 2) {
-        all += __shfl_xor_sync(0xffffffffu, all, o);
-        rest += __shfl_xor_sync(0xffffffffu, rest, o);
-        rest_max = max_nan(rest_max, __shfl_xor_sync(0xffffffffu, rest_max, o));
+        for (int i = 0; i < BN / 8; ++i) {
+          float g[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = d[4 * i + 2 * h + e];
+            g[e] = ex2(fmaf(x, scale2, -take));
+            all += g[e];
+            if (store)
+              rest_or_store(slot(i, e), rest, g[e], slot_row + 8 * i + e, x);
+            else
+              rest += slot(i, e) ? 0.0f : g[e];
+          }
+          const int r = warp * 16 + lane / 4 + 8 * h, chunk = (i % 8) ^ (r % 8);
+          asm volatile("st.shared.u32 [%0], %1;" ::"r"(out + (i / 8) * 8192 + r * 128 + chunk * 16 + 4 * quad),
+                       "r"(pack_16bit<OUT_BF16>(g[0], g[1]))
+                       : "memory");
+        }
+      };
+      auto quad_sum = [&](float& x, unsigned lanes) {
+        x += __shfl_xor_sync(lanes, x, 1);
+        x += __shfl_xor_sync(lanes, x, 2);
+      };
+      float take = ref_row[h], all, rest;
+      terms(take, all, rest, true);
+      quad_sum(all, 0xffffffffu);
+      quad_sum(rest, 0xffffffffu);
+      if (!(all <= 0x1p64f)) {
+        // rare: the tile's max may lie over 64 bits above ref (or a logit is NaN): a tile far
+        // above ref takes its own, its terms made again (topk_finish rescales the row); NaN
+        // keeps ref's, as a NaN ref does
+        const float top = row_max(h, quad_lanes);
+        if (top * scale2 - take > APART) {
+          take = ceilf(top * scale2);
+          terms(take, all, rest, false);
+          quad_sum(all, quad_lanes);
+          quad_sum(rest, quad_lanes);
+        }
       }
       float rest_ref = take;
-      if (rest_max != NEG_INF && rest_max * scale2 < take - APART) {
-        // rare: the rest far below; its sum again against its own max, from the registers
-        rest_ref = rest_max * scale2;
-        rest = 0.0f;
-#pragma unroll  // (d's registers indexed by constants only)
+      if (!(rest >= 0x1p-64f)) {
+        // rare: the rest's terms may lie 64 bits or more below take, where they underflow: its
+        // max, and where that is so, its sum again against it
+        float rest_max = NEG_INF;
+#pragma unroll
         for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            if (!is_slot(slot_words, 8 * i + 2 * quad + e)) rest += ex2(fmaf(d[4 * i + 2 * h + e], scale2, -rest_ref));
-        const unsigned quad_lanes = 0xFu << (lane & ~3);  // the branch is the quad's (its lanes agree)
+            if (!slot(i, e)) rest_max = max_nan(rest_max, d[4 * i + 2 * h + e]);
+        rest_max = max_nan(rest_max, __shfl_xor_sync(quad_lanes, rest_max, 1));
+        rest_max = max_nan(rest_max, __shfl_xor_sync(quad_lanes, rest_max, 2));
+        if (rest_max != NEG_INF && rest_max * scale2 < take - APART) {
+          rest_ref = rest_max * scale2;
+          rest = 0.0f;
 #pragma unroll
-        for (int o = 1; o < 4; o *= 2) rest += __shfl_xor_sync(quad_lanes, rest, o);
+          for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (!slot(i, e)) rest += ex2(fmaf(d[4 * i + 2 * h + e], scale2, -rest_ref));
+          quad_sum(rest, quad_lanes);
+        }
       }
       if (quad == 0 && row < m) partials[(long long)row * n_tiles + tn] = make_float4(take, all, rest_ref, rest);
     }
