@@ -97,7 +97,7 @@ class OwnProduct:
 
     def __init__(self, ws, rows):
         vs = ws.shape[0]
-        n_tiles = -(-vs // sources.TOPK_LOGITS_TILE[1])
+        n_tiles = self.column_tiles(vs)
         self.bitmap = cupy.zeros((rows, n_tiles * sources.TOPK_LOGITS_TILE[1] // 32), np.uint32)
         self.ready = cupy.zeros(-(-rows // 64), np.int32)  # a flag per 64 rows
         self.ref = cupy.empty(rows, np.float32)
@@ -106,8 +106,12 @@ class OwnProduct:
         self.map_w = kernels.topk_head_map(ws)
 
     @staticmethod
-    def bytes_per_row(vs):
-        n_tiles = -(-vs // sources.TOPK_LOGITS_TILE[1])
+    def column_tiles(vs):
+        return -(-vs // sources.TOPK_LOGITS_TILE[1])
+
+    @classmethod
+    def bytes_per_row(cls, vs):
+        n_tiles = cls.column_tiles(vs)
         return 16 * n_tiles + 4 * 8 * n_tiles + 4 * leading_dim(vs) + 8
 
 

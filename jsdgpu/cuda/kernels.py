@@ -411,8 +411,6 @@ def _topk_logits_function(device_id):
     return module, function  # the module kept loaded with its function
 
 
-
-
 class _TensorMap(ctypes.Structure):
     """The driver's CUtensorMap: 128 opaque bytes, passed to a kernel by value."""
     _fields_ = [("opaque", ctypes.c_uint64 * 16)]
@@ -466,12 +464,9 @@ def topk_slot_bits(ids, lq, bitmap):
                                                 (ids, lq, np.int32(rows), np.int32(k), bitmap, np.int32(bitmap.shape[1])))
 
 
-_TOPK_LOGITS_K_STEP = 64  # topk_logits.cu's BK: the columns of Xs and Ws a box of theirs holds
-
-
 def topk_head_map(ws):
     """The LM head's tensor map for topk_logits (made once a call)."""
-    return tensor_map(ws, ws.shape[1], sources.TOPK_LOGITS_TILE[1], _TOPK_LOGITS_K_STEP)
+    return tensor_map(ws, ws.shape[1], sources.TOPK_LOGITS_TILE[1], sources.TOPK_LOGITS_K_STEP)
 
 
 def topk_logits(x, map_w, G, vs, bias, bitmap, ref, ready, partials, slot_logits):
@@ -481,7 +476,7 @@ def topk_logits(x, map_w, G, vs, bias, bitmap, ref, ready, partials, slot_logits
     _, fn = _topk_logits_function(device_id)
     rows, hs = x.shape
     bm, bn = sources.TOPK_LOGITS_TILE
-    maps = tensor_map(x, hs, bm, _TOPK_LOGITS_K_STEP), map_w, tensor_map(G, vs, 64, 64)  # G~ in 64 x 64 boxes
+    maps = tensor_map(x, hs, bm, sources.TOPK_LOGITS_K_STEP), map_w, tensor_map(G, vs, 64, 64)  # G~ in 64 x 64 boxes
     tiles = -(-rows // bm) * -(-vs // bn)
     i32 = ctypes.c_int
     _launch(fn, min(tiles, sm_count(device_id)), 384, sources.topk_logits_shared_bytes(),

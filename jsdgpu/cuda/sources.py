@@ -57,7 +57,8 @@ TOPK_STAGES = 3  # topk_rows: batches of a row on their way at once (16 KiB each
 # topk_logits: shared-memory stages of the product's ring (48 KiB each, beside 64 KiB of G~ tiles:
 # three fit; without the tiles, four measured no faster: experiments/own_gemm.py of commit 625e3d5)
 TOPK_LOGITS_STAGES = 3
-TOPK_LOGITS_TILE = (128, 256)  # rows, columns: its tiles (BM, BN in topk_logits.cu)
+TOPK_LOGITS_TILE = (128, 256)  # rows, columns: its tiles (BM, BN in topk_logits.cu, by the prelude)
+TOPK_LOGITS_K_STEP = 64  # its K step (BK): the columns of Xs and Ws a box of theirs holds
 
 
 def fused_rows(dtype, shape=FUSED):
@@ -135,7 +136,7 @@ def topk_logits_shared_bytes(stages=TOPK_LOGITS_STAGES):
     """topk_logits' dynamic shared memory: its stages, two consumers' G~ tiles, the mbarriers, and
     1 KiB to align the stages to."""
     rows, columns = TOPK_LOGITS_TILE
-    return stages * (rows + columns) * 64 * 2 + 64 * columns * 2 * 2 + 16 * stages + 1024
+    return stages * (rows + columns) * TOPK_LOGITS_K_STEP * 2 + 64 * columns * 2 * 2 + 16 * stages + 1024
 
 
 def topk_check(ids_dtype):
@@ -171,8 +172,11 @@ def arch(family):
 
 
 def prelude():
-    """The codes the sources use, from Python's: the divergences and the formats."""
+    """The codes the sources use, from Python's: the divergences, the formats, and topk_logits'
+    tiles (which topk_finish reads the partials of)."""
     codes = [(d.name, int(d)) for d in Divergence] + list(zip(_FORMAT_NAMES, range(3)))
+    codes += [("TOPK_LOGITS_ROWS", TOPK_LOGITS_TILE[0]), ("TOPK_LOGITS_COLUMNS", TOPK_LOGITS_TILE[1]),
+              ("TOPK_LOGITS_K_STEP", TOPK_LOGITS_K_STEP)]
     return "".join(f"#define {name} {value}\n" for name, value in codes)
 
 

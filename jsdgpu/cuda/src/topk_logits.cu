@@ -70,7 +70,7 @@ __device__ __forceinline__ void wgmma_256(float (&d)[128], u64 a, u64 b, int acc
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
-constexpr int BM = 128, BN = 256, BK = 64, CONSUMERS = 2;
+constexpr int BM = TOPK_LOGITS_ROWS, BN = TOPK_LOGITS_COLUMNS, BK = TOPK_LOGITS_K_STEP, CONSUMERS = 2;  // (sources.py)
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int OUT_BYTES = 64 * BN * 2;  // a consumer's G~ tile: 4 boxes of 64 x 64 bf16
 constexpr float APART = 64.0f;          // bits: a tile's max this far above ref, or a rest this far below, apart

@@ -269,7 +269,7 @@ struct RestGradient {
 // chunk. The label's logit it makes itself, from the row of Xs and the label's of Ws (bf16;
 // bias: padded, or null).
 struct FromProduct {
-  static constexpr int TILE_COLUMNS = 256;  // topk_logits.cu's BN
+  static constexpr int TILE_COLUMNS = TOPK_LOGITS_COLUMNS;  // topk_logits.cu's BN (sources.py)
   const float4* partials;
   int n_tiles;
   const float* ref;
@@ -437,7 +437,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
         if (threadIdx.x == 0) r2 = first_max * scale2;
         __syncthreads();
       }
-  #pragma unroll
+#pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int i = base + 4 * THREADS * u;
         if (i >= vs) break;
@@ -451,7 +451,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
       rest_sum = 0.0f;
       for (int base = 4 * threadIdx.x; base < vs; base += BATCH) {  // from global memory: some threads only
         float4 x[UNROLL];
-  #pragma unroll
+#pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
           const int i = base + 4 * THREADS * u;
           x[u] = i < vs ? *reinterpret_cast<const float4*>(srow + i) : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
@@ -459,10 +459,10 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
           if (i < vs && i + 4 > vs) x[u] = fill(x[u], vs - i, 4, NEG_INF);
         }
         const unsigned bits = batch_slots(base);
-  #pragma unroll
+#pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
           const float xv[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < 4; ++j)
             if (!(bits >> (4 * u + j) & 1u)) rest_sum += ts.rest_term(xv[j]);
         }
