@@ -45,7 +45,7 @@ def main():
     import harness
     import ml_dtypes
 
-    from jsdgpu.cuda import kernels, products
+    from jsdgpu.cuda import products
     from jsdgpu.cuda.backend import CudaBackend as B
     from jsdgpu.options import split_options
 
@@ -67,7 +67,10 @@ def main():
 
             def step(work=work, own=own, out=out):
                 ce, soft, label_terms, scale, G = out
-                B.head_logits(work, x)
+                if own:
+                    B.topk_own_logits(work, x, ids, lq, G)
+                else:
+                    B.head_logits(work, x)
                 B.topk_rows(work, ids, lq, target, opts, "bucket", ce, soft, G, label_terms, scale, x)
             paths[own] = step, out, work
         for own in (False, True):
@@ -86,13 +89,9 @@ def main():
         for own, name in ((False, "cuBLASLt's product + topk_rows"), (True, "topk_logits + topk_finish")):
             t = harness.time_ms(lambda i: paths[own][0](), 1, 3, args.repeats, args.warm_seconds)
             print(f"{m} | {name} | {t:.3f} | {check if own else '-'}", flush=True)
-        own = paths[True][2].own  # last: it leaves the flags set and the bitmap filled (timing only)
-
-        def product_alone():
-            kernels.topk_slot_bits(ids, lq, own.bitmap[:m])
-            kernels.topk_logits(x, own.map_w, paths[True][1][4], v, None, own.bitmap, own.ref, own.ready,
-                                own.partials, own.slot_logits)
-        t = harness.time_ms(lambda i: product_alone(), 1, 3, args.repeats, args.warm_seconds)
+        # last: it leaves the flags set and the bitmap filled (timing only)
+        t = harness.time_ms(lambda i: B.topk_own_logits(paths[True][2], x, ids, lq, paths[True][1][4]), 1, 3,
+                            args.repeats, args.warm_seconds)
         print(f"{m} | topk_slot_bits + topk_logits alone | {t:.3f} | -", flush=True)
 
 

@@ -128,10 +128,14 @@ class Backend(Protocol):
     def row_finish(self, work, target, stats, kl, opts, ce, jsd, G, label_terms):
         """Phase 3: the rows' results and G."""
 
-    def grad_products(self, work, G, xs, inv_n, grads, start, stop):
+    def grad_products(self, work, G, xs, inv_n, grads, start, stop, input_made=False):
         """grad_input rows [start, stop), and the chunk's part of the grad_weight and grad_bias
         sums (the first chunk writes them, the others add); G's rows times grads.g_scale's, where
-        it is stored scaled."""
+        it is stored scaled. input_made: those rows of grad_input hold input_product's G @ Ws,
+        which is scaled here."""
+
+    def input_product(self, work, G, out):
+        """out = G @ Ws, unscaled (grad_products(input_made=True) scales it)."""
 
     def zero_masked_rows(self, G, target):
         """G's rows whose target is -1 zeroed (masked rows)."""
@@ -170,7 +174,12 @@ class Backend(Protocol):
 
     def head_logits(self, work, xs, at=0):
         """The logits of rows [at, at + len(xs)) of the chunk, of the head of topk_prepare (none
-        with the own product: topk_rows makes them)."""
+        with the own product: topk_own_logits makes what stands for them)."""
+
+    def topk_own_logits(self, work, x, ids, lq, G):
+        """With the own product only: the chunk's rows x through it, G~ into G and what topk_rows
+        then needs into work's own buffers (ids and lq: the rows' slots; an id outside the
+        vocabulary is left out)."""
 
     def topk_scales_g(self, opts, dtype):
         """Whether topk_rows takes g_scale for G in dtype under these LossOptions."""
@@ -178,7 +187,8 @@ class Backend(Protocol):
     def topk_rows(self, work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None, x=None):
         """The top-k row work: the rows' CE and soft part and, where G is not None, G (with
         g_scale, as its rows' scales times what is stored, into g_scale: topk_scales_g). x: the
-        rows of the student's input (which the own product takes)."""
+        rows of the student's input (the own product's finishing kernel takes it, after
+        topk_own_logits)."""
 
     def teacher_topk_rows(self, work, rows, k, temperature, ids, logprobs):
         """The k largest logits of each of the chunk's first `rows` rows, by descending value, and

@@ -98,28 +98,53 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
                 grads.g_scale = xp.empty(n_rows, np.float32)
             return G_all, ce, soft, grads, label_terms
 
-        def row_work(out, hold_g, start, stop, x, ids, lq, target):  # the rows' kernel (x, ids, lq, target: theirs)
+        def row_work(out, hold_g, start, stop, x, ids, lq, target, product=True):
+            """The rows' kernels (x, ids, lq, target: theirs); with the own product, that product
+            first where `product`."""
             G_all, ce, soft, grads, label_terms = out
-            backend.topk_rows(work, ids, lq, target, opts, missing_mass, ce[start:stop], soft[start:stop],
-                              chunk_g(G_all, hold_g, start, stop),
+            G = chunk_g(G_all, hold_g, start, stop)
+            if own and product:
+                backend.topk_own_logits(work, x, ids, lq, G)
+            backend.topk_rows(work, ids, lq, target, opts, missing_mass, ce[start:stop], soft[start:stop], G,
                               None if label_terms is None else label_terms[start:stop],
                               None if grads is None or grads.g_scale is None else grads.g_scale[start:stop], x)
 
         ahead = None  # (chunk, hold_g, outputs): the first chunk's row work, queued before the host's wait
+        if own and not capturable and n_all and expects_all_valid(n_all):
+            # the guess below, made here: the own product, which is the call's first chunk's logits
+            # and most of its row work, queued as the call's first GPU work (before the checks and
+            # the selection, where the GPU would idle while the host queues them). Its ids are not
+            # checked yet: one outside the vocabulary is left out (the call then raises)
+            hold_g = plan_chunks(n_all, run_opts.chunk_size, *per_row, budget)[1]
+            ahead = most, hold_g, outputs(n_all, most, hold_g)
+            backend.topk_own_logits(work, xs[:most], ids[:most], lq[:most], chunk_g(ahead[2][0], hold_g, 0, most))
 
         def before_wait(selection, head):
             """A default call whose head is its whole first chunk, its rows all valid by the last
-            call's guess: that chunk's row kernel, queued before the host reads the selection, so
-            that the GPU runs it while the host reads it and queues what follows (where it idled
-            0.2-0.5 ms a step: docs/design.md, "Top-k"). Kept where the guess was right; the ids
-            are clipped into the vocabulary, as a bad one (the call then raises) reads nothing
-            outside its row."""
+            call's guess: that chunk's row kernel and G @ Ws, queued before the host reads the
+            selection, so that the GPU runs them while the host reads it and queues what follows
+            (where it idled 0.2-0.5 ms a step: docs/design.md, "Top-k"). Kept where the guess was
+            right; the ids are clipped into the vocabulary, as a bad one (the call then raises)
+            reads nothing outside its row. (The head's product is queued: cuBLAS's by queue_head,
+            the own one above, which this then always finishes, so that its buffers are clean
+            again.)"""
             nonlocal ahead
             chunk, hold_g = plan_chunks(n_all, run_opts.chunk_size, *per_row, budget)
-            if expects_all_valid(n_all) and min(chunk, most) == head:
+            if ahead is None and expects_all_valid(n_all) and min(chunk, most) == head:
                 ahead = head, hold_g, outputs(n_all, head, hold_g)
-                row_work(ahead[2], hold_g, 0, head, xs[:head], xp.clip(ids[:head], 0, vs - 1), lq[:head],
-                         selection.row_target[:head])
+            if ahead is not None:
+                rows = ahead[0]
+                row_work(ahead[2], ahead[1], 0, rows, xs[:rows], xp.clip(ids[:rows], 0, vs - 1), lq[:rows],
+                         selection.row_target[:rows], product=False)
+                input_product(ahead[2], ahead[1], 0, rows)
+
+        def input_product(out, hold_g, start, stop):
+            """G @ Ws of the rows, unscaled (1/N is known after the wait: grad_products scales it),
+            so that the first chunk's can be queued before the wait too: the GPU then has that
+            product to run while the host reads the selection and queues what follows."""
+            G_all, grads = out[0], out[3]
+            if grads is not None:
+                backend.input_product(work, chunk_g(G_all, hold_g, start, stop), grads.grad_input[start:stop])
 
         head, rows = queue_head(backend, products, xs, ids, most, select, capturable, run_opts.normalizer, first,
                                 before_wait)
@@ -143,13 +168,14 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             stop = min(start + chunk, n_rows)
             if start:  # the first chunk's logits are queued above
                 products(xs[start:stop], ids[start:stop])
-            if start or ahead is None:  # (the first chunk's row work may be queued above)
+            if start or ahead is None:  # (the first chunk's row work and G @ Ws may be queued above)
                 row_work(out, hold_g, start, stop, xs[start:stop], ids[start:stop], lq[start:stop], target[start:stop])
+                if rows.masked and G_all is not None:
+                    backend.zero_masked_rows(chunk_g(G_all, hold_g, start, stop), target[start:stop])
+                input_product(out, hold_g, start, stop)
             if compute_grad:
-                G = chunk_g(G_all, hold_g, start, stop)
-                if rows.masked:
-                    backend.zero_masked_rows(G, target[start:stop])
-                backend.grad_products(work, G, xs[start:stop], inv_n, grads, start, stop)
+                backend.grad_products(work, chunk_g(G_all, hold_g, start, stop), xs[start:stop], inv_n, grads,
+                                      start, stop, input_made=True)
         finish_gradients(backend, work, grads, G_all, hold_g, label_terms, target, xs, inv_n)
         hard, soft = row_means(xp, ce, soft, inv_n, target if rows.masked else None)
         loss = weighted_loss(xp, opts, hard, soft)

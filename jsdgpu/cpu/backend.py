@@ -228,9 +228,12 @@ class CpuBackend:
         G[target < 0] = 0.0
 
     @staticmethod
-    def grad_products(work, G, xs, inv_n, grads, start, stop):
+    def grad_products(work, G, xs, inv_n, grads, start, stop, input_made=False):
         inv_n = np.float32(inv_n)
-        grads.grad_input[start:stop] = (G @ work.ws) * inv_n
+        if input_made:
+            grads.grad_input[start:stop] *= inv_n
+        else:
+            grads.grad_input[start:stop] = (G @ work.ws) * inv_n
         parts = []
         if grads.grad_weight is not None:  # else weight_product makes it
             parts.append((grads.grad_weight, G.T @ xs.astype(np.float32)))
@@ -241,6 +244,10 @@ class CpuBackend:
                 np.multiply(part, inv_n, out=total)
             else:
                 total += part * inv_n
+
+    @staticmethod
+    def input_product(work, G, out):
+        np.matmul(G, work.ws, out=out)
 
     @staticmethod
     def add_label_terms(work, label_terms, target, xs, inv_n, grads):

@@ -81,11 +81,16 @@ class TopKWork:
 
 
 # The top-k loss's logits product of our own (topk_logits.cu), whose epilogue does the row
-# kernel's streaming work, where it can run, with JSDGPU_TOPK_PRODUCT=own in the environment; by
-# default cuBLAS's product and the row kernel: per chunk the own one is faster, but whole steps
-# have not yet been shown faster with it (it queues nothing ahead of the call's checks) beyond
-# the spread between runs (docs/design.md, "Top-k: the logits product of our own").
-OWN_TOPK_PRODUCT = os.environ.get("JSDGPU_TOPK_PRODUCT") == "own"
+# kernel's streaming work, where it can run: by default for calls of OWN_TOPK_MIN_ROWS rows or
+# more, else cuBLAS's product and the row kernel. Per chunk the own one is faster, but its call
+# starts later (its product waits for the call's checks and setup, where cuBLAS's is queued ahead
+# of them: chunks.FirstProduct): in turns in one process, whole steps were 2-5% faster with it at
+# T = 4096 and 8192, 0-3% at 2048 and 5% slower at 1024 (docs/design.md, "Top-k: the logits
+# product of our own").
+# JSDGPU_TOPK_PRODUCT=own (or =cublas) in the environment takes it (or not) at every T:
+# OWN_TOPK_PRODUCT True (False), None by rows.
+OWN_TOPK_PRODUCT = {"own": True, "cublas": False}.get(os.environ.get("JSDGPU_TOPK_PRODUCT"))
+OWN_TOPK_MIN_ROWS = 2048
 
 
 class OwnProduct:
@@ -295,9 +300,11 @@ class CudaBackend:
     def topk_own_product(opts, xs, ws, compute_grad):
         """Where topk_logits.cu runs: sm_90 (wgmma), bf16, temperature 1 (the rest's gradient one
         exponential of the logits: G~ for every column), with gradients (its finishing kernel
-        writes G), and rows whose 16-byte pieces the Tensor Memory Accelerator can address."""
+        writes G), and rows whose 16-byte pieces the Tensor Memory Accelerator can address; by
+        default from OWN_TOPK_MIN_ROWS rows on."""
         bf16 = np.dtype(ml_dtypes.bfloat16)
-        return (OWN_TOPK_PRODUCT and compute_grad and opts.temperature == 1.0 and ws.dtype == bf16
+        chosen = OWN_TOPK_PRODUCT if OWN_TOPK_PRODUCT is not None else xs.shape[0] >= OWN_TOPK_MIN_ROWS
+        return (chosen and compute_grad and opts.temperature == 1.0 and ws.dtype == bf16
                 and xs.dtype == bf16 and ws.shape[1] % 8 == 0 and xs.data.ptr % 16 == 0 and ws.data.ptr % 16 == 0
                 and _compute_capability(ws.data.device_id) == "90")
 
@@ -338,15 +345,19 @@ class CudaBackend:
         return np.dtype(dtype) != np.float16 and (opts.temperature == 1.0 or opts.weight_hard_loss == 0.0)
 
     @staticmethod
+    def topk_own_logits(work, x, ids, lq, G):
+        own, vs = work.own, work.ws.shape[0]
+        kernels.topk_slot_bits(ids, lq, vs, own.bitmap[:len(x)])
+        kernels.topk_logits(x, own.map_w, G, vs, work.bias_s, own.bitmap, own.ref, own.ready, own.partials,
+                            own.slot_logits)
+
+    @staticmethod
     def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None, x=None):
         vs, own = work.ws.shape[0], work.own
         if own is None:
             kernels.topk_rows(work.logits_s, work.bias_s, target, vs, ids, lq, opts, missing_mass == "bucket",
                               ce, soft, G, label_terms, g_scale)
             return
-        kernels.topk_slot_bits(ids, lq, own.bitmap[:len(x)])
-        kernels.topk_logits(x, own.map_w, G, vs, work.bias_s, own.bitmap, own.ref, own.ready, own.partials,
-                            own.slot_logits)
         kernels.topk_finish(target, vs, ids, lq, opts, missing_mass == "bucket", ce, soft, G, label_terms, g_scale,
                             own.partials, own.ref, own.slot_logits, x, work.ws, work.bias_s, own.bitmap, own.ready)
 
@@ -386,25 +397,32 @@ class CudaBackend:
             kernels.label_scatter(label_terms, target, xs, inv_n, None, grads.grad_weight, grads.grad_bias)
 
     @staticmethod
-    def grad_products(work, G, xs, inv_n, grads, start, stop):
+    def grad_products(work, G, xs, inv_n, grads, start, stop, input_made=False):
         """grad_input rows, and the chunk's part of the grad_weight and grad_bias sums (where
         grad_weight is None, weight_product makes it later)."""
         vs = work.ws.shape[0]
         accumulate = 0.0 if start == 0 else 1.0
         grad_input = grads.grad_input[start:stop]
-        products.input_gradient(G, work.ws, inv_n, grad_input)
+        if not input_made:
+            products.input_gradient(G, work.ws, inv_n, grad_input)
         ones = work.ones[:stop - start] if grads.grad_bias is not None else None
         if grads.g_scale is not None:  # G's rows are scaled: grad_input's rows, and the rows G's sums take
             scale = grads.g_scale[start:stop]
-            grad_input *= scale[:, None]
+            grad_input *= (scale * inv_n if input_made else scale)[:, None]
             if grads.grad_weight is not None:
                 xs = kernels.scale_rows(xs, scale)
             if ones is not None:  # (not scale_cast: a chunk's slice of the scales need not be 16-byte aligned)
                 ones = scale.astype(ones.dtype)
+        elif input_made:
+            grad_input *= inv_n
         if grads.grad_weight is not None:
             products.weight_gradient(G, vs, xs, inv_n, accumulate, grads.grad_weight)
         if ones is not None:
             products.bias_gradient(G, vs, ones, inv_n, accumulate, grads.grad_bias)
+
+    @staticmethod
+    def input_product(work, G, out):
+        products.input_gradient(G, work.ws, 1.0, out)
 
     @staticmethod
     def hold_g(work, G, xs, inv_n, label_terms, target, g_scale=None):

@@ -456,12 +456,14 @@ def _ptr(a):
     return ctypes.c_void_p(0 if a is None else a.data.ptr)
 
 
-def topk_slot_bits(ids, lq, bitmap):
-    """The slots' bitmap of the chunk's rows (bits set; topk_finish clears them)."""
+def topk_slot_bits(ids, lq, vs, bitmap):
+    """The slots' bitmap of the chunk's rows (bits set; topk_finish clears them), ids outside [0,
+    vs) left out."""
     rows, k = ids.shape
     if rows:
         function("topk_rows", "topk_slot_bits")((-(-rows * k // 256),), (256,),
-                                                (ids, lq, np.int32(rows), np.int32(k), bitmap, np.int32(bitmap.shape[1])))
+                                                (ids, lq, np.int32(rows), np.int32(k), np.int32(vs), bitmap,
+                                                 np.int32(bitmap.shape[1])))
 
 
 def topk_head_map(ws):

@@ -647,11 +647,15 @@ __global__ void __launch_bounds__(THREADS, 3)
 }
 
 // The slots' bitmap of the chunk's rows for topk_logits: bit id of row r set for every used slot
-// (the bitmap zero before: topk_finish clears what it set). A thread per slot.
-__global__ void topk_slot_bits(const int* ids, const float* lq, int rows, int k, unsigned* bitmap, int words) {
+// (the bitmap zero before: topk_finish clears what it set). A thread per slot. An id outside [0,
+// vs) is left out: the product may run before the ids are checked (the call then raises, or in a
+// capturable call its row is NaN, its ids clipped).
+__global__ void topk_slot_bits(const int* ids, const float* lq, int rows, int k, int vs, unsigned* bitmap,
+                               int words) {
   const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (i >= (long long)rows * k || lq[i] == NEG_INF) return;
   const int id = ids[i];
+  if (id < 0 || id >= vs) return;
   atomicOr(bitmap + i / k * words + (id >> 5), 1u << (id & 31));
 }
 
