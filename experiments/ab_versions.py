@@ -21,6 +21,11 @@ product"; --tokens 1024, three pairs in one run): 4.33 / 4.43 / 4.18 ms against 
 against 2.97 / 3.05 at T = 1024, 21.97 / 22.19 against 23.72 / 22.69 at T = 8192. The top-k's
 first row kernel queued before the host's wait (docs/design.md, "Top-k"; same tokens, five
 pairs): -3.1% at T = 1024 and 2048, -1.7% at 4096, -1.2% at 8192, faster in 18 of 20 pairs.
+The top-k loss's own logits product against cuBLAS's (docs/design.md, "Top-k: the logits product
+of our own"; a copy of the package with OWN_TOPK_PRODUCT = True as DIR or on PYTHONPATH, 24
+rounds): queued as the call's first GPU work, own minus cuBLAS's +0.158 ms at T = 1024, +0.130 at
+2048, +0.047 at 4096, -0.634 at 8192; with the first chunk's G @ Ws queued before the wait,
+-0.169 at 2048 and -0.193 at 4096.
 With --against (docs/design.md, "The host before the first product"; 682ba3f's jsdgpu beside
 this code, three runs): T = 1024 -0.127 ± 0.053, -0.013 ± 0.063 and -0.093 ± 0.047 ms back to
 back at the GPU's power cap, and -0.291 ± 0.057 each step after half a second of idle (--cool

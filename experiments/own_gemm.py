@@ -40,7 +40,7 @@ def main():
     p.add_argument("--warm-seconds", type=float, default=1.0)
     args = p.parse_args()
 
-    os.environ["JSDGPU_TOPK_PRODUCT"] = "own"  # the library's opt-in, before it is imported
+    os.environ["JSDGPU_TOPK_PRODUCT"] = "own"  # the own product at every T, before the library is imported
     import cupy  # here, not above: --help runs without a GPU
     import harness
     import ml_dtypes
