@@ -70,10 +70,11 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
         n_all = xs.shape[0]
         compute_grad = run_opts.compute_grad
         budget = backend.default_memory_budget if run_opts.memory_budget is None else run_opts.memory_budget
-        own = backend.topk_own_product(opts, xs, ws, compute_grad)  # (no logits: topk_rows makes them from x)
+        own = backend.topk_own_product(opts, xs, ws, compute_grad)  # (no logits: topk_own_logits, from x)
         per_row = backend.topk_bytes_per_row(vs, ws.dtype, compute_grad, own)
         most = min(plan_chunks(n_all, run_opts.chunk_size, *per_row, budget)[0], n_all) if n_all else 0
-        if own:  # nothing to queue ahead (the product is the row work's), in this call or the next
+        if own:  # no logits for FirstProduct to queue ahead, in this call or the next (the own product is
+            # queued below, once the call's buffers are made)
             first.remember(backend, 0)
             first = None
         # the buffers for the most rows the call can have

@@ -95,10 +95,17 @@ def round_to(a, dtype):
     return np.asarray(a, dtype=dtype).astype(np.float64)
 
 
-def head_logits(case, who, dtype=np.float64):
-    """who's ("student" or "teacher") logits of a case, by a product in dtype."""
+def head_logits(case, who, dtype=np.float64, blocks=1):
+    """who's ("student" or "teacher") logits of a case, by a product in dtype (with blocks > 1,
+    the hidden dimension summed in that many blocks, one after another)."""
     x, w, b = (case[f"{who}_{k}"] for k in ("input", "weight", "bias"))
-    out = x.astype(dtype) @ w.astype(dtype).T
+    x, w = x.astype(dtype), w.astype(dtype)
+    if blocks == 1:
+        out = x @ w.T
+    else:
+        out = np.zeros((x.shape[0], w.shape[0]), dtype)
+        for part in np.array_split(np.arange(x.shape[1]), blocks):
+            out += x[:, part] @ w[:, part].T
     return out if b is None else out + b.astype(dtype)
 
 
@@ -123,19 +130,7 @@ def float32_logits(case, who):
     top = np.arange(rounded.shape[1]) == rounded.argmax(axis=1)[:, None]
     sharper = np.nextafter(rounded, np.where(top, np.inf, -np.inf).astype(np.float32))
     flatter = np.nextafter(rounded, np.where(top, -np.inf, np.inf).astype(np.float32))
-    return [rounded, head_logits(case, who, np.float32), blocked_logits(case, who, 2), blocked_logits(case, who, 4),
-            sharper, flatter]
-
-
-def blocked_logits(case, who, blocks):
-    """who's logits by a float32 product that sums the hidden dimension in `blocks` blocks, one
-    after another (float32 throughout)."""
-    x, w, b = (case[f"{who}_{k}"] for k in ("input", "weight", "bias"))
-    x, w = x.astype(np.float32), w.astype(np.float32)
-    out = np.zeros((x.shape[0], w.shape[0]), np.float32)
-    for part in np.array_split(np.arange(x.shape[1]), blocks):
-        out += x[:, part] @ w[:, part].T
-    return out if b is None else out + b.astype(np.float32)
+    return [rounded, *(head_logits(case, who, np.float32, blocks) for blocks in (1, 2, 4)), sharper, flatter]
 
 
 def assert_part_near(name, got, want, floors, open_by=0.0):

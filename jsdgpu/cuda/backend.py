@@ -333,7 +333,7 @@ class CudaBackend:
     @staticmethod
     def head_logits(work, xs, at=0):
         """The logits of rows [at, at + len(xs)) of the chunk (unbiased: the kernels add the bias)
-        into work.logits_s (none with the own product: topk_rows makes them)."""
+        into work.logits_s (none with the own product: topk_own_logits stands for them)."""
         if work.own is None:
             products.logits(xs, work.ws, work.logits_s[at:at + xs.shape[0]])
 
