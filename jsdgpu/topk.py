@@ -92,8 +92,11 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             if student:
                 backend.head_logits(work, x, at)
 
-        def outputs(n_rows, chunk, hold_g):  # (G_all, ce, soft, Gradients, label_terms) for n_rows rows
-            G_all = backend.topk_gradient_rows(work, n_rows if hold_g else chunk) if compute_grad and n_rows else None
+        def gradient_rows(n_rows, chunk, hold_g):  # G: of all n_rows rows where held, else of a chunk
+            return backend.topk_gradient_rows(work, n_rows if hold_g else chunk) if compute_grad and n_rows else None
+
+        def outputs(n_rows, chunk, hold_g, G_all=None):  # (G_all, ce, soft, Gradients, label_terms) for n_rows rows
+            G_all = gradient_rows(n_rows, chunk, hold_g) if G_all is None else G_all
             ce, soft, grads, label_terms = row_outputs(xp, n_rows, hs, vs, hold_g, bs is not None, compute_grad)
             if G_all is not None and backend.topk_scales_g(opts, ws.dtype):  # G's rows stored scaled: read once
                 grads.g_scale = xp.empty(n_rows, np.float32)
@@ -117,8 +120,9 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             # the selection, where the GPU would idle while the host queues them). Its ids are not
             # checked yet: one outside the vocabulary is left out (the call then raises)
             hold_g = plan_chunks(n_all, run_opts.chunk_size, *per_row, budget)[1]
-            ahead = most, hold_g, outputs(n_all, most, hold_g)
-            backend.topk_own_logits(work, xs[:most], ids[:most], lq[:most], chunk_g(ahead[2][0], hold_g, 0, most))
+            G_all = gradient_rows(n_all, most, hold_g)  # the product's output first, the call's others after it
+            backend.topk_own_logits(work, xs[:most], ids[:most], lq[:most], chunk_g(G_all, hold_g, 0, most))
+            ahead = most, hold_g, outputs(n_all, most, hold_g, G_all)
 
         def before_wait(selection, head):
             """A default call whose head is its whole first chunk, its rows all valid by the last

@@ -1,6 +1,7 @@
 """The GPU backend at real sizes: the benchmark shape's accuracy, a chunk of more than 2^31
 logits, the widest vocabulary of the fused row kernel and past it, the rows it hands out to its
-clusters, a second GPU and a non-default stream; and the gather of the valid rows."""
+clusters, a second GPU and a non-default stream; the gather of the valid rows and the order of
+the labels."""
 
 import numpy as np
 import pytest
@@ -155,3 +156,14 @@ def test_take_rows(rng, dtype, widths, n_rows):
     out_a, out_b = CudaBackend.take_rows(cupy.asarray(rows), cupy.asarray(a), cupy.asarray(b))
     assert out_a.shape == (n_rows, widths[0]) and out_b.shape == (n_rows, widths[1])
     assert out_a.get().tobytes() == a[rows].tobytes() and out_b.get().tobytes() == b[rows].tobytes()
+
+
+@pytest.mark.parametrize("n", [1, 7, 33, 8192 + 5])  # within a warp, past one, past a block's rows
+def test_label_order_is_a_stable_argsort(rng, n):
+    """label_order (the order in which label_scatter adds the label terms, so that its bits repeat)
+    is NumPy's stable argsort of the labels: many repeated, -1 (a label on another rank) among them."""
+    import cupy
+    from jsdgpu.cuda import kernels
+    labels = rng.integers(-1, max(2, n // 4), n).astype(np.int32)
+    got = kernels.label_order(cupy.asarray(labels)).get()
+    np.testing.assert_array_equal(got, np.argsort(labels, kind="stable"))

@@ -85,12 +85,12 @@ class TopKWork:
 # more, else cuBLAS's product and the row kernel. Per chunk the own one is faster, but its call
 # starts later (its product waits for the call's checks and setup, where cuBLAS's is queued ahead
 # of them: chunks.FirstProduct): in turns in one process, whole steps were 2-5% faster with it at
-# T = 4096 and 8192, 0-3% at 2048 and 5% slower at 1024 (docs/design.md, "Top-k: the logits
-# product of our own").
+# T = 4096 and 8192, 0-3% at 2048, 1-2% at 1024 and the same at 512 (docs/design.md, "Top-k: the
+# logits product of our own").
 # JSDGPU_TOPK_PRODUCT=own (or =cublas) in the environment takes it (or not) at every T:
 # OWN_TOPK_PRODUCT True (False), None by rows.
 OWN_TOPK_PRODUCT = {"own": True, "cublas": False}.get(os.environ.get("JSDGPU_TOPK_PRODUCT"))
-OWN_TOPK_MIN_ROWS = 2048
+OWN_TOPK_MIN_ROWS = 1024
 
 
 class OwnProduct:

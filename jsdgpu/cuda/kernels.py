@@ -197,7 +197,7 @@ def label_order(target):
     n = len(target)
     order = cupy.empty(n, np.int32)
     if n:
-        blocks = -(-n // sources.ORDER_THREADS)
+        blocks = -(-n // (sources.ORDER_THREADS // 32))  # a warp per row
         function("gradient_sums", sources.label_order())((blocks,), (sources.ORDER_THREADS,), (target, np.int32(n), order))
     return order
 
@@ -431,12 +431,19 @@ def tensor_map(a, columns, box_rows, box_columns):
     """The CUtensorMap of the first `columns` columns of a C-contiguous bf16 matrix (its row pitch
     a multiple of 16 bytes, its start 16-byte aligned), in boxes of box_rows x box_columns with the
     128-byte swizzle; a box reads zeros outside the matrix and writes nothing there."""
+    return _encoded_map(a.data.ptr, columns, a.shape[0], a.strides[0], box_rows, box_columns)
+
+
+@functools.lru_cache(maxsize=64)
+def _encoded_map(ptr, columns, rows, pitch, box_rows, box_columns):
+    # kept: a map is a pure function of these numbers (it holds no resource), and a step's buffers
+    # come back at the same addresses from the memory pool, step after step; each encoding is a
+    # driver call through ctypes on the host's path to the own product's launch
     u32, u64 = ctypes.c_uint32, ctypes.c_uint64
     out = _TensorMap()
     err = _driver().cuTensorMapEncodeTiled(
-        ctypes.byref(out), _TENSOR_MAP_BFLOAT16, 2, ctypes.c_void_p(a.data.ptr), (u64 * 2)(columns, a.shape[0]),
-        (u64 * 1)(a.strides[0]), (u32 * 2)(box_columns, box_rows), (u32 * 2)(1, 1), 0, _TENSOR_MAP_SWIZZLE_128B,
-        _TENSOR_MAP_L2_256B, 0)
+        ctypes.byref(out), _TENSOR_MAP_BFLOAT16, 2, ctypes.c_void_p(ptr), (u64 * 2)(columns, rows), (u64 * 1)(pitch),
+        (u32 * 2)(box_columns, box_rows), (u32 * 2)(1, 1), 0, _TENSOR_MAP_SWIZZLE_128B, _TENSOR_MAP_L2_256B, 0)
     if err:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {err})")
     return out
@@ -445,7 +452,7 @@ def tensor_map(a, columns, box_rows, box_columns):
 def _launch(function, grid, block, shared, args):
     """function<<<grid, block, shared, the current stream>>>(args), each a ctypes value (the tensor
     maps by value: CuPy's launcher takes no struct)."""
-    params = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args))
+    params = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
     err = _driver().cuLaunchKernel(ctypes.c_void_p(function.ptr), grid, 1, 1, block, 1, 1, shared,
                                    ctypes.c_void_p(cupy.cuda.get_current_stream().ptr), params, None)
     if err:

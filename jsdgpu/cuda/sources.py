@@ -51,7 +51,7 @@ FUSED = FusedShape()
 PHASE_THREADS = 256  # one CTA of these per row in each phase kernel
 SELECT_THREADS, SELECT_ITEMS = 1024, 8  # select_rows: one CTA, tiles of 8192 targets
 MARK_THREADS = 1024  # mark_rows: one CTA
-ORDER_THREADS = 128  # label_order: one thread per row, so that small T spreads over many SMs
+ORDER_THREADS = 256  # label_order: a warp per row
 TOPK_THREADS = 256  # topk_rows, topk_check, teacher_topk: one CTA of these per row (topk_rows: 80 registers a thread, 3 CTAs per SM)
 TOPK_STAGES = 3  # topk_rows: batches of a row on their way at once (16 KiB each, in shared memory)
 # topk_logits: shared-memory stages of the product's ring (48 KiB each, beside 64 KiB of G~ tiles:
