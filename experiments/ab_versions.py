@@ -25,7 +25,12 @@ The top-k loss's own logits product against cuBLAS's (docs/design.md, "Top-k: th
 of our own"; a copy of the package with OWN_TOPK_PRODUCT = True as DIR or on PYTHONPATH, 24
 rounds): queued as the call's first GPU work, own minus cuBLAS's +0.158 ms at T = 1024, +0.130 at
 2048, +0.047 at 4096, -0.634 at 8192; with the first chunk's G @ Ws queued before the wait,
--0.169 at 2048 and -0.193 at 4096.
+-0.169 at 2048 and -0.193 at 4096. The own product's host path shortened (G made first, tensor
+maps kept, arguments by address: docs/design.md, "Top-k: the logits product of our own"), against
+itself without it at T = 1024: -0.089 ± 0.037 ms; against cuBLAS's path: +0.004 ± 0.041 at 512,
+-0.022 ± 0.041 and (--topk 256) -0.059 ± 0.044 at 1024; queued before the call's checks too, in
+a call like the last: +0.008 ± 0.049 (not kept, docs/record.md). label_order a warp per row
+(docs/design.md, "Top-k"): --topk 256 --tokens 8192, -0.273 ± 0.108 ms.
 With --against (docs/design.md, "The host before the first product"; 682ba3f's jsdgpu beside
 this code, three runs): T = 1024 -0.127 ± 0.053, -0.013 ± 0.063 and -0.093 ± 0.047 ms back to
 back at the GPU's power cap, and -0.291 ± 0.057 each step after half a second of idle (--cool
