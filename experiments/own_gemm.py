@@ -59,10 +59,10 @@ def main():
         ids = cupy.asarray(np.stack([rng.choice(v, args.k, replace=False) for _ in range(m)]), np.int32)
         lq = cupy.full((m, args.k), np.log(0.9 / args.k), np.float32)
         target = cupy.asarray(rng.integers(0, v, m), np.int32)
-        assert B.topk_own_product(opts, x, w, True)
+        assert B.topk_own_product(opts, x, w, args.k, True)
         paths = {}
         for own in (False, True):
-            work = B.topk_prepare(w, None, m, own=own)
+            work = B.topk_prepare(w, None, m, own=own, k=args.k)
             out = [cupy.zeros(m, np.float32) for _ in range(4)] + [B.topk_gradient_rows(work, m)]
 
             def step(work=work, own=own, out=out):

@@ -156,18 +156,22 @@ class Backend(Protocol):
         select_rows'); its wait(), after the selection's, raises checks.topk_error's ValueError
         for the first bad row."""
 
-    def topk_own_product(self, opts, xs, ws, compute_grad):
-        """Whether the top-k loss takes the logits product of the backend's own, whose epilogue does
-        the row kernel's streaming work (no [rows, V] float32 logits: topk_prepare's own)."""
+    def topk_own_product(self, opts, xs, ws, k, compute_grad):
+        """Whether the top-k loss (k slots a row) takes the logits product of the backend's own,
+        whose epilogue does the row kernel's streaming work (no [rows, V] float32 logits:
+        topk_prepare's own)."""
 
-    def topk_bytes_per_row(self, vs, dtype, compute_grad, own=False):
+    def topk_bytes_per_row(self, vs, dtype, compute_grad, own=False, k=None):
         """(logits, G held for all rows, G per chunk) bytes per row of the top-k loss (logits: the
-        own product's per-row buffers where own)."""
+        own product's per-row buffers for k slots where own)."""
 
-    def topk_prepare(self, ws, bs, rows, logits_s=None, own=False):
+    def topk_chunk_rows(self, own):
+        """The most rows a chunk of the top-k loss takes (None: as many as the budget allows)."""
+
+    def topk_prepare(self, ws, bs, rows, logits_s=None, own=False, k=None):
         """The buffers for chunks of `rows` rows of one head (the student's, or teacher_topk's
         teacher's): ws, and what the gradient steps above need of it (logits_s as prepare's); own:
-        the own product's instead of the logits."""
+        the own product's for k slots a row instead of the logits."""
 
     def topk_gradient_rows(self, work, g_rows):
         """G's memory for g_rows rows, apart from the logits."""

@@ -60,10 +60,11 @@ def _split(n_rows, most):
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of its numbers, met again call after call
-def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, chunk_g_bytes, memory_budget):
+def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, chunk_g_bytes, memory_budget, most_rows=None):
     """(rows per chunk, hold_g) for n_rows > 0 rows, with logits_bytes per row of a chunk, g_bytes
     per row of G held for all rows and chunk_g_bytes per row of G held per chunk (0 without
-    gradients, or where G is written over the logits). hold_g: G is held for all rows, which
+    gradients, or where G is written over the logits), chunks of at most most_rows rows (None:
+    as the budget allows). hold_g: G is held for all rows, which
     spares grad_weight's float32 sum over chunks; it is where G and the logits chunks fit the
     budget together and G takes no room that would cut the logits into more chunks (more chunks
     cost as much as the sum spares, or more: docs/design.md, "Chunks and G"), or, where G per
@@ -72,9 +73,10 @@ def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, chunk_g_bytes, memory
     held = n_rows * g_bytes
     if chunk_size is not None:
         return int(chunk_size), 0 < held and held + chunk_size * logits_bytes <= memory_budget
-    rows, n_chunks = _split(n_rows, memory_budget // (logits_bytes + chunk_g_bytes))
+    most_rows = most_rows or n_rows
+    rows, n_chunks = _split(n_rows, min(most_rows, memory_budget // (logits_bytes + chunk_g_bytes)))
     if 0 < held < memory_budget:
-        rows_held, n_chunks_held = _split(n_rows, (memory_budget - held) // logits_bytes)
+        rows_held, n_chunks_held = _split(n_rows, min(most_rows, (memory_budget - held) // logits_bytes))
         if n_chunks_held <= n_chunks or (chunk_g_bytes and rows_held >= HELD_MIN_ROWS):
             return rows_held, True
     return rows, False
@@ -300,13 +302,13 @@ def queue_head(backend, products, xs, other, most, select, capturable, normalize
     return head, rows
 
 
-def cut_chunks(products, xs, other, head, most, chunk_size, per_row, memory_budget):
+def cut_chunks(products, xs, other, head, most, chunk_size, per_row, memory_budget, most_rows=None):
     """(rows per chunk, hold_g) for the call's rows (xs, and other: the rows that go with them,
     as queue_head's), at most `most` rows a chunk (the buffers'), with the rest of the first
     chunk's products queued after the head's (products(xs, other, at=row)): before the caller
     makes its other buffers, so that the GPU runs them meanwhile, where it would idle."""
     n_rows = xs.shape[0]
-    chunk, hold_g = plan_chunks(n_rows, chunk_size, *per_row, memory_budget) if n_rows else (0, False)
+    chunk, hold_g = plan_chunks(n_rows, chunk_size, *per_row, memory_budget, most_rows) if n_rows else (0, False)
     chunk = min(chunk, most)  # the buffers' rows (the plan for fewer rows may cut longer chunks)
     if head < min(chunk, n_rows):
         products(xs[head:chunk], other[head:chunk], at=head)

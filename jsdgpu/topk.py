@@ -70,15 +70,20 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
         n_all = xs.shape[0]
         compute_grad = run_opts.compute_grad
         budget = backend.default_memory_budget if run_opts.memory_budget is None else run_opts.memory_budget
-        own = backend.topk_own_product(opts, xs, ws, compute_grad)  # (no logits: topk_own_logits, from x)
-        per_row = backend.topk_bytes_per_row(vs, ws.dtype, compute_grad, own)
-        most = min(plan_chunks(n_all, run_opts.chunk_size, *per_row, budget)[0], n_all) if n_all else 0
+        k = ids.shape[1]
+        own = backend.topk_own_product(opts, xs, ws, k, compute_grad)  # (no logits: topk_own_logits, from x)
+        per_row = backend.topk_bytes_per_row(vs, ws.dtype, compute_grad, own, k)
+        most_rows = backend.topk_chunk_rows(own)
+
+        def plan(n_rows):  # (rows per chunk, hold_g)
+            return plan_chunks(n_rows, run_opts.chunk_size, *per_row, budget, most_rows)
+        most = min(plan(n_all)[0], n_all) if n_all else 0
         if own:  # no logits for FirstProduct to queue ahead, in this call or the next (the own product is
             # queued below, once the call's buffers are made)
             first.remember(backend, 0)
             first = None
         # the buffers for the most rows the call can have
-        work = backend.topk_prepare(ws, bs, most, **(first.buffers(most) if first else {}), own=own)
+        work = backend.topk_prepare(ws, bs, most, **(first.buffers(most) if first else {}), own=own, k=k)
         launched = []
 
         def select(after=None):  # the top-k's checks, then the rows (a default call reads both at one wait)
@@ -119,7 +124,7 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             # and most of its row work, queued as the call's first GPU work (before the checks and
             # the selection, where the GPU would idle while the host queues them). Its ids are not
             # checked yet: one outside the vocabulary is left out (the call then raises)
-            hold_g = plan_chunks(n_all, run_opts.chunk_size, *per_row, budget)[1]
+            hold_g = plan(n_all)[1]
             G_all = gradient_rows(n_all, most, hold_g)  # the product's output first, the call's others after it
             backend.topk_own_logits(work, xs[:most], ids[:most], lq[:most], chunk_g(G_all, hold_g, 0, most))
             ahead = most, hold_g, outputs(n_all, most, hold_g, G_all)
@@ -134,7 +139,7 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             the own one above, which this then always finishes, so that its buffers are clean
             again.)"""
             nonlocal ahead
-            chunk, hold_g = plan_chunks(n_all, run_opts.chunk_size, *per_row, budget)
+            chunk, hold_g = plan(n_all)
             if ahead is None and expects_all_valid(n_all) and min(chunk, most) == head:
                 ahead = head, hold_g, outputs(n_all, head, hold_g)
             if ahead is not None:
@@ -164,7 +169,7 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             lq = lq[rows.valid_rows]
         target, inv_n = rows.target, rows.inv_n
         n_rows = len(target)
-        chunk, hold_g = cut_chunks(products, xs, ids, head, most, run_opts.chunk_size, per_row, budget)
+        chunk, hold_g = cut_chunks(products, xs, ids, head, most, run_opts.chunk_size, per_row, budget, most_rows)
         if ahead is not None and (rows.valid_rows is not None or ahead[:2] != (chunk, hold_g)):
             ahead = None  # the guess was wrong: the rows or their chunks are others
         out = outputs(n_rows, chunk, hold_g) if ahead is None else ahead[2]

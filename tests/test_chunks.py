@@ -56,6 +56,12 @@ def test_plan_chunks():
     assert plan_chunks(8192, None, 10, 2, 2, budget) == (HELD_MIN_ROWS, True)
     assert plan_chunks(8192, None, 10, 2, 2, 8192 * 2 + 10 * 1000) == (2048, False)
     assert plan_chunks(8192, None, 10, 2, 0, budget) == (2048, False)
+    # most_rows caps the chunks the budget allows (the top-k loss's own product), G held or not,
+    # and an explicit chunk size still wins
+    assert plan_chunks(8192, None, 10, 2, 2, 10**9, 2048) == (2048, True)
+    assert plan_chunks(8192, None, 10, 2, 2, 8192 * 2 + 10 * 1000, 512) == (512, True)
+    assert plan_chunks(8192, None, 10, 2, 2, 8192 * 2 + 10 * 500, 768) == (6 * ROW_ALIGN, False)
+    assert plan_chunks(8192, 4096, 10, 2, 2, 10**9, 2048) == (4096, True)
 
 
 @pytest.mark.parametrize("T,chunk", [(17, 5), (HEAD_ROWS + 44, None)])  # the head a chunk, or part of one

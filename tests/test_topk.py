@@ -272,6 +272,37 @@ def test_rows_read_once_or_twice(rng, dtype, missing_mass, temperature, weight_h
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("missing_mass", MODES)
+def test_own_product_with_slots_dense_in_its_tiles(rng, monkeypatch, missing_mass):
+    """The own product's epilogue packs each row's slots' logits by column tile, by the thread
+    of the tile's row that holds the column, then by column (topk_logits.cu; topk_finish finds
+    them again: topk_rows.cu, FromProduct::place): rows whose slots fill whole tiles, take every
+    other column or every eighth (one thread's), in any order and with unused slots among them,
+    against the reference; k past OWN_TOPK_MAX_SLOTS takes cuBLAS's product instead."""
+    import cupy
+
+    from jsdgpu.cuda import backend, kernels
+    T, vs, k = 20, 3001, 600
+    case = make_topk_case(rng, T=T, vs=vs, hs=128, k=k, dtype=DTYPES["bfloat16"], ignored=0.0)
+    rest = np.setdiff1d(np.arange(vs), np.arange(256, 768))
+    dense = {0: np.r_[256:768, rng.choice(rest, k - 512, replace=False)],  # tiles 1 and 2 whole
+             1: np.arange(0, 2 * k, 2), 2: np.arange(3, 8 * k, 8)[:k] % vs, 3: np.arange(vs - k, vs)}
+    for row, ids in dense.items():
+        case["teacher_indices"][row] = rng.permutation(ids)
+    assert all(len(set(ids)) == k for ids in dense.values())
+    opts = dict(beta=0.5, weight_hard_loss=0.3, weight_soft_loss=0.7)
+    launched, launch = [], kernels.topk_logits
+    monkeypatch.setattr(kernels, "topk_logits", lambda *a: launched.append(1) or launch(*a))
+    monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", True)
+    check_against_reference(cupy, case, opts, missing_mass, DTYPES["bfloat16"])
+    assert launched
+    launched.clear()
+    monkeypatch.setattr(backend, "OWN_TOPK_MAX_SLOTS", k - 1)
+    check_against_reference(cupy, case, opts, missing_mass, DTYPES["bfloat16"])
+    assert not launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("missing_mass", MODES)
 @pytest.mark.parametrize("beta,weight_hard", [(0.0, 0.3), (0.5, 0.3), (1.0, 0.0)])
 @pytest.mark.parametrize("chunk_size,capturable", [(None, False), (130, False), (None, True)])
 def test_own_product_against_the_reference(rng, monkeypatch, missing_mass, beta, weight_hard, chunk_size, capturable):

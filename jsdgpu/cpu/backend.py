@@ -163,17 +163,21 @@ class CpuBackend:
         return CheckedTopK(checks.topk_problem(ids, lq, vocab, bucket), vocab)
 
     @staticmethod
-    def topk_own_product(opts, xs, ws, compute_grad):
+    def topk_own_product(opts, xs, ws, k, compute_grad):
         return False
 
     @staticmethod
-    def topk_bytes_per_row(vs, dtype, compute_grad, own=False):
+    def topk_bytes_per_row(vs, dtype, compute_grad, own=False, k=None):
         """Bytes per row of the logits chunk, of G held for all rows, and of G per chunk."""
         grad = 4 * vs if compute_grad else 0
         return 4 * vs, grad, grad
 
     @staticmethod
-    def topk_prepare(ws, bs, rows, own=False):
+    def topk_chunk_rows(own):
+        return None
+
+    @staticmethod
+    def topk_prepare(ws, bs, rows, own=False, k=None):
         return TopKWork(_f32(ws), _f32(bs), np.empty((rows, ws.shape[0]), np.float32))
 
     @staticmethod

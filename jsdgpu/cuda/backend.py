@@ -91,23 +91,29 @@ class TopKWork:
 # OWN_TOPK_PRODUCT True (False), None by rows.
 OWN_TOPK_PRODUCT = {"own": True, "cublas": False}.get(os.environ.get("JSDGPU_TOPK_PRODUCT"))
 OWN_TOPK_MIN_ROWS = 1024
+# Its chunks: at most this many rows (per 1024 rows the product took 0.929, 0.905 and 0.911 ms in
+# chunks of 1024, 2048 and 4096; the step at T = 4096 0.2 ms longer in one chunk than in two), and
+# k at most this many slots (topk_finish holds 20 bytes a slot in shared memory)
+OWN_TOPK_CHUNK_ROWS = 2048
+OWN_TOPK_MAX_SLOTS = 2048
 
 
 class OwnProduct:
-    """The own product's buffers for chunks of `rows` rows: the slots' bitmap, the slots' logits
-    (at their columns of a [rows, V] float32 buffer, of which a few sectors a row are written and
-    read), the rows' G~ references and their flags, the tiles' partials (topk_logits.cu), and the
-    LM head's tensor map. The bitmap and flags start zeroed, and topk_finish clears them after
-    each chunk."""
+    """The own product's buffers for chunks of `rows` rows of k slots: the slots' bitmap and, per
+    column tile, the row's slot columns before it (topk_slot_bits'), the slots' logits (k a row,
+    packed in the order topk_rows.cu's FromProduct::place gives), the rows' G~ references and
+    their flags, the tiles' partials (topk_logits.cu), and the LM head's tensor map. The bitmap
+    and flags start zeroed, and topk_finish clears them after each chunk."""
 
-    def __init__(self, ws, rows):
+    def __init__(self, ws, rows, k):
         vs = ws.shape[0]
         n_tiles = self.column_tiles(vs)
         self.bitmap = cupy.zeros((rows, n_tiles * sources.TOPK_LOGITS_TILE[1] // 32), np.uint32)
+        self.slots_before = cupy.empty((rows, n_tiles), np.int32)
         self.ready = cupy.zeros(-(-rows // 64), np.int32)  # a flag per 64 rows
         self.ref = cupy.empty(rows, np.float32)
         self.partials = cupy.empty((rows, n_tiles, 4), np.float32)
-        self.slot_logits = cupy.empty((rows, leading_dim(vs)), np.float32)
+        self.slot_logits = cupy.empty((rows, k), np.float32)
         self.map_w = kernels.topk_head_map(ws)
 
     @staticmethod
@@ -115,9 +121,9 @@ class OwnProduct:
         return -(-vs // sources.TOPK_LOGITS_TILE[1])
 
     @classmethod
-    def bytes_per_row(cls, vs):
+    def bytes_per_row(cls, vs, k):
         n_tiles = cls.column_tiles(vs)
-        return 16 * n_tiles + 4 * 8 * n_tiles + 4 * leading_dim(vs) + 8
+        return (16 + 4 * 8 + 4) * n_tiles + 4 * k + 8
 
 
 class PendingTopKCheck:
@@ -297,34 +303,38 @@ class CudaBackend:
         return PendingTopKCheck(ids, lq, vocab, bucket, capturable, after)
 
     @staticmethod
-    def topk_own_product(opts, xs, ws, compute_grad):
+    def topk_own_product(opts, xs, ws, k, compute_grad):
         """Where topk_logits.cu runs: sm_90 (wgmma), bf16, temperature 1 (the rest's gradient one
         exponential of the logits: G~ for every column), with gradients (its finishing kernel
-        writes G), and rows whose 16-byte pieces the Tensor Memory Accelerator can address; by
-        default from OWN_TOPK_MIN_ROWS rows on."""
+        writes G), k up to OWN_TOPK_MAX_SLOTS, and rows whose 16-byte pieces the Tensor Memory
+        Accelerator can address; by default from OWN_TOPK_MIN_ROWS rows on."""
         bf16 = np.dtype(ml_dtypes.bfloat16)
         chosen = OWN_TOPK_PRODUCT if OWN_TOPK_PRODUCT is not None else xs.shape[0] >= OWN_TOPK_MIN_ROWS
-        return (chosen and compute_grad and opts.temperature == 1.0 and ws.dtype == bf16
+        return (chosen and compute_grad and opts.temperature == 1.0 and ws.dtype == bf16 and k <= OWN_TOPK_MAX_SLOTS
                 and xs.dtype == bf16 and ws.shape[1] % 8 == 0 and xs.data.ptr % 16 == 0 and ws.data.ptr % 16 == 0
                 and _compute_capability(ws.data.device_id) == "90")
 
     @staticmethod
-    def topk_bytes_per_row(vs, dtype, compute_grad, own=False):
-        """Bytes per row of the logits chunk (the own product's buffers where own), of G held for
-        all rows, and of G per chunk (G is apart from the logits: the slots' pass reads the logits
-        after G's streaming pass)."""
+    def topk_bytes_per_row(vs, dtype, compute_grad, own=False, k=None):
+        """Bytes per row of the logits chunk (the own product's buffers for k slots where own), of
+        G held for all rows, and of G per chunk (G is apart from the logits: the slots' pass reads
+        the logits after G's streaming pass)."""
         grad = np.dtype(dtype).itemsize * leading_dim(vs) if compute_grad else 0
-        return OwnProduct.bytes_per_row(vs) if own else 4 * leading_dim(vs), grad, grad
+        return OwnProduct.bytes_per_row(vs, k) if own else 4 * leading_dim(vs), grad, grad
 
     @staticmethod
-    def topk_prepare(ws, bs, rows, logits_s=None, own=False):
+    def topk_chunk_rows(own):
+        return OWN_TOPK_CHUNK_ROWS if own else None
+
+    @staticmethod
+    def topk_prepare(ws, bs, rows, logits_s=None, own=False, k=None):
         vs = ws.shape[0]
         if own:
             logits_s = None
         elif logits_s is None:
             logits_s = cupy.empty((rows, leading_dim(vs)), np.float32)
         return TopKWork(ws, _padded_bias(bs, vs), logits_s, cupy.ones(rows, ws.dtype) if bs is not None else None,
-                        OwnProduct(ws, rows) if own else None)
+                        OwnProduct(ws, rows, k) if own else None)
 
     @staticmethod
     def topk_gradient_rows(work, g_rows):
@@ -347,9 +357,9 @@ class CudaBackend:
     @staticmethod
     def topk_own_logits(work, x, ids, lq, G):
         own, vs = work.own, work.ws.shape[0]
-        kernels.topk_slot_bits(ids, lq, vs, own.bitmap[:len(x)])
+        kernels.topk_slot_bits(ids, lq, vs, own.bitmap[:len(x)], own.slots_before[:len(x)])
         kernels.topk_logits(x, own.map_w, G, vs, work.bias_s, own.bitmap, own.ref, own.ready, own.partials,
-                            own.slot_logits)
+                            own.slot_logits, own.slots_before)
 
     @staticmethod
     def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None, x=None):
@@ -359,7 +369,8 @@ class CudaBackend:
                               ce, soft, G, label_terms, g_scale)
             return
         kernels.topk_finish(target, vs, ids, lq, opts, missing_mass == "bucket", ce, soft, G, label_terms, g_scale,
-                            own.partials, own.ref, own.slot_logits, x, work.ws, work.bias_s, own.bitmap, own.ready)
+                            own.partials, own.ref, own.slot_logits, x, work.ws, work.bias_s, own.bitmap, own.ready,
+                            own.slots_before)
 
     @staticmethod
     def teacher_topk_rows(work, rows, k, temperature, ids, logprobs):

@@ -463,14 +463,16 @@ def _ptr(a):
     return ctypes.c_void_p(0 if a is None else a.data.ptr)
 
 
-def topk_slot_bits(ids, lq, vs, bitmap):
+def topk_slot_bits(ids, lq, vs, bitmap, slots_before):
     """The slots' bitmap of the chunk's rows (bits set; topk_finish clears them), ids outside [0,
-    vs) left out."""
+    vs) left out, and slots_before [rows, column tiles]: the row's slot columns in the tiles before."""
     rows, k = ids.shape
     if rows:
-        function("topk_rows", "topk_slot_bits")((-(-rows * k // 256),), (256,),
-                                                (ids, lq, np.int32(rows), np.int32(k), np.int32(vs), bitmap,
-                                                 np.int32(bitmap.shape[1])))
+        n_tiles = slots_before.shape[1]
+        function("topk_rows", sources.topk_slot_bits())(
+            (rows,), (sources.TOPK_THREADS,),
+            (ids, lq, np.int32(k), np.int32(vs), bitmap, np.int32(bitmap.shape[1]), slots_before, np.int32(n_tiles)),
+            shared_mem=4 * n_tiles)
 
 
 def topk_head_map(ws):
@@ -478,7 +480,7 @@ def topk_head_map(ws):
     return tensor_map(ws, ws.shape[1], sources.TOPK_LOGITS_TILE[1], sources.TOPK_LOGITS_K_STEP)
 
 
-def topk_logits(x, map_w, G, vs, bias, bitmap, ref, ready, partials, slot_logits):
+def topk_logits(x, map_w, G, vs, bias, bitmap, ref, ready, partials, slot_logits, slots_before):
     """The chunk's rows x of the student's input through the product with the row work's epilogue
     (topk_logits.cu), G~ into G's first vs columns; map_w: topk_head_map's."""
     device_id = cupy.cuda.Device().id
@@ -491,22 +493,23 @@ def topk_logits(x, map_w, G, vs, bias, bitmap, ref, ready, partials, slot_logits
     _launch(fn, min(tiles, sm_count(device_id)), 384, sources.topk_logits_shared_bytes(),
             (*maps, i32(rows), i32(vs), i32(hs), _ptr(bias), ctypes.c_float(np.log2(np.e)),
              _ptr(bitmap), i32(bitmap.shape[1]), _ptr(ref), _ptr(ready), _ptr(partials), _ptr(slot_logits),
-             ctypes.c_longlong(slot_logits.shape[1])))
+             ctypes.c_longlong(slot_logits.shape[1]), _ptr(slots_before)))
 
 
 def topk_finish(target, vs, ids, lq, opts, bucket, ce, soft, G, label_terms, row_scale, partials, ref, slot_logits,
-                xs, ws, bias, bitmap, ready):
+                xs, ws, bias, bitmap, ready, slots_before):
     """The rows' results after topk_logits (topk_rows.cu, FUSED): ce, soft, label_terms, and G
     (G~ kept or rescaled, the slots' and label's columns written over) with its row scales."""
     rows, k = ids.shape
     if rows:
         function("topk_rows", sources.topk_finish())(
-            (rows,), (sources.TOPK_THREADS,),
+            (rows,), (sources.TOPK_FINISH_THREADS,),
             (slot_logits, np.int64(slot_logits.shape[1]), target, np.int32(vs), ids, lq, np.int32(k),
              np.int32(opts.divergence), np.int32(bucket), np.float64(opts.beta), np.float64(opts.one_minus_beta),
              np.float32(opts.weight_hard_loss), np.float32(opts.w_soft_over_t), ce, soft, G, np.int64(G.shape[1]),
              label_terms, row_scale, partials, np.int32(partials.shape[1]), ref, xs, ws, np.int32(ws.shape[1]),
-             _pointer(bias), bitmap, np.int32(bitmap.shape[1]), ready))
+             _pointer(bias), bitmap, np.int32(bitmap.shape[1]), ready, slots_before),
+            shared_mem=20 * k)  # the slots' logits and terms
 
 
 class PendingTopKCheck:

@@ -52,7 +52,8 @@ PHASE_THREADS = 256  # one CTA of these per row in each phase kernel
 SELECT_THREADS, SELECT_ITEMS = 1024, 8  # select_rows: one CTA, tiles of 8192 targets
 MARK_THREADS = 1024  # mark_rows: one CTA
 ORDER_THREADS = 256  # label_order: a warp per row
-TOPK_THREADS = 256  # topk_rows, topk_check, teacher_topk: one CTA of these per row (topk_rows: 80 registers a thread, 3 CTAs per SM)
+TOPK_THREADS = 256  # topk_rows, topk_slot_bits, topk_check, teacher_topk: one CTA of these per row (topk_rows: 80 registers a thread, 3 CTAs per SM)
+TOPK_FINISH_THREADS = 64  # topk_finish: one CTA of these per row
 TOPK_STAGES = 3  # topk_rows: batches of a row on their way at once (16 KiB each, in shared memory)
 # topk_logits: shared-memory stages of the product's ring (48 KiB each, beside 64 KiB of G~ tiles:
 # three fit; without the tiles, four measured no faster: experiments/own_gemm.py of commit 625e3d5)
@@ -125,7 +126,11 @@ def topk_ring_bytes(stages=TOPK_STAGES):
 
 
 def topk_finish():
-    return f"topk_finish<{TOPK_THREADS}>"
+    return f"topk_finish<{TOPK_FINISH_THREADS}>"
+
+
+def topk_slot_bits():
+    return f"topk_slot_bits<{TOPK_THREADS}>"
 
 
 def topk_logits(stages=TOPK_LOGITS_STAGES):
@@ -159,7 +164,7 @@ FAMILIES = {
                       + [label_scatter(d, d) for d in _16BIT] + [label_order()]),
     "targets": [select_rows(np.int32), select_rows(np.int64), gather_rows(16), gather_rows(2),
                 mark_rows(np.int32), mark_rows(np.int64), "zero_rows"],
-    "topk_rows": ([topk_rows(d) for d in _ALL_DTYPES] + [topk_finish(), "topk_slot_bits"]
+    "topk_rows": ([topk_rows(d) for d in _ALL_DTYPES] + [topk_finish(), topk_slot_bits()]
                   + [topk_check(np.int32), topk_check(np.int64), teacher_topk()]),
     "topk_logits": [topk_logits()],
 }

@@ -45,13 +45,15 @@ __device__ __forceinline__ void tma_store(const TensorMap* map, int x, int y, un
                "r"(y), "r"(src)
                : "memory");
 }
-// rest += g where `slot` is 0, else *p = x: one predicate for both, no branch (a tile's column
+// rest += g where `slot` is 0, else *p++ = x: one predicate for both, no branch (a tile's column
 // in the epilogue's loop, where a branch per column cost 9 instructions)
-__device__ __forceinline__ void rest_or_store(unsigned slot, float& rest, float g, float* p, float x) {
-  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n @!q add.f32 %0, %0, %2;\n @q st.global.f32 [%3], %4;\n}"
-               : "+f"(rest)
-               : "r"(slot), "f"(g), "l"(p), "f"(x)
-               : "memory");
+__device__ __forceinline__ void rest_or_store(unsigned slot, float& rest, float g, float*& p, float x) {
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @!q add.f32 %0, %0, %3;\n @q st.global.f32 [%1], %4;\n"
+      " @q add.u64 %1, %1, 4;\n}"
+      : "+f"(rest), "+l"(p)
+      : "r"(slot), "f"(g), "f"(x)
+      : "memory");
 }
 __device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 
@@ -78,13 +80,16 @@ constexpr float APART = 64.0f;          // bits: a tile's max this far above ref
 // Per row and tile of the chunk's rows [0, m) (partials[row * n_tiles + tile]): x = the ref the
 // tile's G~ took, y = the sum of its G~ (2^(z - x)), z and w = the rest's max and sum against it.
 // slot_logits [m, lds]: the logits of the columns that are a slot's id (bitmap: [m, words_per_row] bits,
-// bit c of row r: column c of row r is one), at their places (the rest of it is not written).
+// bit c of row r: column c of row r is one), each row's packed in the order of topk_rows.cu's
+// FromProduct::place: by tile (slots_before [m, n_tiles]: a row's slot columns in the tiles before),
+// in a tile by thread, then by column.
 template <int STAGES>
 __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     topk_logits(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w,
                 const __grid_constant__ TensorMap map_g, int m, int n, int k,
                 const float* __restrict__ bias, float scale2, const unsigned* __restrict__ bitmap, int words_per_row, float* __restrict__ ref, int* __restrict__ ready,
-                float4* __restrict__ partials, float* __restrict__ slot_logits, long long lds) {
+                float4* __restrict__ partials, float* __restrict__ slot_logits, long long lds,
+                const int* __restrict__ slots_before) {
   extern __shared__ unsigned char shared_raw[];
   // the stages (1024-byte aligned, as the swizzle's atoms must be), the consumers' G~ tiles, the
   // stages' mbarriers
@@ -206,20 +211,26 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     for (int h = 0; h < 2; ++h) {  // a row at a time (both at once spilled)
       const int row = row0 + r_local + 8 * h;
       unsigned words[8];  // the row's slot bits over the tile (32-byte aligned)
+      int slot_at;
       {
         const uint4* w = reinterpret_cast<const uint4*>(bitmap + (long long)min(row, m - 1) * words_per_row + col0 / 32);
         const uint4 lo = __ldg(w), hi = __ldg(w + 1);
         words[0] = lo.x, words[1] = lo.y, words[2] = lo.z, words[3] = lo.w;
         words[4] = hi.x, words[5] = hi.y, words[6] = hi.z, words[7] = hi.w;
+        // this thread's first place in slot_row: after the tile's slots of the row's threads before it
+        const unsigned lower = 0x01010101u * ((1u << 2 * quad) - 1u);
+        slot_at = __ldg(slots_before + (long long)min(row, m - 1) * n_tiles + tn);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) slot_at += __popc(words[j] & lower);
 #pragma unroll  // (a row past the chunk's: none, so that it stores nothing)
         for (int j = 0; j < 8; ++j) words[j] = row < m ? words[j] >> 2 * quad : 0u;  // each test below: a constant mask
       }
       auto slot = [&](int i, int e) { return words[i / 4] & 1u << (8 * (i % 4) + e); };
       // G~ = 2^(s scale2 - take) into the staging tile; the sums of G~ over the tile's columns
       // and over its rest (its columns that are no slot's id), this thread's; with store,
-      // the slots' logits stored at their columns of slot_row (a few a tile), in the same loop
-      // (a loop of their own took as many bit tests again)
-      float* slot_row = slot_logits + min(row, m - 1) * lds + col0 + 2 * quad;
+      // the slots' logits stored in turn from slot_at of slot_row (a few a tile), in the same
+      // loop (a loop of their own took as many bit tests again)
+      float* slot_row = slot_logits + min(row, m - 1) * lds + slot_at;
       auto terms = [&](float take, float& all, float& rest, bool store) {
         all = rest = 0.0f;
 #pragma unroll
@@ -231,7 +242,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
             g[e] = ex2(fmaf(x, scale2, -take));
             all += g[e];
             if (store)
-              rest_or_store(slot(i, e), rest, g[e], slot_row + 8 * i + e, x);
+              rest_or_store(slot(i, e), rest, g[e], slot_row, x);
             else
               rest += slot(i, e) ? 0.0f : g[e];
           }

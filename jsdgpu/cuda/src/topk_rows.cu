@@ -138,25 +138,34 @@ __device__ __forceinline__ double log_add_exp(double a, double b) {
   return m == -D_INF ? m : m + log1p(exp(-fabs(a - b)));
 }
 
-// One category's share of the divergence (d) and of u_bar (pu = P u), and u, for log P = lp,
+// One category's share of the divergence (d) and of u_bar (pu = P u), u, P and q, for log P = lp,
 // log q = lq (natural); u is dD/dP up to a constant (which cancels in the gradient), and in forward
-// KL, where u = -q / P, the gradient takes P u = -q, so u is not formed.
+// KL, where u = -q / P, the gradient takes P u = -q, so u is not formed. The gradient in z is
+// dz = P (u - u_bar), in forward KL -P u_bar - q (slot_dz).
 struct Category {
-  double d, pu, u;
+  double d, pu, u, P, q;
 };
 
 template <int MODE>
 __device__ __forceinline__ Category category(double lp, double lq, double beta, double one_minus_beta,
                                              double log_beta, double log_one_minus_beta) {
   const double P = exp(lp), q = exp(lq);
-  if (MODE == FORWARD_KL) return {q != 0.0 ? q * (lq - lp) : 0.0, -q, 0.0};
+  if (MODE == FORWARD_KL) return {q != 0.0 ? q * (lq - lp) : 0.0, -q, 0.0, P, q};
   if (MODE == REVERSE_KL) {
     const double u = P != 0.0 ? lp - lq : 0.0;
-    return {P * u, P * u, u};
+    return {P * u, P * u, u, P, q};
   }
   const double lm = log_add_exp(log_one_minus_beta + lp, log_beta + lq);
   const double u = P != 0.0 ? one_minus_beta * (lp - lm) : 0.0;
-  return {beta * (q != 0.0 ? q * (lq - lm) : 0.0) + P * u, P * u, u};
+  return {beta * (q != 0.0 ? q * (lq - lm) : 0.0) + P * u, P * u, u, P, q};
+}
+
+// what a slot's dz needs beside u_bar: (u or, in forward KL, q; P)
+template <int MODE>
+__device__ __forceinline__ double2 slot_terms(const Category& cat) { return {MODE == FORWARD_KL ? cat.q : cat.u, cat.P}; }
+template <int MODE>
+__device__ __forceinline__ double slot_dz(double2 terms, double u_bar) {
+  return MODE == FORWARD_KL ? terms.y * -u_bar - terms.x : terms.y * (terms.x - u_bar);
 }
 
 // A thread's share of the row statistics, built over batches of its columns: the max of its
@@ -263,13 +272,14 @@ struct RestGradient {
   }
 };
 
-// What topk_finish reads beside the slots' logits (S, biased: at their columns only), from
-// topk_logits.cu's epilogue: per row, the tiles' partials (G~'s ref, its sum, the rest's max and
-// sum) and the row's ref; the chunk's slot bitmap and ref flags, which it clears for the next
-// chunk. The label's logit it makes itself, from the row of Xs and the label's of Ws (bf16;
-// bias: padded, or null).
+// What topk_finish reads beside the slots' logits (S [rows, lds], biased, in the places that
+// place() gives), from topk_logits.cu's epilogue: per row, the tiles' partials (G~'s ref, its
+// sum, the rest's max and sum) and the row's ref; the chunk's slot bitmap and ref flags, which it
+// clears for the next chunk, and slots_before (topk_slot_bits'). The label's logit it makes itself,
+// from the row of Xs and the label's of Ws (bf16; bias: padded, or null).
 struct FromProduct {
   static constexpr int TILE_COLUMNS = TOPK_LOGITS_COLUMNS;  // topk_logits.cu's BN (sources.py)
+  static_assert(TILE_COLUMNS == 256, "place() reads a tile's slot bits as 8 words");
   const float4* partials;
   int n_tiles;
   const float* ref;
@@ -280,6 +290,25 @@ struct FromProduct {
   unsigned* bitmap;
   int words;
   int* ready;
+  const int* slots_before;
+
+  // Where the epilogue put the logit of slot column `id` of the row (topk_logits.cu): the row's
+  // slot columns in tiles before id's come first (slots_before), then, in id's tile, those of the
+  // threads before id's (a row's 4 threads take columns 8 i + 2 quad + e), then that thread's
+  // before id, in column order
+  __device__ __forceinline__ int place(long long row, int id) const {
+    const int t = id / TILE_COLUMNS, j = id % TILE_COLUMNS, quad = j / 2 % 4, w = j / 32;
+    const unsigned lower = 0x01010101u * ((1u << 2 * quad) - 1u), mine = 0x01010101u * (3u << 2 * quad);
+    const uint4* p = reinterpret_cast<const uint4*>(bitmap + row * words + t * 8);
+    const uint4 lo = p[0], hi = p[1];
+    const unsigned tile_words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    int at = slots_before[row * n_tiles + t];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      at += __popc(tile_words[i] & lower) +
+            __popc(tile_words[i] & mine & (i < w ? ~0u : i == w ? (1u << j % 32) - 1u : 0u));
+    return at;
+  }
 };
 
 // ---- the loss's row work ----
@@ -306,7 +335,9 @@ struct FromProduct {
 // row_scale[row] = 1 (docs/design.md, "Top-k").
 //
 // FUSED (topk_finish): the row's statistics from the product's epilogue (FromProduct), S its
-// slots' logits (biased: bias_s null), the label's logit made here; G holds G~ (bf16) already,
+// slots' logits (biased: bias_s null; each read once, into dynamic shared memory, beside each
+// slot's terms of the gradient: 20 bytes a slot),
+// the label's logit made here; G holds G~ (bf16) already,
 // against the row's ref, and the row keeps it as the one pass does, or (where that cannot hold
 // it, or a tile took its own ref) each tile's G~ is rescaled in place (its ref and the row's
 // factor known): no logits are read. Temperature 1 and bf16 only (the caller's choice).
@@ -332,6 +363,10 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   const int y = target[row];
   const double scale2d = scale2;  // the float32 scale the streaming passes use, so both agree
   auto logit = [&](int column) { return srow[column] + (bias_s ? bias_s[column] : 0.0f); };
+  // FUSED, in dynamic shared memory: slot c's slot_terms, made once, and its logit
+  double2* fused_terms = reinterpret_cast<double2*>(ring);
+  float* fused_slots = reinterpret_cast<float*>(fused_terms + k);
+  auto slot_logit = [&](int c) { return FUSED ? fused_slots[c] : logit(rids[c]); };
   // (the row's G made where it is needed, as copies() below: held in registers, they left the
   // kernel spilling)
   auto grow = [&] { return static_cast<void*>(static_cast<char*>(G) + row * ldg * (OUT == OUT_F32 ? 4 : 2)); };
@@ -363,12 +398,24 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     for (int c = threadIdx.x; c < k; c += THREADS)
       if (rlq[c] != NEG_INF) atomicOr(bitmap + (rids[c] >> 5), 1u << (rids[c] & 31));
   }
-  if constexpr (FUSED) {  // the label's logit, Xs[row] . Ws[y] (+ bias), summed in float64
+  if constexpr (FUSED) {  // the label's logit, Xs[row] . Ws[y] (+ bias), summed in float64, 8
+    // columns a thread at a time (hs is a multiple of 8 and the rows 16-byte aligned: the own
+    // product's condition), so that a thread's loads are few and all on their way at once
     Sum dot = {0.0};
-    if (y >= 0)
-      for (int h = threadIdx.x; h < fp.hs; h += THREADS)
-        dot.s += (double)(__uint_as_float((unsigned)fp.xs[row * fp.hs + h] << 16) *
-                          __uint_as_float((unsigned)fp.ws[(long long)y * fp.hs + h] << 16));  // exact in float32
+    if (y >= 0) {
+      const uint4* x8 = reinterpret_cast<const uint4*>(fp.xs + row * fp.hs);
+      const uint4* w8 = reinterpret_cast<const uint4*>(fp.ws + (long long)y * fp.hs);
+#pragma unroll 4
+      for (int h = threadIdx.x; h < fp.hs / 8; h += THREADS) {
+        const uint4 a = __ldg(x8 + h), b = __ldg(w8 + h);
+        const unsigned* av = &a.x;
+        const unsigned* bv = &b.x;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)  // each product exact in float32
+          dot.s += (double)(__uint_as_float(av[j] << 16) * __uint_as_float(bv[j] << 16)) +
+                   (double)(__uint_as_float(av[j] & 0xffff0000u) * __uint_as_float(bv[j] & 0xffff0000u));
+      }
+    }
     dot = block_all<THREADS>(dot);
     if (threadIdx.x == 0) target_logit = y < 0 ? 0.0f : (float)dot.s + (fp.bias ? fp.bias[y] : 0.0f);
   } else if (threadIdx.x == 0) {  // y = -1: a masked row (capturable)
@@ -411,6 +458,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     const float row_ref = fp.ref[row];
     Lse z = {NEG_INF, 0.0f}, rest = {NEG_INF, 0.0f};
     int own = 0;
+#pragma unroll 4
     for (int t = threadIdx.x; t < fp.n_tiles; t += THREADS) {
       const float4 part = fp.partials[row * fp.n_tiles + t];
       z = merge(z, Lse{part.x, part.y});
@@ -472,6 +520,11 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   }
   const double lse_s = lse_bits(st.s) * LN2, lse_z2 = lse_bits(st.z), lse_rest2 = lse_bits(st.rest);
 
+  if constexpr (FUSED)  // the slots' logits from their places (each thread reads back only its own slots)
+#pragma unroll 4
+    for (int c = threadIdx.x; c < k; c += THREADS)
+      if (rlq[c] != NEG_INF) fused_slots[c] = srow[fp.place(row, rids[c])];
+
   // 2. the categories' normalizations: log P_c = z_c - lse_z, normalized by the sum of every
   //    category's P (bucket; that takes out lse_z's float32 rounding) or over the slots
   //    (renormalize); log q_c as given, renormalized over the used slots there
@@ -481,7 +534,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     const float l = rlq[c];
     if (l == NEG_INF) continue;
     dlse_add(sl.q, l);
-    dlse_add(sl.p, ((double)logit(rids[c]) * scale2d - lse_z2) * LN2);
+    dlse_add(sl.p, ((double)slot_logit(c) * scale2d - lse_z2) * LN2);
   }
   sl = block_all<THREADS>(sl);
   double lp_rest = -D_INF, lq_rest = -D_INF, p_shift, q_shift = 0.0;
@@ -498,7 +551,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     q_shift = lse_q;
   }
   auto slot_logs = [&](int c, double& lp, double& lq) {
-    lp = ((double)logit(rids[c]) * scale2d - lse_z2) * LN2 - p_shift;
+    lp = ((double)slot_logit(c) * scale2d - lse_z2) * LN2 - p_shift;
     lq = (double)rlq[c] - q_shift;
   };
 
@@ -509,13 +562,14 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     double lp, lq;
     slot_logs(c, lp, lq);
     const Category cat = category<MODE>(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta);
+    if constexpr (FUSED) fused_terms[c] = slot_terms<MODE>(cat);  // (each thread reads back its own)
     sums.soft += cat.d;
     sums.pu += cat.pu;
     sums.pu_most = fmax(sums.pu_most, fabs(cat.pu));  // NaN: not kept, but u_bar is NaN then
   }
   sums = block_all<THREADS>(sums);
   const Category rest = bucket ? category<MODE>(lp_rest, lq_rest, beta, one_minus_beta, log_beta, log_one_minus_beta)
-                               : Category{0.0, 0.0, 0.0};
+                               : Category{0.0, 0.0, 0.0, 0.0, 0.0};
   const double soft = sums.soft + rest.d, u_bar = sums.pu + rest.pu;
   const bool label_apart = G != nullptr && target_logit - (float)lse_s < -LN2;  // softmax(s)[y] < 1/2
   if (threadIdx.x == 0) {
@@ -597,13 +651,17 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   const float unscale = one_pass && !second_pass ? row_unscale : 1.0f;
   for (int c = threadIdx.x; c < k; c += THREADS) {
     if (rlq[c] == NEG_INF) continue;
-    double lp, lq;
-    slot_logs(c, lp, lq);
-    const Category cat = category<MODE>(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta);
-    const double P = exp(lp);
-    const double dz = MODE == FORWARD_KL ? P * -u_bar - exp(lq) : P * (cat.u - u_bar);
+    double2 terms;
+    if constexpr (FUSED) {
+      terms = fused_terms[c];
+    } else {  // (its shared memory holds the row's batches: made again)
+      double lp, lq;
+      slot_logs(c, lp, lq);
+      terms = slot_terms<MODE>(category<MODE>(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta));
+    }
+    const double dz = slot_dz<MODE>(terms, u_bar);
     const int id = rids[c];
-    const float softmax = ex2_minus(logit(id), LOG2E, g.lse_s2);
+    const float softmax = ex2_minus(slot_logit(c), LOG2E, g.lse_s2);
     const float value =
         fmaf(w_hard, softmax - (id == y && !label_apart ? 1.0f : 0.0f), (float)(w_soft_over_t * dz)) * unscale;
     store4<OUT>(grow(), id, &value, 1);
@@ -630,15 +688,18 @@ __global__ void __launch_bounds__(THREADS, 3) topk_rows(const float* S, long lon
 }
 
 // The rows after topk_logits (FUSED above): temperature 1, G bf16, row_scale given; S [rows, lds]:
-// the slots' logits at their columns (biased).
+// the slots' logits in their places (biased). A row is short work with long waits (loads,
+// reductions over the block): small CTAs, many resident (docs/design.md, "Top-k: the logits
+// product of our own": on 1024 rows 21 and 54 us at k = 64 and 256, 53 and 82 at 256 threads).
 template <int THREADS>
-__global__ void __launch_bounds__(THREADS, 3)
+__global__ void __launch_bounds__(THREADS, 640 / THREADS)  // 20 warps an SM at least
     topk_finish(const float* S, long long lds, const int* target, int vs, const int* ids, const float* lq, int k,
                 int mode, int bucket, double beta, double one_minus_beta, float w_hard, float w_soft_over_t,
                 float* ce_out, float* soft_out, void* G, long long ldg, float* label_terms, float* row_scale,
                 const float4* partials, int n_tiles, const float* ref, const unsigned short* xs,
-                const unsigned short* ws, int hs, const float* bias, unsigned* bitmap, int words, int* ready) {
-  const FromProduct fp = {partials, n_tiles, ref, xs, ws, hs, bias, bitmap, words, ready};
+                const unsigned short* ws, int hs, const float* bias, unsigned* bitmap, int words, int* ready,
+                const int* slots_before) {
+  const FromProduct fp = {partials, n_tiles, ref, xs, ws, hs, bias, bitmap, words, ready, slots_before};
   mode_dispatch(mode, [&](auto m) {
     topk_rows_body<decltype(m)::value, OUT_BF16, THREADS, 1, true>(
         S, lds, nullptr, target, vs, ids, lq, k, LOG2E, bucket, beta, one_minus_beta, w_hard, w_soft_over_t,
@@ -646,17 +707,41 @@ __global__ void __launch_bounds__(THREADS, 3)
   });
 }
 
-// The slots' bitmap of the chunk's rows for topk_logits: bit id of row r set for every used slot
-// (the bitmap zero before: topk_finish clears what it set). A thread per slot. An id outside [0,
-// vs) is left out: the product may run before the ids are checked (the call then raises, or in a
-// capturable call its row is NaN, its ids clipped).
-__global__ void topk_slot_bits(const int* ids, const float* lq, int rows, int k, int vs, unsigned* bitmap,
-                               int words) {
-  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (i >= (long long)rows * k || lq[i] == NEG_INF) return;
-  const int id = ids[i];
-  if (id < 0 || id >= vs) return;
-  atomicOr(bitmap + i / k * words + (id >> 5), 1u << (id & 31));
+// The slots' bitmap of the chunk's rows for topk_logits, and where its epilogue puts the slots'
+// logits: per row, bit id set for every used slot (the bitmap zero before: topk_finish clears
+// what it set), and slots_before[row * n_tiles + t], the row's slot columns in the product's column
+// tiles before t (FromProduct::place). A CTA per row. An id outside [0, vs) is left out: the
+// product may run before the ids are checked (the call then raises, or in a capturable call its
+// row is NaN, its ids clipped). Dynamic shared memory: n_tiles ints.
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) topk_slot_bits(const int* ids, const float* lq, int k, int vs,
+                                                          unsigned* bitmap, int words, int* slots_before, int n_tiles) {
+  extern __shared__ int in_tile[];  // the row's slot columns per tile
+  __shared__ int warp_sums[THREADS / 32];
+  const long long row = blockIdx.x;
+  for (int t = threadIdx.x; t < n_tiles; t += THREADS) in_tile[t] = 0;
+  __syncthreads();
+  for (int c = threadIdx.x; c < k; c += THREADS) {
+    const int id = ids[row * k + c];
+    if (lq[row * k + c] == NEG_INF || id < 0 || id >= vs) continue;
+    const unsigned bit = 1u << (id & 31);
+    if (!(atomicOr(bitmap + row * words + (id >> 5), bit) & bit))  // a repeated id counts once, as its bit
+      atomicAdd(in_tile + id / TOPK_LOGITS_COLUMNS, 1);
+  }
+  __syncthreads();
+  // the exclusive prefix sum over the tiles: each thread a run of them, then over the threads
+  const int per = (n_tiles + THREADS - 1) / THREADS, t0 = min(threadIdx.x * per, n_tiles), t1 = min(t0 + per, n_tiles);
+  int run = 0;
+  for (int t = t0; t < t1; ++t) run += in_tile[t];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, through = warp_inclusive_sum(run);
+  if (lane == 31) warp_sums[warp] = through;
+  __syncthreads();
+  run = through - run;
+  for (int w = 0; w < warp; ++w) run += warp_sums[w];
+  for (int t = t0; t < t1; ++t) {
+    slots_before[row * n_tiles + t] = run;
+    run += in_tile[t];
+  }
 }
 
 // ---- the check of the stored top-k ----
