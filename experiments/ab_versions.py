@@ -30,7 +30,9 @@ maps kept, arguments by address: docs/design.md, "Top-k: the logits product of o
 itself without it at T = 1024: -0.089 ± 0.037 ms; against cuBLAS's path: +0.004 ± 0.041 at 512,
 -0.022 ± 0.041 and (--topk 256) -0.059 ± 0.044 at 1024; queued before the call's checks too, in
 a call like the last: +0.008 ± 0.049 (not kept, docs/record.md). label_order a warp per row
-(docs/design.md, "Top-k"): --topk 256 --tokens 8192, -0.273 ± 0.108 ms.
+(docs/design.md, "Top-k"): --topk 256 --tokens 8192, -0.273 ± 0.108 ms. The own product's slots'
+logits packed and its chunks of 2048 rows (commit ee0d42a against 436bfe3, --tokens 2048 8192):
+--topk 256 +0.049 ± 0.066 and -0.538 ± 0.108 ms, --topk 64 +0.030 ± 0.098 and -0.627 ± 0.134.
 With --against (docs/design.md, "The host before the first product"; 682ba3f's jsdgpu beside
 this code, three runs): T = 1024 -0.127 ± 0.053, -0.013 ± 0.063 and -0.093 ± 0.047 ms back to
 back at the GPU's power cap, and -0.291 ± 0.057 each step after half a second of idle (--cool

@@ -6,7 +6,10 @@ per chunk, yes: the own product and topk_finish took 0.996 / 1.949 / 8.071 ms fo
 8192 rows against cuBLASLt's product and the row kernel's 1.119 / 2.198 / 8.254 (the product
 alone 0.926 / 1.760 / 7.519, cuBLASLt's float32 product alone 0.850 / 1.765 / 6.291). The first
 version of this script timed a kernel of its own (commit 625e3d5): 0.936 / 1.800 / 7.536 ms
-with the epilogue's work.
+with the epilogue's work. With the slots' logits packed and topk_finish at 64 threads (commit
+ee0d42a, --rows 1024 2048 --k K --repeats 10 --warm-seconds 0.5): 0.933 / 1.831 ms (k = 64) and
+0.964 / 1.846 (k = 256) against 1.081 / 2.064 and 1.075 / 2.115; topk_finish alone 0.039 / 0.068
+and 0.063 / 0.112.
 
     python experiments/own_gemm.py                  # chunks of 1024, 2048 and 8192 rows, k = 64
     python experiments/own_gemm.py --rows 1024 --k 256 --warm-seconds 0
@@ -14,7 +17,8 @@ with the epilogue's work.
 Per chunk size: cuBLASLt's logits product alone; it and the row kernel (the library's path on
 other GPUs, dtypes and temperatures); the own product and topk_finish (bf16, temperature 1, on
 sm_90), with the largest difference of the rows' losses and of G (as its row scales times what is
-stored) between the two; then the own product alone (topk_slot_bits and topk_logits).
+stored) between the two; then the own product alone (topk_slot_bits and topk_logits), and
+topk_finish alone.
 Medians of CUDA-event-timed runs, each measurement after --warm-seconds of its own workload
 (bench/harness.py).
 """
@@ -65,11 +69,11 @@ def main():
             work = B.topk_prepare(w, None, m, own=own, k=args.k)
             out = [cupy.zeros(m, np.float32) for _ in range(4)] + [B.topk_gradient_rows(work, m)]
 
-            def step(work=work, own=own, out=out):
+            def step(work=work, own=own, out=out, product=True):
                 ce, soft, label_terms, scale, G = out
-                if own:
+                if own and product:
                     B.topk_own_logits(work, x, ids, lq, G)
-                else:
+                elif not own:
                     B.head_logits(work, x)
                 B.topk_rows(work, ids, lq, target, opts, "bucket", ce, soft, G, label_terms, scale, x)
             paths[own] = step, out, work
@@ -93,6 +97,10 @@ def main():
         t = harness.time_ms(lambda i: B.topk_own_logits(paths[True][2], x, ids, lq, paths[True][1][4]), 1, 3,
                             args.repeats, args.warm_seconds)
         print(f"{m} | topk_slot_bits + topk_logits alone | {t:.3f} | -", flush=True)
+        # after the first, topk_finish runs on the bitmap it cleared: the same loads and math on
+        # other slots' places (timing only)
+        t = harness.time_ms(lambda i: paths[True][0](product=False), 1, 3, args.repeats, args.warm_seconds)
+        print(f"{m} | topk_finish alone | {t:.3f} | -", flush=True)
 
 
 if __name__ == "__main__":
