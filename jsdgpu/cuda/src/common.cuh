@@ -99,3 +99,10 @@ __device__ __forceinline__ float4 fill(float4 v, int from, int to, float x) {
 __device__ __forceinline__ float component(float4 v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
+
+// topk_logits' epilogue: a row's 4 threads (quad 0..3) take a tile's columns 8 i + 2 quad + e (e =
+// 0, 1), so of each 32-column word of the row's slot bitmap these bits are quad's columns, and
+// these its quads before: the order in which the row's slots' logits are packed (topk_logits.cu;
+// topk_rows.cu, FromProduct::place, finds them again)
+__device__ __forceinline__ unsigned quad_columns(int quad) { return 0x01010101u * (3u << 2 * quad); }
+__device__ __forceinline__ unsigned quads_before(int quad) { return 0x01010101u * ((1u << 2 * quad) - 1u); }

@@ -218,10 +218,9 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
         words[0] = lo.x, words[1] = lo.y, words[2] = lo.z, words[3] = lo.w;
         words[4] = hi.x, words[5] = hi.y, words[6] = hi.z, words[7] = hi.w;
         // this thread's first place in slot_row: after the tile's slots of the row's threads before it
-        const unsigned lower = 0x01010101u * ((1u << 2 * quad) - 1u);
         slot_at = __ldg(slots_before + (long long)min(row, m - 1) * n_tiles + tn);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) slot_at += __popc(words[j] & lower);
+        for (int j = 0; j < 8; ++j) slot_at += __popc(words[j] & quads_before(quad));
 #pragma unroll  // (a row past the chunk's: none, so that it stores nothing)
         for (int j = 0; j < 8; ++j) words[j] = row < m ? words[j] >> 2 * quad : 0u;  // each test below: a constant mask
       }

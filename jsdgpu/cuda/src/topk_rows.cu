@@ -298,15 +298,14 @@ struct FromProduct {
   // before id, in column order
   __device__ __forceinline__ int place(long long row, int id) const {
     const int t = id / TILE_COLUMNS, j = id % TILE_COLUMNS, quad = j / 2 % 4, w = j / 32;
-    const unsigned lower = 0x01010101u * ((1u << 2 * quad) - 1u), mine = 0x01010101u * (3u << 2 * quad);
     const uint4* p = reinterpret_cast<const uint4*>(bitmap + row * words + t * 8);
     const uint4 lo = p[0], hi = p[1];
     const unsigned tile_words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     int at = slots_before[row * n_tiles + t];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      at += __popc(tile_words[i] & lower) +
-            __popc(tile_words[i] & mine & (i < w ? ~0u : i == w ? (1u << j % 32) - 1u : 0u));
+      at += __popc(tile_words[i] & quads_before(quad)) +
+            __popc(tile_words[i] & quad_columns(quad) & (i < w ? ~0u : i == w ? (1u << j % 32) - 1u : 0u));
     return at;
   }
 };
