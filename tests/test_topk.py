@@ -303,6 +303,23 @@ def test_own_product_with_slots_dense_in_its_tiles(rng, monkeypatch, missing_mas
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("missing_mass", MODES)
+def test_own_product_at_its_most_slots(rng, monkeypatch, missing_mass):
+    """k = OWN_TOPK_MAX_SLOTS (topk_finish holds each row's slots' logits in shared memory) still
+    takes the own product, against the reference."""
+    import cupy
+
+    from jsdgpu.cuda import backend, kernels
+    k = backend.OWN_TOPK_MAX_SLOTS
+    case = make_topk_case(rng, T=5, vs=k + 1003, hs=128, k=k, dtype=DTYPES["bfloat16"], ignored=0.0)
+    launched, launch = [], kernels.topk_logits
+    monkeypatch.setattr(kernels, "topk_logits", lambda *a: launched.append(1) or launch(*a))
+    monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", True)
+    check_against_reference(cupy, case, dict(beta=0.5), missing_mass, DTYPES["bfloat16"])
+    assert launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("missing_mass", MODES)
 @pytest.mark.parametrize("beta,weight_hard", [(0.0, 0.3), (0.5, 0.3), (1.0, 0.0)])
 @pytest.mark.parametrize("chunk_size,capturable", [(None, False), (130, False), (None, True)])
 def test_own_product_against_the_reference(rng, monkeypatch, missing_mass, beta, weight_hard, chunk_size, capturable):

@@ -509,7 +509,7 @@ def topk_finish(target, vs, ids, lq, opts, bucket, ce, soft, G, label_terms, row
              np.float32(opts.weight_hard_loss), np.float32(opts.w_soft_over_t), ce, soft, G, np.int64(G.shape[1]),
              label_terms, row_scale, partials, np.int32(partials.shape[1]), ref, xs, ws, np.int32(ws.shape[1]),
              _pointer(bias), bitmap, np.int32(bitmap.shape[1]), ready, slots_before),
-            shared_mem=20 * k)  # the slots' logits and terms
+            shared_mem=4 * k)  # the slots' logits
 
 
 class PendingTopKCheck:

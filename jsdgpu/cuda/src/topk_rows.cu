@@ -138,34 +138,25 @@ __device__ __forceinline__ double log_add_exp(double a, double b) {
   return m == -D_INF ? m : m + log1p(exp(-fabs(a - b)));
 }
 
-// One category's share of the divergence (d) and of u_bar (pu = P u), u, P and q, for log P = lp,
+// One category's share of the divergence (d) and of u_bar (pu = P u), and u, for log P = lp,
 // log q = lq (natural); u is dD/dP up to a constant (which cancels in the gradient), and in forward
-// KL, where u = -q / P, the gradient takes P u = -q, so u is not formed. The gradient in z is
-// dz = P (u - u_bar), in forward KL -P u_bar - q (slot_dz).
+// KL, where u = -q / P, the gradient takes P u = -q, so u is not formed.
 struct Category {
-  double d, pu, u, P, q;
+  double d, pu, u;
 };
 
 template <int MODE>
 __device__ __forceinline__ Category category(double lp, double lq, double beta, double one_minus_beta,
                                              double log_beta, double log_one_minus_beta) {
   const double P = exp(lp), q = exp(lq);
-  if (MODE == FORWARD_KL) return {q != 0.0 ? q * (lq - lp) : 0.0, -q, 0.0, P, q};
+  if (MODE == FORWARD_KL) return {q != 0.0 ? q * (lq - lp) : 0.0, -q, 0.0};
   if (MODE == REVERSE_KL) {
     const double u = P != 0.0 ? lp - lq : 0.0;
-    return {P * u, P * u, u, P, q};
+    return {P * u, P * u, u};
   }
   const double lm = log_add_exp(log_one_minus_beta + lp, log_beta + lq);
   const double u = P != 0.0 ? one_minus_beta * (lp - lm) : 0.0;
-  return {beta * (q != 0.0 ? q * (lq - lm) : 0.0) + P * u, P * u, u, P, q};
-}
-
-// what a slot's dz needs beside u_bar: (u or, in forward KL, q; P)
-template <int MODE>
-__device__ __forceinline__ double2 slot_terms(const Category& cat) { return {MODE == FORWARD_KL ? cat.q : cat.u, cat.P}; }
-template <int MODE>
-__device__ __forceinline__ double slot_dz(double2 terms, double u_bar) {
-  return MODE == FORWARD_KL ? terms.y * -u_bar - terms.x : terms.y * (terms.x - u_bar);
+  return {beta * (q != 0.0 ? q * (lq - lm) : 0.0) + P * u, P * u, u};
 }
 
 // A thread's share of the row statistics, built over batches of its columns: the max of its
@@ -334,8 +325,7 @@ struct FromProduct {
 // row_scale[row] = 1 (docs/design.md, "Top-k").
 //
 // FUSED (topk_finish): the row's statistics from the product's epilogue (FromProduct), S its
-// slots' logits (biased: bias_s null; each read once, into dynamic shared memory, beside each
-// slot's terms of the gradient: 20 bytes a slot),
+// slots' logits (biased: bias_s null; each read once, into dynamic shared memory: 4 bytes a slot),
 // the label's logit made here; G holds G~ (bf16) already,
 // against the row's ref, and the row keeps it as the one pass does, or (where that cannot hold
 // it, or a tile took its own ref) each tile's G~ is rescaled in place (its ref and the row's
@@ -362,9 +352,8 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   const int y = target[row];
   const double scale2d = scale2;  // the float32 scale the streaming passes use, so both agree
   auto logit = [&](int column) { return srow[column] + (bias_s ? bias_s[column] : 0.0f); };
-  // FUSED, in dynamic shared memory: slot c's slot_terms, made once, and its logit
-  double2* fused_terms = reinterpret_cast<double2*>(ring);
-  float* fused_slots = reinterpret_cast<float*>(fused_terms + k);
+  // FUSED, in dynamic shared memory: slot c's logit
+  float* fused_slots = reinterpret_cast<float*>(ring);
   auto slot_logit = [&](int c) { return FUSED ? fused_slots[c] : logit(rids[c]); };
   // (the row's G made where it is needed, as copies() below: held in registers, they left the
   // kernel spilling)
@@ -561,14 +550,13 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     double lp, lq;
     slot_logs(c, lp, lq);
     const Category cat = category<MODE>(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta);
-    if constexpr (FUSED) fused_terms[c] = slot_terms<MODE>(cat);  // (each thread reads back its own)
     sums.soft += cat.d;
     sums.pu += cat.pu;
     sums.pu_most = fmax(sums.pu_most, fabs(cat.pu));  // NaN: not kept, but u_bar is NaN then
   }
   sums = block_all<THREADS>(sums);
   const Category rest = bucket ? category<MODE>(lp_rest, lq_rest, beta, one_minus_beta, log_beta, log_one_minus_beta)
-                               : Category{0.0, 0.0, 0.0, 0.0, 0.0};
+                               : Category{0.0, 0.0, 0.0};
   const double soft = sums.soft + rest.d, u_bar = sums.pu + rest.pu;
   const bool label_apart = G != nullptr && target_logit - (float)lse_s < -LN2;  // softmax(s)[y] < 1/2
   if (threadIdx.x == 0) {
@@ -650,15 +638,11 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   const float unscale = one_pass && !second_pass ? row_unscale : 1.0f;
   for (int c = threadIdx.x; c < k; c += THREADS) {
     if (rlq[c] == NEG_INF) continue;
-    double2 terms;
-    if constexpr (FUSED) {
-      terms = fused_terms[c];
-    } else {  // (its shared memory holds the row's batches: made again)
-      double lp, lq;
-      slot_logs(c, lp, lq);
-      terms = slot_terms<MODE>(category<MODE>(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta));
-    }
-    const double dz = slot_dz<MODE>(terms, u_bar);
+    double lp, lq;  // (its category made again: kept from the divergence's pass, no faster, docs/record.md)
+    slot_logs(c, lp, lq);
+    const Category cat = category<MODE>(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta);
+    const double P = exp(lp);
+    const double dz = MODE == FORWARD_KL ? P * -u_bar - exp(lq) : P * (cat.u - u_bar);
     const int id = rids[c];
     const float softmax = ex2_minus(slot_logit(c), LOG2E, g.lse_s2);
     const float value =
