@@ -325,7 +325,7 @@ def test_own_product_at_its_most_slots(rng, monkeypatch, missing_mass):
 def test_own_product_against_the_reference(rng, monkeypatch, missing_mass, beta, weight_hard, chunk_size, capturable):
     """bf16 at temperature 1 takes the logits product of our own (topk_logits.cu, its epilogue the
     row kernel's streaming work; topk_finish after it): against the reference and the cuBLAS
-    product with the row kernel, on rows not a multiple of its 128-row tiles, in chunks, a
+    product with the row kernel, on rows not a multiple of its 64-row tiles, in chunks, a
     vocabulary not a multiple of its 256 columns, a bias, ignored rows, slots in every tile, and
     rows whose max lies far above their first tile's (their tile takes a reference of its own,
     and topk_finish rescales the row: its scale 1), or whose rest is far below it."""

@@ -55,10 +55,10 @@ ORDER_THREADS = 256  # label_order: a warp per row
 TOPK_THREADS = 256  # topk_rows, topk_slot_bits, topk_check, teacher_topk: one CTA of these per row (topk_rows: 80 registers a thread, 3 CTAs per SM)
 TOPK_FINISH_THREADS = 64  # topk_finish: one CTA of these per row
 TOPK_STAGES = 3  # topk_rows: batches of a row on their way at once (16 KiB each, in shared memory)
-# topk_logits: shared-memory stages of the product's ring (48 KiB each, beside 64 KiB of G~ tiles:
-# three fit; without the tiles, four measured no faster: experiments/own_gemm.py of commit 625e3d5)
-TOPK_LOGITS_STAGES = 3
-TOPK_LOGITS_TILE = (128, 256)  # rows, columns: its tiles (BM, BN in topk_logits.cu, by the prelude)
+# topk_logits: shared-memory stages of the product's ring (40 KiB each, beside 64 KiB of G~ tiles:
+# four fit)
+TOPK_LOGITS_STAGES = 4
+TOPK_LOGITS_TILE = (64, 256)  # rows, columns: a consumer's tiles (BM, BN in topk_logits.cu, by the prelude)
 TOPK_LOGITS_K_STEP = 64  # its K step (BK): the columns of Xs and Ws a box of theirs holds
 
 
@@ -138,10 +138,10 @@ def topk_logits(stages=TOPK_LOGITS_STAGES):
 
 
 def topk_logits_shared_bytes(stages=TOPK_LOGITS_STAGES):
-    """topk_logits' dynamic shared memory: its stages, two consumers' G~ tiles, the mbarriers, and
-    1 KiB to align the stages to."""
+    """topk_logits' dynamic shared memory: its stages, two consumers' G~ tiles, the mbarriers (three
+    a stage: a full one a consumer, an empty one), and 1 KiB to align the stages to."""
     rows, columns = TOPK_LOGITS_TILE
-    return stages * (rows + columns) * TOPK_LOGITS_K_STEP * 2 + 64 * columns * 2 * 2 + 16 * stages + 1024
+    return stages * (rows + columns) * TOPK_LOGITS_K_STEP * 2 + 2 * rows * columns * 2 + 24 * stages + 1024
 
 
 def topk_check(ids_dtype):

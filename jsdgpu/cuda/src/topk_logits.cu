@@ -1,20 +1,23 @@
 // The top-k loss's student logits with the row kernel's streaming work in the product's epilogue
 // (docs/design.md, "Top-k: the logits product of our own"): per chunk, S = Xs @ Ws.T + bias by
-// wgmma (bf16 in, float32 accumulators), and instead of S, per 128 x 256 tile and row, G~ =
+// wgmma (bf16 in, float32 accumulators), and instead of S, per 64 x 256 tile and row, G~ =
 // 2^(S scale2 - ref) in bf16 (the rest's gradient up to a factor of the row), the sums of those
 // terms over the tile's columns and over the columns that are no slot's id, and the float32
-// logits of the row's slots (at their columns of a [rows, V] buffer: a few sectors a row);
-// topk_rows' finishing kernel (topk_finish) takes it from there. sm_90a (wgmma, setmaxnreg); compiled apart from the other families (kernels.py).
+// logits of the row's slots (packed, k a row); topk_rows' finishing kernel (topk_finish) takes
+// it from there. sm_90a (wgmma, setmaxnreg); compiled apart from the other families (kernels.py).
 //
 // The product: persistent (a CTA per SM, tiles handed out in turn, rows fastest, so that a tile
 // of Ws is read from HBM once and from L2 by the CTAs beside it); K in steps of 64 through a ring
 // of STAGES shared-memory stages; a producer thread (its warpgroup's registers given back,
 // setmaxnreg) loads both operands' tiles by the Tensor Memory Accelerator (128-byte swizzle, as
-// wgmma reads them) onto a full mbarrier per stage; two consumer warpgroups of 64 rows each run
-// wgmma m64n256k16 with one group in flight and free a stage (its empty mbarrier) once their group
-// on it is done. ptxas allocates every warp the launch bound's 168 registers (not setmaxnreg's
-// 232): the epilogue is written to fit them (loading from the consumers' own threads instead,
-// the product ran 1.2-1.3 times slower: docs/record.md).
+// wgmma reads them) onto a full mbarrier per stage and consumer; two consumer warpgroups take the
+// CTA's tiles in turn (ping-pong: one's epilogue runs while the other's main loop has the tensor
+// cores; the tile of 128 rows that both took at once, its epilogue after their main loops, made
+// the step at T = 8192 0.43 ms slower with k = 256: docs/design.md), run wgmma m64n256k16 with
+// one group in flight and free a stage (its empty mbarrier) once their group on it is done.
+// ptxas allocates every warp the launch bound's 168 registers (not setmaxnreg's 232): the
+// epilogue is written to fit them (24 bytes spill, with the ping-pong's loop; loading from the
+// consumers' own threads instead, the product ran 1.2-1.3 times slower: docs/record.md).
 //
 // ref, G~'s reference: the row's first tile's max (bits, rounded up to an integer), which that
 // tile's epilogue publishes (ref[], then ready[] for its 64 rows); every other tile's epilogue
@@ -74,7 +77,7 @@ __device__ __forceinline__ void wgmma_256(float (&d)[128], u64 a, u64 b, int acc
 
 constexpr int BM = TOPK_LOGITS_ROWS, BN = TOPK_LOGITS_COLUMNS, BK = TOPK_LOGITS_K_STEP, CONSUMERS = 2;  // (sources.py)
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr int OUT_BYTES = 64 * BN * 2;  // a consumer's G~ tile: 4 boxes of 64 x 64 bf16
+constexpr int OUT_BYTES = BM * BN * 2;  // a consumer's G~ tile: 4 boxes of 64 x 64 bf16
 constexpr float APART = 64.0f;          // bits: a tile's max this far above ref, or a rest this far below, apart
 
 // Per row and tile of the chunk's rows [0, m) (partials[row * n_tiles + tile]): x = the ref the
@@ -95,26 +98,24 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
   // stages' mbarriers
   const unsigned base = (smem_addr(shared_raw) + 1023) & ~1023u;
   const unsigned staging = base + STAGES * STAGE_BYTES;
-  const unsigned full = staging + CONSUMERS * OUT_BYTES, empty = full + 8 * STAGES;
+  const unsigned full = staging + CONSUMERS * OUT_BYTES, empty = full + 8 * CONSUMERS * STAGES;
   const int m_tiles = (m + BM - 1) / BM, n_tiles = (n + BN - 1) / BN, tiles = m_tiles * n_tiles;
   const int k_steps = (k + BK - 1) / BK;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, 4 * CONSUMERS);
-    }
+    for (int s = 0; s < CONSUMERS * STAGES; ++s) mbar_init(full + 8 * s, 1);
+    for (int s = 0; s < STAGES; ++s) mbar_init(empty + 8 * s, 4);  // the warps of the consumer whose tile it holds
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   if (threadIdx.x >= 128 * CONSUMERS) {  // the producer: its first thread loads, onto the full mbarriers
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (threadIdx.x == 128 * CONSUMERS) {
-      int stage = 0;
+      int stage = 0, consumer = 0;
       unsigned phase = 0;
-      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, consumer ^= 1)
         for (int ks = 0; ks < k_steps; ++ks) {
           mbar_wait(empty + 8 * stage, phase ^ 1);
-          const unsigned a = base + stage * STAGE_BYTES, bar = full + 8 * stage;
+          const unsigned a = base + stage * STAGE_BYTES, bar = full + 8 * (consumer * STAGES + stage);
           mbar_expect_bytes(bar, STAGE_BYTES);
           tma_load(a, &map_x, ks * BK, tile % m_tiles * BM, bar);
           tma_load(a + A_BYTES, &map_w, ks * BK, tile / m_tiles * BN, bar);
@@ -128,35 +129,46 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
   const int consumer = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, quad = lane % 4;
-  // a stage is free once a lane of every consumer warp says its group on it is done
-  auto free_stage = [&](int g) {
-    if (lane == 0) mbar_arrive(empty + 8 * (g % STAGES));
+  // a stage is free once a lane of each warp of the consumer whose tile it held says so
+  auto free_stage = [&](unsigned stage) {
+    if (lane == 0) mbar_arrive(empty + 8 * stage);
   };
   const bool leader = threadIdx.x % 128 == 0;
   const unsigned out = staging + consumer * OUT_BYTES;
   float d[128];
-  int g = 0;  // the step
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  // The consumers take the CTA's tiles in turn (ping-pong): while one runs its tile's epilogue,
+  // the other's main loop has the tensor cores (the stages are loaded for the tiles in the CTA's
+  // order, so the two main loops follow each other). Each consumer has its own full mbarrier a
+  // stage, so that one it waits for has seen only its own loads: never two phases behind, where
+  // the parity would answer for the wrong one.
+  const unsigned my_full = full + 8 * consumer * STAGES;
+  // the ring as this consumer sees it, in one register (the epilogue needs all the others): bits
+  // 0-7 its next stage, bit 8 + s the parity of my_full's stage s that it waits for next
+  unsigned ring = consumer * k_steps % STAGES;
+  for (int tile = blockIdx.x + consumer * gridDim.x; tile < tiles; tile += CONSUMERS * gridDim.x) {
     const int tm = tile % m_tiles, tn = tile / m_tiles, row0 = tm * BM, col0 = tn * BN;
-    for (int ks = 0; ks < k_steps; ++ks, ++g) {
-      mbar_wait(full + 8 * (g % STAGES), g / STAGES & 1);
-      const unsigned a = base + g % STAGES * STAGE_BYTES + consumer * (A_BYTES / CONSUMERS);
-      const unsigned b = base + g % STAGES * STAGE_BYTES + A_BYTES;
+    for (int ks = 0; ks < k_steps; ++ks) {
+      const unsigned stage = ring & 0xff;
+      mbar_wait(my_full + 8 * stage, ring >> (8 + stage) & 1);
+      ring ^= 1u << (8 + stage);
+      const unsigned a = base + stage * STAGE_BYTES, b = a + A_BYTES;
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) wgmma_256(d, operand(a + 32 * kk), operand(b + 32 * kk), ks > 0 || kk > 0);
       asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
       asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // the step before's group is done
-      if (ks > 0) free_stage(g - 1);
+      if (ks > 0) free_stage((stage + STAGES - 1) % STAGES);
+      ring = stage + 1 == STAGES ? ring & ~0xffu : ring + 1;
     }
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    free_stage(g - 1);
+    free_stage(((ring & 0xff) + STAGES - 1) % STAGES);
+    ring = (ring & ~0xffu) | ((ring & 0xff) + k_steps) % STAGES;  // past the other consumer's tile
 
-    // The epilogue. Thread (warp, lane) holds rows 16 warp + lane / 4 + 8 h (h = 0, 1) of its
-    // consumer's 64, columns 8 i + 2 quad + e (i < 32, e = 0, 1): d[4 i + 2 h + e]; of a row's
+    // The epilogue. Thread (warp, lane) holds rows 16 warp + lane / 4 + 8 h (h = 0, 1) of the
+    // tile's 64, columns 8 i + 2 quad + e (i < 32, e = 0, 1): d[4 i + 2 h + e]; of a row's
     // bitmap words from the tile's first, word i / 4 holds those columns' bits at 8 (i % 4) +
     // 2 quad + e.
-    const int r_local = consumer * 64 + warp * 16 + lane / 4;  // of the tile's rows, h = 0
+    const int r_local = warp * 16 + lane / 4;  // of the tile's rows, h = 0
     if (col0 + BN > n) {  // the last tile's columns past n: none (a pass of its own: in the one
 #pragma unroll               // below, the test left the epilogue spilling)
       for (int j = 0; j < 128; ++j)
@@ -177,12 +189,9 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
       top = max_nan(top, __shfl_xor_sync(lanes, top, 1));
       return max_nan(top, __shfl_xor_sync(lanes, top, 2));
     };
-    // the rows' ref: published by the rows' first tile, else waited for (one flag per 64 rows;
-    // none where all 64 are past the chunk's, whose results are not kept)
-    const int half = (row0 + consumer * 64) / 64;
-    const bool any_row = row0 + consumer * 64 < m;
+    // the rows' ref: published by the rows' first tile, else waited for (a flag per 64 rows)
     float ref_row[2] = {0.0f, 0.0f};
-    if (any_row && tn == 0) {
+    if (tn == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = row0 + r_local + 8 * h;
@@ -192,13 +201,13 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
       warpgroup_sync(1 + consumer);
       if (leader) {
         __threadfence();
-        asm volatile("st.release.gpu.global.s32 [%0], 1;" ::"l"(ready + half) : "memory");
+        asm volatile("st.release.gpu.global.s32 [%0], 1;" ::"l"(ready + tm) : "memory");
       }
-    } else if (any_row) {
+    } else {
       if (leader) {
         int seen = 0;
         do {
-          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(ready + half) : "memory");
+          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(ready + tm) : "memory");
         } while (!seen);
       }
       warpgroup_sync(1 + consumer);
@@ -300,7 +309,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
     warpgroup_sync(1 + consumer);
     if (leader) {
 #pragma unroll
-      for (int b = 0; b < 4; ++b) tma_store(&map_g, col0 + 64 * b, row0 + consumer * 64, out + b * 8192);
+      for (int b = 0; b < 4; ++b) tma_store(&map_g, col0 + 64 * b, row0, out + b * 8192);
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
   }
