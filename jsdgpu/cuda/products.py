@@ -10,7 +10,9 @@ a power of 2: a row count that changes from call to call (ignored rows) does not
 timing waits for the GPU, once per class; a product that adds to its output (beta != 0) is not
 timed (that would add to it again and again), nor one inside a CUDA-graph capture: it takes its
 class's choice where there is one (the first chunk's product, beta = 0, made it), else the
-heuristic's first candidate.
+heuristic's first candidate becomes its class's choice. A class's choice never changes, so a call
+gives the same bits every time it runs in the process (chosen later by a timed product, an
+algorithm other than the one an earlier call took would change them in the last bits).
 
 JSDGPU_GEMM_TUNING=0 in the environment keeps the heuristic's first candidate: no timing, and the
 same algorithm (and bits) in every process. With tuning, two processes may pick different
@@ -194,7 +196,7 @@ def _fastest(runs):
 
 
 _product = functools.lru_cache(maxsize=64)(_Product)
-_tuned = {}  # shape class -> the algorithm that ran fastest, None where there is no candidate
+_tuned = {}  # shape class -> its algorithm (None where there is no candidate)
 
 
 def _bucket(n):
@@ -230,15 +232,12 @@ def observing(callback, queued=None):
 
 def _choose(product, key, run, timed):
     """(algorithm, workspace bytes) for the product's shape (algorithm None: no cuBLASLt
-    candidate), kept for the shape once its class has a choice: the class's, the fastest
-    candidate (run(algo) runs the product by it), or, not timed, the first candidate for this
-    call alone."""
+    candidate), kept for the shape: its class's choice, made by the class's first product, the
+    fastest candidate where it is timed (run(algo) runs the product by it), else the first."""
     if key not in _tuned:
         candidates = product.candidates()
-        if candidates and TUNING and not timed:
-            return candidates[0], product.workspace_of(candidates[0])
         _tuned[key] = None if not candidates else candidates[_fastest([functools.partial(run, c) for c in candidates])
-                                                             if TUNING else 0]
+                                                             if TUNING and timed else 0]
     algo = _tuned[key]
     need = None if algo is None else product.workspace_of(algo)
     if algo is not None and need is None:  # its class's choice, which this shape cannot run
