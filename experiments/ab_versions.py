@@ -33,6 +33,10 @@ a call like the last: +0.008 ± 0.049 (not kept, docs/record.md). label_order a 
 (docs/design.md, "Top-k"): --topk 256 --tokens 8192, -0.273 ± 0.108 ms. The own product's slots'
 logits packed and its chunks of 2048 rows (commit ee0d42a against 436bfe3, --tokens 2048 8192):
 --topk 256 +0.049 ± 0.066 and -0.538 ± 0.108 ms, --topk 64 +0.030 ± 0.098 and -0.627 ± 0.134.
+The own product's ping-pong and topk_finish's terms not kept (commit b1001fd against 6b17f80,
+--tokens 1024 2048 8192): --topk 64 -0.064 ± 0.041, -0.090 ± 0.039 and -0.336 ± 0.081 ms,
+--topk 256 -0.013 ± 0.035, +0.013 ± 0.056 and +0.060 ± 0.098 (docs/design.md, "Top-k: the logits
+product of our own").
 With --against (docs/design.md, "The host before the first product"; 682ba3f's jsdgpu beside
 this code, three runs): T = 1024 -0.127 ± 0.053, -0.013 ± 0.063 and -0.093 ± 0.047 ms back to
 back at the GPU's power cap, and -0.291 ± 0.057 each step after half a second of idle (--cool
