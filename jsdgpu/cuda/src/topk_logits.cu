@@ -144,6 +144,7 @@ __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
   const unsigned my_full = full + 8 * consumer * STAGES;
   // the ring as this consumer sees it, in one register (the epilogue needs all the others): bits
   // 0-7 its next stage, bit 8 + s the parity of my_full's stage s that it waits for next
+  static_assert(STAGES <= 24, "a consumer's ring: 8 bits of stage, a parity bit a stage");
   unsigned ring = consumer * k_steps % STAGES;
   for (int tile = blockIdx.x + consumer * gridDim.x; tile < tiles; tile += CONSUMERS * gridDim.x) {
     const int tm = tile % m_tiles, tn = tile / m_tiles, row0 = tm * BM, col0 = tn * BN;
