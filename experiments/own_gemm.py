@@ -95,12 +95,12 @@ def main():
         for own, name in ((False, "cuBLASLt's product + topk_rows"), (True, "topk_logits + topk_finish")):
             t = harness.time_ms(lambda i: paths[own][0](), 1, 3, args.repeats, args.warm_seconds)
             print(f"{m} | {name} | {t:.3f} | {check if own else '-'}", flush=True)
-        # last: it leaves the flags set and the bitmap filled (timing only)
+        # last: it leaves the flags set (timing only)
         t = harness.time_ms(lambda i: B.topk_own_logits(paths[True][2], x, ids, lq, paths[True][1][4]), 1, 3,
                             args.repeats, args.warm_seconds)
         print(f"{m} | topk_slot_bits + topk_logits alone | {t:.3f} | -", flush=True)
-        # after the first, topk_finish runs on the bitmap it cleared: the same loads and math on
-        # other slots' places (timing only)
+        # again and again on the same product's output (the flags it cleared: timing only; while it
+        # cleared the bitmap, on a cleared one: the same loads and math on other slots' places)
         t = harness.time_ms(lambda i: paths[True][0](product=False), 1, 3, args.repeats, args.warm_seconds)
         print(f"{m} | topk_finish alone | {t:.3f} | -", flush=True)
 

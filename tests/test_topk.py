@@ -270,9 +270,19 @@ def test_rows_read_once_or_twice(rng, dtype, missing_mass, temperature, weight_h
     assert np.all(scale[~twice] != 1.0)
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """A list that grows by one at each launch of the own logits product (kernels.topk_logits),
+    for the test's duration."""
+    from jsdgpu.cuda import kernels
+    launches, launch = [], kernels.topk_logits
+    monkeypatch.setattr(kernels, "topk_logits", lambda *a: launches.append(1) or launch(*a))
+    return launches
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("missing_mass", MODES)
-def test_own_product_with_slots_dense_in_its_tiles(rng, monkeypatch, missing_mass):
+def test_own_product_with_slots_dense_in_its_tiles(rng, monkeypatch, launched, missing_mass):
     """The own product's epilogue packs each row's slots' logits by column tile, by the thread
     of the tile's row that holds the column, then by column (topk_logits.cu; topk_finish finds
     them again: topk_rows.cu, FromProduct::place): rows whose slots fill whole tiles, take every
@@ -280,7 +290,7 @@ def test_own_product_with_slots_dense_in_its_tiles(rng, monkeypatch, missing_mas
     against the reference; k past OWN_TOPK_MAX_SLOTS takes cuBLAS's product instead."""
     import cupy
 
-    from jsdgpu.cuda import backend, kernels
+    from jsdgpu.cuda import backend
     T, vs, k = 20, 3001, 600
     case = make_topk_case(rng, T=T, vs=vs, hs=128, k=k, dtype=DTYPES["bfloat16"], ignored=0.0)
     rest = np.setdiff1d(np.arange(vs), np.arange(256, 768))
@@ -290,8 +300,6 @@ def test_own_product_with_slots_dense_in_its_tiles(rng, monkeypatch, missing_mas
         case["teacher_indices"][row] = rng.permutation(ids)
     assert all(len(set(ids)) == k for ids in dense.values())
     opts = dict(beta=0.5, weight_hard_loss=0.3, weight_soft_loss=0.7)
-    launched, launch = [], kernels.topk_logits
-    monkeypatch.setattr(kernels, "topk_logits", lambda *a: launched.append(1) or launch(*a))
     monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", True)
     check_against_reference(cupy, case, opts, missing_mass, DTYPES["bfloat16"])
     assert launched
@@ -303,16 +311,16 @@ def test_own_product_with_slots_dense_in_its_tiles(rng, monkeypatch, missing_mas
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("missing_mass", MODES)
-def test_own_product_at_its_most_slots(rng, monkeypatch, missing_mass):
-    """k = OWN_TOPK_MAX_SLOTS (topk_finish holds each row's slots' logits in shared memory) still
-    takes the own product, against the reference."""
+def test_own_product_at_its_most_slots(rng, monkeypatch, launched, missing_mass):
+    """k = OWN_TOPK_MAX_SLOTS (topk_finish holds each row's slots in shared memory, past the 48 KiB
+    every kernel may take) still takes the own product, against the reference; in a vocabulary
+    of more column tiles than topk_finish loads ahead of its first wait (8 a thread: tiles past
+    V = 131072 are read after it)."""
     import cupy
 
-    from jsdgpu.cuda import backend, kernels
+    from jsdgpu.cuda import backend
     k = backend.OWN_TOPK_MAX_SLOTS
-    case = make_topk_case(rng, T=5, vs=k + 1003, hs=128, k=k, dtype=DTYPES["bfloat16"], ignored=0.0)
-    launched, launch = [], kernels.topk_logits
-    monkeypatch.setattr(kernels, "topk_logits", lambda *a: launched.append(1) or launch(*a))
+    case = make_topk_case(rng, T=5, vs=131072 + 1003, hs=128, k=k, dtype=DTYPES["bfloat16"], ignored=0.0)
     monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", True)
     check_against_reference(cupy, case, dict(beta=0.5), missing_mass, DTYPES["bfloat16"])
     assert launched
@@ -322,7 +330,8 @@ def test_own_product_at_its_most_slots(rng, monkeypatch, missing_mass):
 @pytest.mark.parametrize("missing_mass", MODES)
 @pytest.mark.parametrize("beta,weight_hard", [(0.0, 0.3), (0.5, 0.3), (1.0, 0.0)])
 @pytest.mark.parametrize("chunk_size,capturable", [(None, False), (130, False), (None, True)])
-def test_own_product_against_the_reference(rng, monkeypatch, missing_mass, beta, weight_hard, chunk_size, capturable):
+def test_own_product_against_the_reference(rng, monkeypatch, launched, missing_mass, beta, weight_hard, chunk_size,
+                                           capturable):
     """bf16 at temperature 1 takes the logits product of our own (topk_logits.cu, its epilogue the
     row kernel's streaming work; topk_finish after it): against the reference and the cuBLAS
     product with the row kernel, on rows not a multiple of its 64-row tiles, in chunks, a
@@ -331,7 +340,7 @@ def test_own_product_against_the_reference(rng, monkeypatch, missing_mass, beta,
     and topk_finish rescales the row: its scale 1), or whose rest is far below it."""
     import cupy
 
-    from jsdgpu.cuda import backend, kernels
+    from jsdgpu.cuda import backend
     T, vs, k = 300, 5003, 40
     case = make_topk_case(rng, T=T, vs=vs, hs=256, k=k, dtype=DTYPES["bfloat16"], ignored=0.1)
     edges = [0, 1, 255, 256, vs - 1]  # a first tile's ids, the tiles' edges, the last (distinct in the row)
@@ -344,8 +353,6 @@ def test_own_product_against_the_reference(rng, monkeypatch, missing_mass, beta,
     case["student_input"][far] = (100.0 * w[far_id] / (w[far_id] @ w[far_id])).astype(case["student_input"].dtype)
     case["target"][far] = far_id
     opts = dict(beta=beta, weight_hard_loss=weight_hard, weight_soft_loss=0.7)
-    launched, launch = [], kernels.topk_logits
-    monkeypatch.setattr(kernels, "topk_logits", lambda *a: launched.append(1) or launch(*a))
 
     def call(own):
         monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", own)
@@ -377,16 +384,14 @@ def test_own_product_against_the_reference(rng, monkeypatch, missing_mass, beta,
 
 
 @pytest.mark.gpu
-def test_own_product_by_default_from_its_rows(rng, monkeypatch):
+def test_own_product_by_default_from_its_rows(rng, monkeypatch, launched):
     """By default (OWN_TOPK_PRODUCT None) the own product runs for calls of OWN_TOPK_MIN_ROWS rows
     or more (bf16, temperature 1, with gradients), cuBLAS's product below; both as the reference."""
     import cupy
 
-    from jsdgpu.cuda import backend, kernels
+    from jsdgpu.cuda import backend
     monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", None)
     monkeypatch.setattr(backend, "OWN_TOPK_MIN_ROWS", 200)
-    launched, launch = [], kernels.topk_logits
-    monkeypatch.setattr(kernels, "topk_logits", lambda *a: launched.append(1) or launch(*a))
     for T, own in ((199, False), (200, True)):
         launched.clear()
         case = make_topk_case(rng, T=T, hs=64, dtype=DTYPES["bfloat16"])

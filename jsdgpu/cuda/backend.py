@@ -102,13 +102,14 @@ class OwnProduct:
     """The own product's buffers for chunks of `rows` rows of k slots: the slots' bitmap and, per
     column tile, the row's slot columns before it (topk_slot_bits'), the slots' logits (k a row,
     packed in the order topk_rows.cu's FromProduct::place gives), the rows' G~ references and
-    their flags, the tiles' partials (topk_logits.cu), and the LM head's tensor map. The bitmap
-    and flags start zeroed, and topk_finish clears them after each chunk."""
+    their flags, the tiles' partials (topk_logits.cu), and the LM head's tensor map. The flags
+    start zeroed, and topk_finish clears them after each chunk; topk_slot_bits writes every word
+    of a chunk's bitmap."""
 
     def __init__(self, ws, rows, k):
         vs = ws.shape[0]
         n_tiles = self.column_tiles(vs)
-        self.bitmap = cupy.zeros((rows, n_tiles * sources.TOPK_LOGITS_TILE[1] // 32), np.uint32)
+        self.bitmap = cupy.empty((rows, n_tiles * sources.TOPK_LOGITS_TILE[1] // 32), np.uint32)
         self.slots_before = cupy.empty((rows, n_tiles), np.int32)
         self.ready = cupy.zeros(-(-rows // 64), np.int32)  # a flag per 64 rows
         self.ref = cupy.empty(rows, np.float32)

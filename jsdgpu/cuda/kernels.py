@@ -464,15 +464,16 @@ def _ptr(a):
 
 
 def topk_slot_bits(ids, lq, vs, bitmap, slots_before):
-    """The slots' bitmap of the chunk's rows (bits set; topk_finish clears them), ids outside [0,
-    vs) left out, and slots_before [rows, column tiles]: the row's slot columns in the tiles before."""
+    """The slots' bitmap of the chunk's rows (every word written), ids outside [0, vs) left out,
+    and slots_before [rows, column tiles]: the row's slot columns in the tiles before."""
     rows, k = ids.shape
     if rows:
-        n_tiles = slots_before.shape[1]
-        function("topk_rows", sources.topk_slot_bits())(
+        n_tiles, words = slots_before.shape[1], bitmap.shape[1]
+        shared = 4 * (words + n_tiles)  # the row's bitmap and its slots per tile
+        _with_shared(function("topk_rows", sources.topk_slot_bits()), shared)(
             (rows,), (sources.TOPK_THREADS,),
-            (ids, lq, np.int32(k), np.int32(vs), bitmap, np.int32(bitmap.shape[1]), slots_before, np.int32(n_tiles)),
-            shared_mem=4 * n_tiles)
+            (ids, lq, np.int32(k), np.int32(vs), bitmap, np.int32(words), slots_before, np.int32(n_tiles)),
+            shared_mem=shared)
 
 
 def topk_head_map(ws):
@@ -502,14 +503,15 @@ def topk_finish(target, vs, ids, lq, opts, bucket, ce, soft, G, label_terms, row
     (G~ kept or rescaled, the slots' and label's columns written over) with its row scales."""
     rows, k = ids.shape
     if rows:
-        function("topk_rows", sources.topk_finish())(
+        shared = 12 * k  # per slot its logit, id and log-probability
+        _with_shared(function("topk_rows", sources.topk_finish()), shared)(
             (rows,), (sources.TOPK_FINISH_THREADS,),
             (slot_logits, np.int64(slot_logits.shape[1]), target, np.int32(vs), ids, lq, np.int32(k),
              np.int32(opts.divergence), np.int32(bucket), np.float64(opts.beta), np.float64(opts.one_minus_beta),
              np.float32(opts.weight_hard_loss), np.float32(opts.w_soft_over_t), ce, soft, G, np.int64(G.shape[1]),
              label_terms, row_scale, partials, np.int32(partials.shape[1]), ref, xs, ws, np.int32(ws.shape[1]),
              _pointer(bias), bitmap, np.int32(bitmap.shape[1]), ready, slots_before),
-            shared_mem=4 * k)  # the slots' logits
+            shared_mem=shared)
 
 
 class PendingTopKCheck:

@@ -138,3 +138,24 @@ __device__ __forceinline__ int warp_inclusive_sum(int v) {
   }
   return v;
 }
+
+// the sum of v over the block's threads before this one, and (total) over all of them; every
+// thread of the block calls it, and may call it again at once
+template <int THREADS>
+__device__ __forceinline__ int block_exclusive_sum(int v, int& total) {
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "whole warps, at most 32");
+  constexpr int WARPS = THREADS / 32;
+  __shared__ int warp_sums[WARPS];  // the warps' inclusive sums, then the warps' running totals
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, through = warp_inclusive_sum(v);
+  if (lane == 31) warp_sums[warp] = through;
+  __syncthreads();
+  if (warp == 0) {
+    const int sum = warp_inclusive_sum(lane < WARPS ? warp_sums[lane] : 0);
+    if (lane < WARPS) warp_sums[lane] = sum;
+  }
+  __syncthreads();
+  total = warp_sums[WARPS - 1];
+  const int before = through - v + (warp ? warp_sums[warp - 1] : 0);
+  __syncthreads();  // every thread has read warp_sums before a next call writes them
+  return before;
+}

@@ -17,11 +17,9 @@ template <typename T, int THREADS, int ITEMS>
 __device__ __forceinline__ void select_rows_body(const T* __restrict__ target, int n, long long ignore_index,
                                             int has_ignore, long long vocab, int* __restrict__ rows,
                                             int* __restrict__ row_target, int* __restrict__ out) {
-  constexpr int WARPS = THREADS / 32;
-  __shared__ int warp_total[WARPS];
   __shared__ int done, first_bad, first_ignored;  // rows selected by the tiles before; the first bad
                                                   // and ignored rows
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     done = 0;
     first_bad = first_ignored = n;
@@ -49,15 +47,8 @@ __device__ __forceinline__ void select_rows_body(const T* __restrict__ target, i
     }
     ignored = __reduce_min_sync(0xffffffffu, ignored);  // one atomic a warp
     if (lane == 0 && ignored < n) atomicMin(&first_ignored, ignored);
-    // where this thread's rows go: an exclusive scan of the counts over the block
-    const int mine = __popc(valid);
-    int before = warp_inclusive_sum(mine);  // then made exclusive
-    if (lane == 31) warp_total[warp] = before;
-    before -= mine;
-    __syncthreads();
-    if (warp == 0) warp_total[lane] = warp_inclusive_sum(warp_total[lane]);  // the warps' totals, inclusive
-    __syncthreads();
-    int at = done + (warp ? warp_total[warp - 1] : 0) + before;
+    int selected;  // where this thread's rows go (and the tile's count)
+    int at = done + block_exclusive_sum<THREADS>(__popc(valid), selected);
 #pragma unroll
     for (int j = 0; j < ITEMS; ++j) {
       if (valid >> j & 1) {
@@ -66,8 +57,8 @@ __device__ __forceinline__ void select_rows_body(const T* __restrict__ target, i
         ++at;
       }
     }
-    __syncthreads();  // every thread has read done and warp_total
-    if (threadIdx.x == 0) done += warp_total[WARPS - 1];
+    __syncthreads();  // every thread has read done
+    if (threadIdx.x == 0) done += selected;
     __syncthreads();
   }
   for (int i = done + threadIdx.x; i < n; i += THREADS) {  // a prefix past the count: row 0 again, no label

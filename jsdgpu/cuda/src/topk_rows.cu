@@ -265,9 +265,9 @@ struct RestGradient {
 
 // What topk_finish reads beside the slots' logits (S [rows, lds], biased, in the places that
 // place() gives), from topk_logits.cu's epilogue: per row, the tiles' partials (G~'s ref, its
-// sum, the rest's max and sum) and the row's ref; the chunk's slot bitmap and ref flags, which it
-// clears for the next chunk, and slots_before (topk_slot_bits'). The label's logit it makes itself,
-// from the row of Xs and the label's of Ws (bf16; bias: padded, or null).
+// sum, the rest's max and sum) and the row's ref; the ref flags, which it clears for the next
+// chunk; the chunk's slot bitmap and slots_before (topk_slot_bits'). The label's logit it makes
+// itself, from the row of Xs and the label's of Ws (bf16; bias: padded, or null).
 struct FromProduct {
   static constexpr int TILE_COLUMNS = TOPK_LOGITS_COLUMNS;  // topk_logits.cu's BN (sources.py)
   static_assert(TILE_COLUMNS == 256, "place() reads a tile's slot bits as 8 words");
@@ -278,7 +278,7 @@ struct FromProduct {
   const unsigned short* ws;
   int hs;
   const float* bias;
-  unsigned* bitmap;
+  const unsigned* bitmap;
   int words;
   int* ready;
   const int* slots_before;
@@ -325,11 +325,11 @@ struct FromProduct {
 // row_scale[row] = 1 (docs/design.md, "Top-k").
 //
 // FUSED (topk_finish): the row's statistics from the product's epilogue (FromProduct), S its
-// slots' logits (biased: bias_s null; each read once, into dynamic shared memory: 4 bytes a slot),
-// the label's logit made here; G holds G~ (bf16) already,
-// against the row's ref, and the row keeps it as the one pass does, or (where that cannot hold
-// it, or a tile took its own ref) each tile's G~ is rescaled in place (its ref and the row's
-// factor known): no logits are read. Temperature 1 and bf16 only (the caller's choice).
+// slots' logits (biased: bias_s null; each read once, into dynamic shared memory with the slots'
+// ids and log-probabilities: 12 bytes a slot), the label's logit made here; G holds G~ (bf16)
+// already, against the row's ref, and the row keeps it as the one pass does, or (where that
+// cannot hold it, or a tile took its own ref) each tile's G~ is rescaled in place (its ref and
+// the row's factor known): no logits are read. Temperature 1 and bf16 only (the caller's choice).
 template <int MODE, int OUT, int THREADS, int STAGES, bool FUSED = false>
 __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long long lds, const float* __restrict__ bias_s,
                                           const int* __restrict__ target, int vs, const int* __restrict__ ids,
@@ -347,13 +347,16 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   __shared__ float target_logit;
   const long long row = blockIdx.x;
   const float* srow = S + row * lds;
-  const int* rids = ids + row * k;
-  const float* rlq = lq_in + row * k;
+  // FUSED, in dynamic shared memory: slot c's logit, id and teacher log-probability, which the
+  // slot loops read there (read from global memory, each of the five loops waited for them again)
+  float* fused_slots = reinterpret_cast<float*>(ring);
+  int* fused_ids = reinterpret_cast<int*>(fused_slots + k);
+  float* fused_lq = fused_slots + 2 * k;
+  const int* rids = FUSED ? fused_ids : ids + row * k;
+  const float* rlq = FUSED ? fused_lq : lq_in + row * k;
   const int y = target[row];
   const double scale2d = scale2;  // the float32 scale the streaming passes use, so both agree
   auto logit = [&](int column) { return srow[column] + (bias_s ? bias_s[column] : 0.0f); };
-  // FUSED, in dynamic shared memory: slot c's logit
-  float* fused_slots = reinterpret_cast<float*>(ring);
   auto slot_logit = [&](int c) { return FUSED ? fused_slots[c] : logit(rids[c]); };
   // (the row's G made where it is needed, as copies() below: held in registers, they left the
   // kernel spilling)
@@ -385,6 +388,23 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     __syncthreads();
     for (int c = threadIdx.x; c < k; c += THREADS)
       if (rlq[c] != NEG_INF) atomicOr(bitmap + (rids[c] >> 5), 1u << (rids[c] & 31));
+  }
+  // FUSED: the row's first PREFETCHED tile partials a thread (every tile up to V = 8 THREADS 256),
+  // and the row's ref, loaded before the label's dot product, whose loads they then wait with
+  // (loaded after it, their merge took a quarter of the row's time, 13-15 of 50 thousand cycles)
+  constexpr int PREFETCHED = 8;
+  float4 partial[FUSED ? PREFETCHED : 1];
+  float row_ref;
+  if constexpr (FUSED) {
+    row_ref = fp.ref[row];
+#pragma unroll
+    for (int i = 0; i < PREFETCHED; ++i)
+      if (threadIdx.x + i * THREADS < fp.n_tiles) partial[i] = fp.partials[row * fp.n_tiles + threadIdx.x + i * THREADS];
+#pragma unroll 4
+    for (int c = threadIdx.x; c < k; c += THREADS) {  // the slots, into shared memory (seen after the
+      fused_ids[c] = ids[row * k + c];                 // __syncthreads below)
+      fused_lq[c] = lq_in[row * k + c];
+    }
   }
   if constexpr (FUSED) {  // the label's logit, Xs[row] . Ws[y] (+ bias), summed in float64, 8
     // columns a thread at a time (hs is a multiple of 8 and the rows 16-byte aligned: the own
@@ -442,17 +462,19 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   __shared__ float r2;  // one pass: G~'s reference (bits of z), the first batch's max (in a register: spills)
   __shared__ int own_refs;  // FUSED: a tile of the row took a ref of its own
   RowLse st;
-  if constexpr (FUSED) {  // the tiles' partials merged (in a fixed order)
-    const float row_ref = fp.ref[row];
+  if constexpr (FUSED) {  // the tiles' partials merged (a thread's in tile order)
     Lse z = {NEG_INF, 0.0f}, rest = {NEG_INF, 0.0f};
     int own = 0;
-#pragma unroll 4
-    for (int t = threadIdx.x; t < fp.n_tiles; t += THREADS) {
-      const float4 part = fp.partials[row * fp.n_tiles + t];
+    auto add_tile = [&](float4 part) {
       z = merge(z, Lse{part.x, part.y});
       rest = merge(rest, Lse{part.z, part.w});
       own |= !(part.x == row_ref);
-    }
+    };
+#pragma unroll
+    for (int i = 0; i < PREFETCHED; ++i)
+      if (threadIdx.x + i * THREADS < fp.n_tiles) add_tile(partial[i]);
+    for (int t = threadIdx.x + PREFETCHED * THREADS; t < fp.n_tiles; t += THREADS)
+      add_tile(fp.partials[row * fp.n_tiles + t]);
     st = block_all<THREADS>(RowLse{z, z, rest});  // temperature 1: s is z
     own = block_all<THREADS>(own);
     if (threadIdx.x == 0) {
@@ -649,11 +671,8 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
         fmaf(w_hard, softmax - (id == y && !label_apart ? 1.0f : 0.0f), (float)(w_soft_over_t * dz)) * unscale;
     store4<OUT>(grow(), id, &value, 1);
   }
-  if constexpr (FUSED) {  // the chunk's slot bitmap and ref flags cleared for the next chunk
-    for (int c = threadIdx.x; c < k; c += THREADS)
-      if (rlq[c] != NEG_INF) fp.bitmap[row * fp.words + (rids[c] >> 5)] = 0u;
+  if constexpr (FUSED)  // the chunk's ref flags cleared for the next chunk
     if (threadIdx.x == 0 && row % 64 == 0) fp.ready[row / 64] = 0;
-  }
 }
 
 template <int OUT, int THREADS, int STAGES>
@@ -681,7 +700,7 @@ __global__ void __launch_bounds__(THREADS, 640 / THREADS)  // 20 warps an SM at 
                 int mode, int bucket, double beta, double one_minus_beta, float w_hard, float w_soft_over_t,
                 float* ce_out, float* soft_out, void* G, long long ldg, float* label_terms, float* row_scale,
                 const float4* partials, int n_tiles, const float* ref, const unsigned short* xs,
-                const unsigned short* ws, int hs, const float* bias, unsigned* bitmap, int words, int* ready,
+                const unsigned short* ws, int hs, const float* bias, const unsigned* bitmap, int words, int* ready,
                 const int* slots_before) {
   const FromProduct fp = {partials, n_tiles, ref, xs, ws, hs, bias, bitmap, words, ready, slots_before};
   mode_dispatch(mode, [&](auto m) {
@@ -692,36 +711,38 @@ __global__ void __launch_bounds__(THREADS, 640 / THREADS)  // 20 warps an SM at 
 }
 
 // The slots' bitmap of the chunk's rows for topk_logits, and where its epilogue puts the slots'
-// logits: per row, bit id set for every used slot (the bitmap zero before: topk_finish clears
-// what it set), and slots_before[row * n_tiles + t], the row's slot columns in the product's column
-// tiles before t (FromProduct::place). A CTA per row. An id outside [0, vs) is left out: the
-// product may run before the ids are checked (the call then raises, or in a capturable call its
-// row is NaN, its ids clipped). Dynamic shared memory: n_tiles ints.
+// logits: per row, every word of its bitmap (words, a multiple of 4; bit id set for every used
+// slot), and slots_before[row * n_tiles + t], the row's slot columns in the product's column tiles
+// before t (FromProduct::place). A CTA per row. The row's bitmap is made in shared memory and
+// written whole, 16 bytes a store: nothing of an earlier chunk is left in it, so nothing clears
+// it after (setting bits in global memory and clearing them after the chunk took two scattered
+// read-modify-writes a slot). An id outside [0, vs) is left out: the product may run before the
+// ids are checked (the call then raises, or in a capturable call its row is NaN, its ids
+// clipped). Dynamic shared memory: words + n_tiles ints.
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) topk_slot_bits(const int* ids, const float* lq, int k, int vs,
                                                           unsigned* bitmap, int words, int* slots_before, int n_tiles) {
-  extern __shared__ int in_tile[];  // the row's slot columns per tile
-  __shared__ int warp_sums[THREADS / 32];
+  extern __shared__ uint4 row_words[];  // the row's bitmap (16-byte aligned), then its slot columns per tile
+  unsigned* row_bits = reinterpret_cast<unsigned*>(row_words);
+  int* in_tile = reinterpret_cast<int*>(row_bits + words);
   const long long row = blockIdx.x;
-  for (int t = threadIdx.x; t < n_tiles; t += THREADS) in_tile[t] = 0;
+  for (int w = threadIdx.x; w < words + n_tiles; w += THREADS) row_bits[w] = 0u;
   __syncthreads();
   for (int c = threadIdx.x; c < k; c += THREADS) {
     const int id = ids[row * k + c];
     if (lq[row * k + c] == NEG_INF || id < 0 || id >= vs) continue;
     const unsigned bit = 1u << (id & 31);
-    if (!(atomicOr(bitmap + row * words + (id >> 5), bit) & bit))  // a repeated id counts once, as its bit
+    if (!(atomicOr(row_bits + (id >> 5), bit) & bit))  // a repeated id counts once, as its bit
       atomicAdd(in_tile + id / TOPK_LOGITS_COLUMNS, 1);
   }
   __syncthreads();
+  uint4* out = reinterpret_cast<uint4*>(bitmap + row * words);
+  for (int w4 = threadIdx.x; w4 < words / 4; w4 += THREADS) out[w4] = row_words[w4];
   // the exclusive prefix sum over the tiles: each thread a run of them, then over the threads
   const int per = (n_tiles + THREADS - 1) / THREADS, t0 = min(threadIdx.x * per, n_tiles), t1 = min(t0 + per, n_tiles);
-  int run = 0;
+  int run = 0, total;
   for (int t = t0; t < t1; ++t) run += in_tile[t];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, through = warp_inclusive_sum(run);
-  if (lane == 31) warp_sums[warp] = through;
-  __syncthreads();
-  run = through - run;
-  for (int w = 0; w < warp; ++w) run += warp_sums[w];
+  run = block_exclusive_sum<THREADS>(run, total);
   for (int t = t0; t < t1; ++t) {
     slots_before[row * n_tiles + t] = run;
     run += in_tile[t];
