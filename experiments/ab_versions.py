@@ -36,7 +36,9 @@ logits packed and its chunks of 2048 rows (commit ee0d42a against 436bfe3, --tok
 The own product's ping-pong and topk_finish's terms not kept (commit b1001fd against 6b17f80,
 --tokens 1024 2048 8192): --topk 64 -0.064 ± 0.041, -0.090 ± 0.039 and -0.336 ± 0.081 ms,
 --topk 256 -0.013 ± 0.035, +0.013 ± 0.056 and +0.060 ± 0.098 (docs/design.md, "Top-k: the logits
-product of our own").
+product of our own"). topk_finish's loads ahead and topk_slot_bits' whole rows (commit 4b10d17
+against ed45ea7): --topk 256 --tokens 2048 8192 +0.054 ± 0.109 and -0.060 ± 0.123 ms, --topk 64
+--tokens 8192 -0.116 ± 0.170.
 With --against (docs/design.md, "The host before the first product"; 682ba3f's jsdgpu beside
 this code, three runs): T = 1024 -0.127 ± 0.053, -0.013 ± 0.063 and -0.093 ± 0.047 ms back to
 back at the GPU's power cap, and -0.291 ± 0.057 each step after half a second of idle (--cool

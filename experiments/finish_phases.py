@@ -1,12 +1,12 @@
 """Where does topk_finish's time go, row by row?
 
-Answer (one H200, docs/design.md, "Top-k: the logits product of our own"): a row is about 50
-thousand SM cycles at k = 64 and 90-100 thousand at k = 256 (2048 rows, about 1.4 rows an SM slot),
-most of it waiting on loads and block reductions: before the partials were loaded ahead of the
-label's dot product, their merge took 13-15 thousand cycles (4.4-4.7 thousand after); at k = 256
-the slots' G stores and the bitmap's clears after them (scattered writes into rows of G the
-product wrote: read-modify-writes in memory) held the row's end up for 15-28 thousand, and
-without the slots' G stores the kernel took 0.8 of its time.
+Answer (one H200, 2048 rows, docs/design.md, "Top-k: the logits product of our own"): a row took
+69.8 thousand SM cycles at k = 256 and 50.7 at k = 64 (the kernel 0.096 and 0.061 ms), against
+99.9 and 53.6 with commit ed45ea7's kernel (--against), mostly waits for loads and block
+reductions. There the partials, loaded after the label's dot product, took 14.6-15.1 thousand
+cycles to merge (4.6 loaded before it), the slots' gradient loop 13.7 (k = 256; 8.7 with the slots
+in shared memory), and the row's end 18.8 (the bitmap's clears, behind the slots' G stores; 1.2
+with no clears). Without the slots' G stores the kernel took 0.078 and 0.056 ms.
 
     python experiments/finish_phases.py                      # 1024 and 2048 rows, k = 64 and 256
     python experiments/finish_phases.py --against DIR        # also another copy's topk_rows.cu (DIR: its jsdgpu)

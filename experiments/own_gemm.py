@@ -11,7 +11,10 @@ ee0d42a, --rows 1024 2048 --k K --repeats 10 --warm-seconds 0.5): 0.933 / 1.831 
 0.964 / 1.846 (k = 256) against 1.081 / 2.064 and 1.075 / 2.115; topk_finish alone 0.039 / 0.068
 and 0.063 / 0.112. With the consumers' ping-pong (commit b1001fd, --rows 2048 --k 64 --repeats 10
 --warm-seconds 0.5, twice, and commit 6b17f80's script once between): the product alone 1.922 and
-1.912 ms against 2.015, cuBLASLt's 1.667 and 1.585.
+1.912 ms against 2.015, cuBLASLt's 1.667 and 1.585. With topk_finish's loads ahead and
+topk_slot_bits' whole rows (commit 4b10d17 against ed45ea7, --rows 2048 --k K --repeats 10
+--warm-seconds 0.3, one after the other): topk_finish alone 0.090 / 0.067 ms (k = 256 / 64)
+against 0.126 / 0.070.
 
     python experiments/own_gemm.py                  # chunks of 1024, 2048 and 8192 rows, k = 64
     python experiments/own_gemm.py --rows 1024 --k 256 --warm-seconds 0
