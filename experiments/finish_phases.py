@@ -78,7 +78,7 @@ def main():
     import cupy  # here, not above: --help runs without a GPU
     import ml_dtypes
 
-    from jsdgpu.cuda import kernels, sources
+    from jsdgpu.cuda import sources
     from jsdgpu.cuda.backend import CudaBackend as B
     from jsdgpu.options import split_options
 
@@ -89,11 +89,7 @@ def main():
     name = sources.topk_finish()
     modules = {label: cupy.RawModule(code=stamped(text), options=sources.OPTIONS, name_expressions=[name])
                for label, text in texts.items()}
-    library_function = kernels.function
-
-    def use(label):  # topk_finish from the variant's module, every other kernel the library's
-        fn = modules[label].get_function(name)
-        kernels.function = lambda family, expr: fn if expr == name else library_function(family, expr)
+    finish = {label: module.get_function(name) for label, module in modules.items()}
 
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
@@ -111,31 +107,27 @@ def main():
             G = B.topk_gradient_rows(work, m)
             out = [cupy.zeros(m, np.float32) for _ in range(4)]
 
-            def product_then_finish():
+            def product_then_finish(label):  # topk_finish the variant's, every other kernel the library's
                 B.topk_own_logits(work, x, ids, lq, G)
                 start, stop = cupy.cuda.Event(), cupy.cuda.Event()
                 start.record()
-                B.topk_rows(work, ids, lq, target, opts, "bucket", *out[:2], G, *out[2:], x)
+                B.topk_rows(work, ids, lq, target, opts, "bucket", *out[:2], G, *out[2:], x,
+                            finish=finish[label])
                 stop.record()
                 stop.synchronize()
                 return cupy.cuda.get_elapsed_time(start, stop)
 
             phases, times = {}, {label: [] for label in modules}
-            try:
-                for label, module in modules.items():
-                    use(label)
-                    clock = cupy.ndarray((MOST_ROWS * 16,), np.int64, module.get_global("phase_clock"))
-                    product_then_finish()  # warm
-                    clock.fill(0)
-                    product_then_finish()
-                    stamps = cupy.asnumpy(clock).reshape(MOST_ROWS, 16)[:m, :len(ANCHORS)]
-                    phases[label] = np.median(np.diff(stamps, axis=1), axis=0), np.median(stamps[:, -1] - stamps[:, 0])
-                for _ in range(args.rounds):
-                    for label in modules:
-                        use(label)
-                        times[label] += [product_then_finish() for _ in range(5)]
-            finally:
-                kernels.function = library_function
+            for label, module in modules.items():
+                clock = cupy.ndarray((MOST_ROWS * 16,), np.int64, module.get_global("phase_clock"))
+                product_then_finish(label)  # warm
+                clock.fill(0)
+                product_then_finish(label)
+                stamps = cupy.asnumpy(clock).reshape(MOST_ROWS, 16)[:m, :len(ANCHORS)]
+                phases[label] = np.median(np.diff(stamps, axis=1), axis=0), np.median(stamps[:, -1] - stamps[:, 0])
+            for _ in range(args.rounds):
+                for label in modules:
+                    times[label] += [product_then_finish(label) for _ in range(5)]
             for label in modules:
                 each, total = phases[label]
                 print(f"{m} | {k} | {label} | {np.median(times[label]):.4f} | "

@@ -498,13 +498,14 @@ def topk_logits(x, map_w, G, vs, bias, bitmap, ref, ready, partials, slot_logits
 
 
 def topk_finish(target, vs, ids, lq, opts, bucket, ce, soft, G, label_terms, row_scale, partials, ref, slot_logits,
-                xs, ws, bias, bitmap, ready, slots_before):
+                xs, ws, bias, bitmap, ready, slots_before, kernel=None):
     """The rows' results after topk_logits (topk_rows.cu, FUSED): ce, soft, label_terms, and G
-    (G~ kept or rescaled, the slots' and label's columns written over) with its row scales."""
+    (G~ kept or rescaled, the slots' and label's columns written over) with its row scales.
+    kernel: the compiled kernel, where an experiment times a variant's (None: the library's)."""
     rows, k = ids.shape
     if rows:
         shared = 12 * k  # per slot its logit, id and log-probability
-        _with_shared(function("topk_rows", sources.topk_finish()), shared)(
+        _with_shared(kernel or function("topk_rows", sources.topk_finish()), shared)(
             (rows,), (sources.TOPK_FINISH_THREADS,),
             (slot_logits, np.int64(slot_logits.shape[1]), target, np.int32(vs), ids, lq, np.int32(k),
              np.int32(opts.divergence), np.int32(bucket), np.float64(opts.beta), np.float64(opts.one_minus_beta),
