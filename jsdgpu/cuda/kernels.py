@@ -505,7 +505,7 @@ def topk_finish(target, vs, ids, lq, opts, bucket, ce, soft, G, label_terms, row
     rows, k = ids.shape
     if rows:
         shared = 12 * k  # per slot its logit, id and log-probability
-        _with_shared(kernel or function("topk_rows", sources.topk_finish()), shared)(
+        _with_shared(function("topk_rows", sources.topk_finish()) if kernel is None else kernel, shared)(
             (rows,), (sources.TOPK_FINISH_THREADS,),
             (slot_logits, np.int64(slot_logits.shape[1]), target, np.int32(vs), ids, lq, np.int32(k),
              np.int32(opts.divergence), np.int32(bucket), np.float64(opts.beta), np.float64(opts.one_minus_beta),

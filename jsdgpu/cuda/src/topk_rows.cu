@@ -391,7 +391,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   }
   // FUSED: the row's first PREFETCHED tile partials a thread (every tile up to V = 8 THREADS 256),
   // and the row's ref, loaded before the label's dot product, whose loads they then wait with
-  // (loaded after it, their merge took a quarter of the row's time, 13-15 of 50 thousand cycles)
+  // (loaded after it, their merge took a quarter of the row's time, 13-15 of 50-54 thousand cycles)
   constexpr int PREFETCHED = 8;
   float4 partial[FUSED ? PREFETCHED : 1];
   float row_ref;
