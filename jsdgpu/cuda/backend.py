@@ -93,7 +93,8 @@ OWN_TOPK_PRODUCT = {"own": True, "cublas": False}.get(os.environ.get("JSDGPU_TOP
 OWN_TOPK_MIN_ROWS = 1024
 # Its chunks: at most this many rows (per 1024 rows the product took 0.929, 0.905 and 0.911 ms in
 # chunks of 1024, 2048 and 4096; the step at T = 4096 0.2 ms longer in one chunk than in two), and
-# k at most this many slots (topk_finish holds their logits in shared memory)
+# k at most this many slots (topk_finish holds each slot's logit, id and log-probability in shared
+# memory: 96 KiB at 8192)
 OWN_TOPK_CHUNK_ROWS = 2048
 OWN_TOPK_MAX_SLOTS = 8192
 
