@@ -227,14 +227,6 @@ def one_chunk(T, rng):
     return xs, ws, xt, wt, target.astype(np.int32), be, work, be.gradient_rows(work, T, own_g=True)
 
 
-def fused_kernel_alone(work, target, opts, ce, jsd, G, label_terms):
-    """The fused row kernel alone, as the library launches it (without the phase kernels that
-    redo the rows it leaves to them: none, on the benchmark's logits)."""
-    kernels.launch_fused_rows(work.fused, len(target), work.logits_s, work.logits_t, work.bias_s, work.bias_t,
-                              target, work.ws.shape[0], work.wt.shape[0], opts, ce, jsd, G, label_terms,
-                              *CudaBackend.fused_scratch(work))
-
-
 # Launches of a row kernel before it is timed alone: after the products its clocks take a while
 # to settle (0.46 µs per row alone, 0.55-0.58 right after the logits products: docs/record.md)
 ROW_KERNEL_WARMUP = 20
@@ -260,7 +252,7 @@ def stage_breakdown(T, rng, copy_bytes_per_s, row_kernel_rows=(1024, 2048)):
     def fused(rows):
         *_, tgt, be, work, G = chunks[rows]
         ce, jsd, terms = (cupy.empty(rows, np.float32) for _ in range(3))
-        return row_kernel_record("fused", lambda i: fused_kernel_alone(work, tgt, opts, ce, jsd, G, terms),
+        return row_kernel_record("fused", lambda i: CudaBackend.fused_rows(work, tgt, opts, ce, jsd, G, terms),
                                  rows, 4 + 4 + 2, copy_bytes_per_s)
     fused_records = {rows: fused(rows) for rows in chunks}
     row_kernel = [fused_records[rows] for rows in row_kernel_rows]

@@ -47,6 +47,7 @@ def main():
     import harness
     import jsdgpu
     from jsdgpu.cuda import kernels, sources
+    from jsdgpu.cuda.backend import CudaBackend
 
     device = cupy.cuda.Device().id
     variants = {"library": None}
@@ -63,7 +64,7 @@ def main():
         device, ws.dtype, *v)) for name, v in variants.items()}
     if a.once:
         ce, jsd, terms = (cupy.empty(1024, np.float32) for _ in range(3))
-        harness.fused_kernel_alone(work, target[:1024], jsdgpu.LossOptions(), ce, jsd, G_all[:1024], terms)
+        CudaBackend.fused_rows(work, target[:1024], jsdgpu.LossOptions(), ce, jsd, G_all[:1024], terms)
         cupy.cuda.Device().synchronize()
         return
     names = list(works)
@@ -82,7 +83,7 @@ def main():
                         G.fill(np.nan)  # poisoned: every entry must be written
 
                     def run(_, w=works[name], ce=ce, jsd=jsd, terms=terms, G=G):
-                        harness.fused_kernel_alone(w, target[:rows], opts, ce, jsd, G, terms)
+                        CudaBackend.fused_rows(w, target[:rows], opts, ce, jsd, G, terms)
                     run(0)
                     if round_ == 0:
                         outputs.append((ce.copy(), jsd.copy(), None if G is None else G.astype(np.float32)))

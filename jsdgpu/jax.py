@@ -24,8 +24,11 @@ Not supported yet: jax.vmap of the loss, and vocab parallelism (under shard_map 
 
 import functools
 
-import jax
-import jax.numpy as jnp
+try:
+    import jax
+    import jax.numpy as jnp
+except ImportError as e:
+    raise ImportError("jsdgpu.jax needs JAX: pip install 'jsdgpu[jax]' (or jax itself)") from e
 import ml_dtypes
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback

@@ -11,6 +11,8 @@ import functools
 import math
 import numbers
 
+import numpy as np
+
 
 class Divergence(enum.IntEnum):
     """The soft part's form, by beta; the codes are the row kernels' mode argument."""
@@ -32,6 +34,24 @@ def _integer(name, value):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
     return int(value)
+
+
+def _positive_integer_or_none(name, value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive integer or None, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer or None, got {value}")
+    return int(value)
+
+
+def _flag(name, value, none_allowed=False):
+    if value is None and none_allowed:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False{' or None' if none_allowed else ''}, got {value!r}")
+    return bool(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,23 +118,17 @@ class RunOptions:
     capturable: bool = None
 
     def __post_init__(self):
-        if self.chunk_size is not None:
-            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, numbers.Integral):
-                raise TypeError(f"chunk_size must be a positive integer or None, got {self.chunk_size!r}")
-            if self.chunk_size < 1:
-                raise ValueError(f"chunk_size must be a positive integer or None, got {self.chunk_size}")
-            object.__setattr__(self, "chunk_size", int(self.chunk_size))
-        if self.memory_budget is not None:
-            object.__setattr__(self, "memory_budget", _integer("memory_budget", self.memory_budget))
+        object.__setattr__(self, "chunk_size", _positive_integer_or_none("chunk_size", self.chunk_size))
+        # bytes (a budget of 0 or less has no meaning: it had been taken as 1 byte)
+        object.__setattr__(self, "memory_budget", _positive_integer_or_none("memory_budget", self.memory_budget))
         if self.num_valid_tokens is not None:
             n = _real("num_valid_tokens", self.num_valid_tokens)
             if n <= 0.0:
                 raise ValueError(f"num_valid_tokens must be > 0, got {n}")
             object.__setattr__(self, "num_valid_tokens", n)
-        object.__setattr__(self, "compute_grad", bool(self.compute_grad))
-        object.__setattr__(self, "grad_weight_float32", bool(self.grad_weight_float32))
-        if self.capturable is not None:
-            object.__setattr__(self, "capturable", bool(self.capturable))
+        object.__setattr__(self, "compute_grad", _flag("compute_grad", self.compute_grad))
+        object.__setattr__(self, "grad_weight_float32", _flag("grad_weight_float32", self.grad_weight_float32))
+        object.__setattr__(self, "capturable", _flag("capturable", self.capturable, none_allowed=True))
 
     def normalizer(self, n_valid):
         """N, the divisor of the summed row losses (divisor)."""

@@ -27,7 +27,11 @@ import functools
 
 import ml_dtypes
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as e:
+    raise ImportError("jsdgpu.torch needs PyTorch: pip install 'jsdgpu[torch]' (or torch itself)") from e
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import api, topk

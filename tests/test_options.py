@@ -43,3 +43,19 @@ def test_split_options():
 def test_normalizer():
     assert RunOptions().normalizer(0) == 1.0 and RunOptions().normalizer(7) == 7.0
     assert RunOptions(num_valid_tokens=2.5).normalizer(7) == 2.5
+
+
+@pytest.mark.parametrize("name", ["chunk_size", "memory_budget"])
+@pytest.mark.parametrize("value,error", [(0, ValueError), (-5, ValueError), (2.5, TypeError), ("64", TypeError),
+                                         (True, TypeError)])
+def test_sizes_are_positive_integers(name, value, error):
+    with pytest.raises(error, match=name):
+        RunOptions(**{name: value})
+    assert getattr(RunOptions(**{name: 3}), name) == 3
+
+
+@pytest.mark.parametrize("name", ["compute_grad", "grad_weight_float32", "capturable"])
+def test_flags_are_booleans(name):
+    with pytest.raises(TypeError, match=name):
+        RunOptions(**{name: "no"})
+    assert getattr(RunOptions(**{name: False}), name) is False

@@ -67,36 +67,3 @@ def test_no_script_replaces_library_internals(path):
         if isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "monkeypatch.setattr"):
             assert not (node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in library), \
                 f"{path.name}:{node.lineno} sets an attribute of the library"
-
-
-@pytest.mark.gpu
-def test_benchmark_row_kernel_alone_is_the_library_launch(rng):
-    """bench/harness.py's fused row kernel alone (the stage table's row kernel) launches it as the
-    library's fused_rows does, on fresh logits of the benchmark's scale (std 4: no row is left to
-    the phase kernels, which the harness does not run): the same per-row values and gradient rows
-    (their vocabulary's columns: the pad columns up to the row pitch are not written)."""
-    import cupy
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import harness
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    import jsdgpu
-    from conftest import make_case, to_xp
-    from jsdgpu.cuda.backend import CudaBackend as B
-    T, vs = 37, 1031
-    case = to_xp(make_case(rng, T=T, vs=vs, vt=1040, logit_std=4.0), cupy)
-    opts = jsdgpu.LossOptions(beta=0.3)
-    target = case["target"].astype(np.int32)
-    results = []
-    for launch in (harness.fused_kernel_alone, B.fused_rows):
-        work = B.prepare(case["student_weight"], case["teacher_weight"], None, None, T, fused=True)
-        B.logits(work, case["student_input"], case["teacher_input"])
-        ce, jsd, terms = (cupy.zeros(T, np.float32) for _ in range(3))
-        G = B.gradient_rows(work, T, own_g=True)
-        launch(work, target, opts, ce, jsd, G, terms)
-        assert not work.redo_rows[:T].any()
-        results.append([a.get() for a in (ce, jsd, terms, G[:, :vs])])
-    for name, ours, library in zip(("ce", "jsd", "label terms", "G"), *results):
-        np.testing.assert_array_equal(ours, library, err_msg=name)
-    assert np.isfinite(results[0][0]).all() and (results[0][0] > 0).any()

@@ -43,7 +43,6 @@ class CudaWork:
     fused: object        # the kernels.FusedKernel, or None: the three phase kernels run
     # made by the fused kernel's first launch (after the call's first products), not by prepare:
     row_counter: object = None  # its counter of rows handed out
-    redo_rows: object = None    # [rows] int32: the rows it left to the phase kernels
 
 
 class Selection:
@@ -274,27 +273,12 @@ class CudaBackend:
                 work.wt.shape[0])
 
     @staticmethod
-    def fused_scratch(work):
-        """(row_counter, redo_rows): the fused kernel's scratch, made at its first launch (not
-        before the call's first product: host time there idles the GPU)."""
-        if work.redo_rows is None:
-            work.row_counter = cupy.empty(1, np.int32)  # zeroed by each launch
-            work.redo_rows = cupy.empty(len(work.logits_s), np.int32)
-        return work.row_counter, work.redo_rows
-
-    @staticmethod
     def fused_rows(work, target, opts, ce, jsd, G, label_terms):
-        """The fused row kernel over the chunk's logits (G None: the loss alone), then the phase
-        kernels over the rows it left to them (kernels.PRECISE_BELOW): every other row returns
-        from them at once."""
-        rows = len(target)
-        row_counter, redo_rows = CudaBackend.fused_scratch(work)
-        inputs = CudaBackend._row_inputs(work, target)
-        redo = redo_rows[:rows]
-        kernels.launch_fused_rows(work.fused, rows, *inputs, opts, ce, jsd, G, label_terms, row_counter, redo)
-        stats = kernels.phase_stats(inputs, opts, redo)
-        kl = kernels.phase_kl(inputs, opts, stats, redo)
-        kernels.phase_finish(work.ws.dtype, inputs, opts, stats, kl, ce, jsd, G, label_terms, redo)
+        """The fused row kernel over the chunk's logits (G None: the loss alone)."""
+        if work.row_counter is None:  # made at the first launch, not before the call's first product
+            work.row_counter = cupy.empty(1, np.int32)  # zeroed by each launch
+        kernels.launch_fused_rows(work.fused, len(target), *CudaBackend._row_inputs(work, target), opts, ce, jsd, G,
+                                  label_terms, work.row_counter)
 
     # ---- the top-k loss (jsdgpu.topk) and teacher_topk ----
 

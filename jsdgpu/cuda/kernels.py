@@ -61,14 +61,25 @@ class _LaunchConfig(ctypes.Structure):
 
 
 class FusedKernel:
-    """The fused row kernel of one dtype and shape on one device: its function, and how many of
-    its clusters fit the GPU at once (the most it is launched with)."""
+    """The fused row kernel of one dtype and shape on one device, a function per divergence
+    (compiled at its first launch), and how many of its clusters fit the GPU at once (the most it
+    is launched with)."""
 
     def __init__(self, device_id, dtype, shape=sources.FUSED, source=None):
-        name = sources.fused_rows(dtype, shape)
-        self.shape = shape
-        self.function = _module(device_id, "fused_rows", (name,), source).get_function(name)
-        ptr = self.function.kernel.ptr
+        self.device_id, self.dtype, self.shape, self.source = device_id, dtype, shape, source
+        self._functions = {}
+        self.max_clusters = None
+
+    def function(self, divergence):
+        if divergence not in self._functions:
+            self._functions[divergence] = self._load(divergence)
+        return self._functions[divergence]
+
+    def _load(self, divergence):
+        shape = self.shape
+        name = sources.fused_rows(self.dtype, divergence, shape)
+        function = _module(self.device_id, "fused_rows", (name,), self.source).get_function(name)
+        ptr = function.kernel.ptr
         if shape.cluster > 8:  # beyond the portable cluster size: allowed on Hopper, asked for explicitly
             driver.funcSetAttribute(ptr, _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
         # By default the H200 fits 14 clusters of 16 CTAs (each on 16 SMs, two clusters' CTAs per
@@ -77,7 +88,7 @@ class FusedKernel:
         # -10% time per row at 2048 rows (docs/design.md, "The fused row kernel").
         driver.funcSetAttribute(ptr, _FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE,
                                 _CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING)
-        self.function.max_dynamic_shared_size_bytes = shape.shared_bytes
+        function.max_dynamic_shared_size_bytes = shape.shared_bytes
         config = _LaunchConfig((shape.cluster, 1, 1), (shape.threads, 1, 1), shape.shared_bytes, None, None, 0)
         n = ctypes.c_int()
         # not wrapped by CuPy: the driver's own entry point (cluster dims are the kernel's own)
@@ -85,7 +96,9 @@ class FusedKernel:
             ctypes.byref(n), ctypes.c_void_p(ptr), ctypes.byref(config))
         if err or n.value < 1:
             raise RuntimeError(f"cuOccupancyMaxActiveClusters for {name} failed (CUresult {err}, {n.value})")
-        self.max_clusters = n.value
+        # the same for every divergence (the same registers, shared memory and cluster)
+        self.max_clusters = n.value if self.max_clusters is None else min(self.max_clusters, n.value)
+        return function
 
     def slice(self, vt):
         """Columns per CTA: a multiple of 4 (16-byte loads), cluster * slice >= vt."""
@@ -107,60 +120,51 @@ def _row_args(logits_s, logits_t, bias_s, bias_t, target, vs, vt):
             _pointer(bias_s), _pointer(bias_t), target, np.int32(vs), np.int32(vt))
 
 
-# The soft part below which the fused kernel leaves a row to the phase kernels, whose KL sums do
-# not cancel (row_math.cuh, precise_kl_terms): the fused sums' error (the logs of probabilities
-# near 1/V, and lg2.approx's, about 2^-22 bits in the row's logsumexps) came to 3e-7 nats at
-# V = 523 and temperature 50, which is 1e-5 of the divergence only above 0.03. In bits, as the
-# kernel's sums are.
-PRECISE_BELOW = 0.1 / np.log(2.0)
-
-
 def launch_fused_rows(kernel, rows, logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts,
-                      ce, jsd, G, label_terms, row_counter, redo_rows):
+                      ce, jsd, G, label_terms, row_counter):
     """The fused row kernel over the first `rows` rows of the chunk's logits (G None: the loss
-    alone): as many clusters as fit the GPU at once, each taking rows until none is left. The rows
-    it leaves to the phase kernels are flagged in redo_rows (their results and G not written)."""
+    alone): as many clusters as fit the GPU at once, each taking rows until none is left."""
+    function = kernel.function(opts.divergence)
     row_counter.fill(0)  # the kernel hands out rows past each cluster's first two from it
     args = _row_args(logits_s, logits_t, bias_s, bias_t, target, vs, vt) + (
         np.int32(kernel.slice(vt)), np.int32(rows), np.float32(1.0 / opts.temperature),
-        np.int32(opts.divergence), np.float32(opts.beta), np.float32(opts.one_minus_beta),
+        np.float32(opts.beta), np.float32(opts.one_minus_beta),
         np.float32(opts.weight_hard_loss), np.float32(opts.w_soft_over_t), ce, jsd, _pointer(G),
         np.int64(0 if G is None else G.shape[1]), _NULL if G is None else label_terms, row_counter,
-        np.float32(PRECISE_BELOW), redo_rows)
+        *sources.soft_terms(opts.divergence, opts.beta))
     shape = kernel.shape
-    kernel.function((shape.cluster * min(rows, kernel.max_clusters),), (shape.threads,), args,
-                    shared_mem=shape.shared_bytes)
+    function((shape.cluster * min(rows, kernel.max_clusters),), (shape.threads,), args,
+             shared_mem=shape.shared_bytes)
 
 
-def launch_phase(phase, row_inputs, opts, only, *more_args):
-    """A phase kernel over the chunk's rows, one CTA per row; only: None, or the rows to work on
-    (int32 flags, as the fused kernel's redo_rows)."""
+def launch_phase(phase, row_inputs, opts, *more_args):
+    """A phase kernel over the chunk's rows, one CTA per row."""
     target = row_inputs[4]
-    args = _row_args(*row_inputs) + (np.float32(1.0 / opts.temperature), np.int32(len(target)), _pointer(only))
+    args = _row_args(*row_inputs) + (np.float32(1.0 / opts.temperature), np.int32(len(target)))
     function("phase_rows", phase)((len(target),), (sources.PHASE_THREADS,), args + more_args)
 
 
-def phase_stats(row_inputs, opts, only=None):
+def phase_stats(row_inputs, opts):
     """stats [8, rows] of this rank's columns (phase_rows.cu); row_inputs: _row_args' arrays."""
     stats = cupy.empty((8, len(row_inputs[4])), np.float32)
-    launch_phase(sources.phase_stats(), row_inputs, opts, only, stats)
+    launch_phase(sources.phase_stats(), row_inputs, opts, stats)
     return stats
 
 
-def phase_kl(row_inputs, opts, stats, only=None):
-    """kl [5, rows]: this rank's part of the KL sums a and b, the sums of p and q, and the fast a
-    (phase_rows.cu)."""
-    kl = cupy.empty((5, stats.shape[1]), np.float32)
-    launch_phase(sources.phase_kl(), row_inputs, opts, only, np.int32(opts.divergence), np.float32(opts.beta),
-                 np.float32(opts.one_minus_beta), stats, kl)
+def phase_kl(row_inputs, opts, stats):
+    """kl [6, rows]: this rank's part of the fast sums a and b, the precise sum and its weights',
+    and the sums of p and q (phase_rows.cu)."""
+    kl = cupy.empty((6, stats.shape[1]), np.float32)
+    launch_phase(sources.phase_kl(), row_inputs, opts, np.int32(opts.divergence), np.float32(opts.beta),
+                 np.float32(opts.one_minus_beta), *sources.soft_terms(opts.divergence, opts.beta), stats, kl)
     return kl
 
 
-def phase_finish(dtype, row_inputs, opts, stats, kl, ce, jsd, G, label_terms, only=None):
+def phase_finish(dtype, row_inputs, opts, stats, kl, ce, jsd, G, label_terms):
     """The rows' CE and JSD values, and with G this rank's gradient columns."""
-    launch_phase(sources.phase_finish(dtype), row_inputs, opts, only, np.int32(opts.divergence),
-                 np.float32(opts.beta), np.float32(opts.one_minus_beta), np.float32(opts.weight_hard_loss),
-                 np.float32(opts.w_soft_over_t), stats, kl, ce, jsd, _pointer(G),
+    launch_phase(sources.phase_finish(dtype), row_inputs, opts, np.int32(opts.divergence),
+                 np.float32(opts.beta), np.float32(opts.one_minus_beta), sources.soft_terms(opts.divergence, opts.beta)[0],
+                 np.float32(opts.weight_hard_loss), np.float32(opts.w_soft_over_t), stats, kl, ce, jsd, _pointer(G),
                  np.int64(0 if G is None else G.shape[1]), _NULL if G is None else label_terms)
 
 
@@ -304,10 +308,14 @@ class PendingSelection:
 
     def __init__(self, targets, vocab, ignore_index, after=None):
         n = len(targets)
-        selected = cupy.empty(2 * n, np.int32)  # one allocation: the rows, then their targets
-        self.rows, self.row_target = selected[:n], selected[n:]
         self._out = _per_thread_and_device(_SelectionOutput)
         with contextlib.nullcontext() if after is None else beside(after):
+            # made beside too: a block of the current stream's arena may still be in use by its
+            # work queued since `after` (a product's workspace, freed as soon as it was queued),
+            # which the kernel here would write over (a run whose row counts changed from step
+            # to step read rows of garbage and faulted)
+            selected = cupy.empty(2 * n, np.int32)  # one allocation: the rows, then their targets
+            self.rows, self.row_target = selected[:n], selected[n:]
             self._targets = kernel_ids(targets)  # held until the wait (beside)
             function("targets", sources.select_rows(self._targets.dtype))(
                 (1,), (sources.SELECT_THREADS,),

@@ -6,7 +6,9 @@ algorithm cuBLAS picks by default ran 5-17% slower on the H200 than the best of 
 candidates its heuristic offers (docs/design.md, "Products"). So the first product of each shape
 class times the candidates once, on its own operands, and the fastest is kept for the process.
 A class is the transposes, data types and leading dimensions, with each of m, n, k rounded up to
-a power of 2: a row count that changes from call to call (ignored rows) does not tune again. The
+one of four steps an octave (_bucket): a row count that changes from call to call (ignored rows)
+tunes again only where it enters a class not met before, and a class's shapes are within 25% of
+each other, so that the choice its first product makes serves its later ones. The
 timing waits for the GPU, once per class; a product that adds to its output (beta != 0) is not
 timed (that would add to it again and again), nor one inside a CUDA-graph capture: it takes its
 class's choice where there is one (the first chunk's product, beta = 0, made it), else the
@@ -195,12 +197,22 @@ def _fastest(runs):
     return times.index(min(times))
 
 
-_product = functools.lru_cache(maxsize=64)(_Product)
+# the descriptors of every shape met, kept: a run's steps each have other valid row counts (and
+# chunks of several shapes, four products each), and a cache smaller than the shapes a run cycles
+# through (it had held 64) makes each product's descriptors and algorithm check again, host time
+# the GPU idles
+_product = functools.lru_cache(maxsize=4096)(_Product)
 _tuned = {}  # shape class -> its algorithm (None where there is no candidate)
 
 
 def _bucket(n):
-    return 1 << (n - 1).bit_length()
+    """n's class: n rounded up to 2^e times 1, 1.25, 1.5, 1.75 or 2 (four classes an octave, from 8),
+    so that the shapes of a class run alike (classes of a power of 2, whose row counts differ by up
+    to 2x, were tuned on whichever came first: docs/design.md, "Products")."""
+    if n <= 8:
+        return 1 << max(n - 1, 0).bit_length()
+    unit = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // unit) * unit
 
 
 def _device_constant(value):

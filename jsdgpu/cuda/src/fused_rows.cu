@@ -1,6 +1,6 @@
 // The fused row kernel: one thread-block cluster per token row, the row held in registers, all
 // of a row's work done with one read of its logits. Instantiated by jsdgpu/cuda/kernels.py as
-// fused_rows<OUT, CLUSTER, THREADS, GROUPS, MIN_CTAS> (the shape stated there, once).
+// fused_rows<MODE, OUT, CLUSTER, THREADS, GROUPS, MIN_CTAS> (the shape stated in sources.py, once).
 #include "ptx.cuh"
 #include "reduce.cuh"
 #include "row_math.cuh"
@@ -10,8 +10,10 @@
 // A thread-block cluster of CLUSTER CTAs works on one token row at a time. CTA r holds the row's
 // columns r * slice + [0, slice) (slice: a multiple of 4), and its thread i holds GROUPS float4
 // groups of them in registers: group k is the CTA's columns 4 (i + k THREADS) + [0, 4). The
-// passes, (1) the row statistics, (2) the JSD sums, (3) the gradient row, work on registers
-// only; each logit crosses HBM once (8 bytes in, 2 or 4 bytes of gradient out).
+// passes, (1) the row statistics, (2) the soft part's sums (row_math.cuh, column_terms: the fast
+// ones and the precise one at once, so that every row's divergence, small or large, is right
+// after this one pass), (3) the gradient row, work on registers only; each logit crosses HBM
+// once (8 bytes in, 2 or 4 bytes of gradient out).
 //
 // The grid holds only as many clusters as fit the GPU at once, and each takes rows until none
 // is left: while it works on one row, the next one's columns are on their way into shared memory
@@ -50,6 +52,7 @@ struct FusedRow {
   static constexpr int WARPS = THREADS / 32;
   float4 s[GROUPS], t[GROUPS];  // student logits (later p where softmax(s) == p), teacher (later h;
                                 // in reverse KL relative to h_ref: row_math.cuh, "A sharp row")
+  float soft_b;                 // the JSD's b (row_math.cuh, column_terms)
   int n, ns, lo, label_column;  // label_column: the label's column in the slice if its one-hot
                                 // term goes into G, else -1
   long long row;
@@ -59,71 +62,47 @@ struct FusedRow {
   float *ce_out, *jsd_out, *label_terms;
   void* G;
   long long ldg;
-  float4* inbox_sums;  // the cluster's CTAs' (a, b), by rank (pushed there); then this row's eps_z, eps_t
+  float4* inbox_sums;  // the cluster's CTAs' sums (a, b, precise, weights), by rank (pushed
+                       // there); then this row's eps_z, eps_t
   unsigned sums_bar, parity;  // their mbarrier, and the parity of this row's phase
-  // rows whose soft part comes out below precise_below (bits) are left to the phase kernels,
-  // whose sums do not cancel (row_math.cuh): redo_rows[row] = 1 there and nothing is written
-  float precise_below;
-  int* redo_rows;
 
   __device__ __forceinline__ int column(int k) const { return 4 * (threadIdx.x + k * THREADS); }
 
   // stats: the row's statistics in shared memory (row_values). What only the results and pass 3
-  // need of them (lse_s, the label's logit, the unshifted lse_t2 of reverse KL: rm.lse_t2 is
-  // shifted there, row_math.cuh "A sharp row") is read once the sums are in: held in registers
-  // through pass 2, they left the kernel closer to spilling (it has 64 a thread).
+  // need of them (lse_s, the label's logit, reverse KL's h_ref) is read once the sums are in:
+  // held in registers through pass 2, they left the kernel closer to spilling (it has 64 a
+  // thread). poly: the precise sum's polynomial (row_math.cuh), from kernel parameters.
   template <int MODE, bool SOFTMAX_IS_P>
-  __device__ __forceinline__ void passes(const float* stats) {
+  __device__ __forceinline__ void passes(const float* stats, const SoftPoly& poly) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // 2. a and b (in reverse KL, a_rel); t becomes h, and s becomes p where softmax(s) == p (no
-    //    temperature, no pad), so that pass 3 needs no exp
-    float a = 0.0f, b = 0.0f;
-#pragma unroll
-    for (int k = 0; k < GROUPS; ++k) {
-      if (column(k) >= n) continue;
-      const float sv[4] = {s[k].x, s[k].y, s[k].z, s[k].w}, tv[4] = {t[k].x, t[k].y, t[k].z, t[k].w};
-      float pv[4], hv[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const KlTerms kt = kl_terms<MODE>(sv[j], tv[j], rm);
-        a += kt.a;
-        b += kt.b;
-        pv[j] = kt.p;
-        hv[j] = kt.h;
-      }
-      t[k] = make_float4(hv[0], hv[1], hv[2], hv[3]);
-      if (SOFTMAX_IS_P) s[k] = make_float4(pv[0], pv[1], pv[2], pv[3]);
-    }
-    const float2 mine = block_merge<THREADS>(make_float2(a, b), make_float2(0.0f, 0.0f), sums_warp_merge<32, float2>,
-                                             sums_warp_merge<tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER), float2>);
+    // 2. the fast sums a and b (in reverse KL, a_rel), the precise sum and its weights' sum; t
+    //    becomes h, and s becomes p where softmax(s) == p (no temperature, no pad), so that pass 3
+    //    needs no exp
+    const float4 sums4 = MODE == JSD && soft_b < SMALL_B_BELOW ? column_sums<MODE, SOFTMAX_IS_P, true>(poly)
+                                                               : column_sums<MODE, SOFTMAX_IS_P, false>(poly);
+    const float4 mine = block_merge<THREADS>(sums4, make_float4(0.0f, 0.0f, 0.0f, 0.0f), sums_warp_merge<32, float4>,
+                                             sums_warp_merge<tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER), float4>);
     // this CTA's sums, pushed to every CTA (lane r to rank r)
-    if (warp == 0 && lane < CLUSTER)
-      push4(smem_addr(inbox_sums + rank), make_float4(mine.x, mine.y, 0.0f, 0.0f), sums_bar, lane);
+    if (warp == 0 && lane < CLUSTER) push4(smem_addr(inbox_sums + rank), mine, sums_bar, lane);
     // The cluster's sums: every warp that needs them waits for them and merges them itself (the
     // same tree, so the same bits), with no block barrier behind one warp's merge. Without G only
     // warp 0 needs them (for the row's results); the others go on to the next row.
     if (G == nullptr && warp != 0) return;
     mbar_wait(sums_bar, parity);
-    float2 sums = make_float2(0.0f, 0.0f);
-    if (lane < CLUSTER) {
-      const float4 v = ld_shared4(smem_addr(inbox_sums) + 16 * lane_id());
-      sums = make_float2(v.x, v.y);
-    }
+    float4 sums = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (lane < CLUSTER) sums = ld_shared4(smem_addr(inbox_sums) + 16 * lane_id());
     sums = sums_warp_merge<32>(sums);  // the other lanes hold zeros: every lane gets the CLUSTER lanes' tree's bits
     const float4 eps = inbox_sums[CLUSTER];  // the logsumexps' roundings (row_math.cuh, unrounded_sums)
-    // r.x: a_n (in reverse KL kl_rel, and a_n = h_ref + kl_rel, h_ref the shift of lse_t2)
+    // r.x: a_n (in reverse KL kl_rel, and a_n = h_ref + kl_rel)
     const float2 r = unrounded_sums<MODE>(sums.x, sums.y, eps.x, eps.y);
-    const float a_n = MODE == REVERSE_KL ? (stats[6] - rm.lse_t2) + r.x : r.x;
     rm.lse_s = stats[0];
-    // the same bits in every CTA, so every CTA takes the same branch (a NaN keeps the row here)
-    const float soft = unrounded_soft_bits<MODE>(make_float2(a_n, r.y), eps.x, eps.y, rm);
-    const bool redo = soft < precise_below;
     if (warp == 0 && lane == 0 && rank == 0) {
-      redo_rows[row] = redo;
-      if (!redo)
-        write_row_results(row, stats[3], soft, label_apart, rm, G != nullptr, ce_out, jsd_out, label_terms);
+      const float2 n = make_float2(MODE == REVERSE_KL ? stats[6] + r.x : r.x, r.y);  // a_n (not relative), b_n
+      const float fast = unrounded_soft_bits<MODE>(n, eps.x, eps.y, rm);
+      const float precise = unrounded_precise<MODE>(sums.z, n, eps.x, eps.y, soft_b, rm);
+      write_row_results(row, stats[3], row_soft(fast, precise, sums.w), label_apart, rm, G != nullptr, ce_out,
+                        jsd_out, label_terms);
     }
-    if (redo) return;
     // 3. the gradient row: the loop writes the groups of 4 student columns, without the
     //    label's one-hot term; after it, the thread that holds them writes the group that ends
     //    inside a float4 (where ns % 4 != 0) and, where the one-hot term goes into G, the label's
@@ -159,6 +138,29 @@ struct FusedRow {
     }
   }
 
+  // Pass 2 over the thread's columns: their sums (column_terms); t becomes h, and s p where
+  // SOFTMAX_IS_P
+  template <int MODE, bool SOFTMAX_IS_P, bool SMALL_B>
+  __device__ __forceinline__ float4 column_sums(const SoftPoly& poly) {
+    float4 sums = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int k = 0; k < GROUPS; ++k) {
+      if (column(k) >= n) continue;
+      const float sv[4] = {s[k].x, s[k].y, s[k].z, s[k].w}, tv[4] = {t[k].x, t[k].y, t[k].z, t[k].w};
+      float pv[4], hv[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const ColumnTerms c = column_terms<MODE, SMALL_B>(sv[j], tv[j], rm, soft_b, poly);
+        sums = make_float4(sums.x + c.a, sums.y + c.b, sums.z + c.soft, sums.w + c.w);
+        pv[j] = c.p;
+        hv[j] = c.h;
+      }
+      t[k] = make_float4(hv[0], hv[1], hv[2], hv[3]);
+      if (SOFTMAX_IS_P) s[k] = make_float4(pv[0], pv[1], pv[2], pv[3]);
+    }
+    return sums;
+  }
+
   // The gradient values of group k; its value j_label (if 0..3) with the label's one-hot term.
   template <int MODE, bool SOFTMAX_IS_P>
   __device__ __forceinline__ void gradient(int k, float kl, int j_label, float out[4]) const {
@@ -181,7 +183,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
                                          float w_hard, float w_soft_over_t, float* __restrict__ ce_out,
                                          float* __restrict__ jsd_out, void* G, long long ldg,
                                          float* __restrict__ label_terms, int* __restrict__ row_counter,
-                                         float precise_below, int* __restrict__ redo_rows) {
+                                         float soft_b, const SoftPoly& poly) {
   static_assert(CLUSTER < 32, "lane CLUSTER of warp 2 holds the pad columns' part of z");
   static_assert(THREADS >= 128, "warps 0, 1 and 2 merge one statistic each; a thread of warp 3 copies");
   constexpr int WARPS = THREADS / 32;
@@ -204,8 +206,13 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   // next row's comes after that row's first barrier, which every warp reaches after this row
   __shared__ float4 inbox_stats[4 * CLUSTER], inbox_sums[CLUSTER + 1];
   __shared__ unsigned long long bars[3];  // their mbarriers, and the copies': one phase per row
-  __shared__ float row_values[7];  // the cluster's statistics, for every thread
-  __shared__ int row_after;        // the row after the next one (from rank 0), for every thread
+  // the cluster's statistics, for every thread: lse_s (nats), lse_z2, lse_t2, the label's logit,
+  // the reference column's s and t, and in reverse KL h_ref (row_math.cuh, "A sharp row")
+  __shared__ float row_values[7];
+  // The row after this one (rows_queued[parity ^ 1]) and the one after that (rows_queued[parity],
+  // from rank 0 with the statistics), for every thread: read from here where they are needed
+  // rather than held in registers through the passes (ptxas spilled them)
+  __shared__ int rows_queued[2];
   // vt - vs, read from here by the one lane that needs it: held in a register through the loop,
   // it was spilled in jsd_rows_f32
   __shared__ float pad_columns;
@@ -229,8 +236,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   f.ce_out = ce_out;
   f.jsd_out = jsd_out;
   f.label_terms = label_terms;
-  f.precise_below = precise_below;
-  f.redo_rows = redo_rows;
+  f.soft_b = soft_b;
   f.G = G;
   f.ldg = ldg;
   f.inbox_sums = inbox_sums;
@@ -269,7 +275,8 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
 
   // This cluster's row and the next one: the first two by its index, then from row_counter.
   const int clusters = gridDim.x / CLUSTER;
-  int row = blockIdx.x / CLUSTER, next = row + clusters;
+  int row = blockIdx.x / CLUSTER;
+  if (threadIdx.x == 0) rows_queued[1] = row + clusters;  // read after the loop's first barrier
   if (threadIdx.x == COPIER && row < rows) copy_ahead(row);
   for (unsigned parity = 0; row < rows; parity ^= 1) {
     int after = 0;  // the row after next: thread 0 of rank 0 takes it; every CTA gets it below
@@ -346,7 +353,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
       warp_ref[warp] = ref;    // read only in reverse KL
     }
     __syncthreads();  // after it every thread's reads of next_row are done: the next row's copies start
-    if (threadIdx.x == COPIER && next < rows) copy_ahead(next);
+    if (threadIdx.x == COPIER && rows_queued[parity ^ 1] < rows) copy_ahead(rows_queued[parity ^ 1]);
     // The three statistics merged at once by three warps: s by warp 0, t by warp 1, and z by
     // warp 2 where it is not s; each warp's total pushed to every CTA (lane r to rank r), then
     // every CTA's merged.
@@ -382,7 +389,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
       }
       float4 u = make_float4(NEG_INF, 0.0f, 0.0f, 0.0f);
       if (lane < CLUSTER) u = inbox_stats[stat * CLUSTER + lane];
-      if (stat == 0 && lane == 0) row_after = __float_as_int(u.w);  // rank 0's statistic s
+      if (stat == 0 && lane == 0) rows_queued[parity] = __float_as_int(u.w);  // rank 0's statistic s
       if (stat == 2 && lane == CLUSTER && vt > vs) u = make_float4(0.0f, pad_columns, 0.0f, 0.0f);  // the pad: z = 0
       // z's tree spans lane CLUSTER, which holds the pad's part
       const Lse total = stat == 2 ? lse_lanes(Lse{u.x, u.y}) : lse_lanes<tree_lanes(CLUSTER)>(Lse{u.x, u.y});
@@ -409,11 +416,9 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
       }
     }
     __syncthreads();
-    if (MODE == REVERSE_KL) {  // lse_t2 shifted by h_ref (row_math.cuh, "A sharp row"), once for the CTA
-      if (threadIdx.x == 0) {
-        row_values[6] = row_values[2];
-        row_values[2] = shifted_lse_t2(row_values[4], row_values[5], scale2, row_values[1], row_values[2]);
-      }
+    if (MODE == REVERSE_KL) {  // h_ref (row_math.cuh, "A sharp row"), once for the CTA
+      if (threadIdx.x == 0)
+        row_values[6] = row_values[2] - shifted_lse_t2(row_values[4], row_values[5], scale2, row_values[1], row_values[2]);
       __syncthreads();  // (with the shift in every thread, held through pass 2, the kernel spilled)
     }
     if (n > ns) {  // the statistics are read: the pad columns become z = 0 for pass 2
@@ -425,34 +430,38 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     }
 
     f.row = row;
-    const int after_row = row_after;  // read before the next row's statistics overwrite it
     // lse_s: set by passes (above)
-    f.rm = RowMath{scale2, 0.0f, row_values[1], row_values[2], beta, one_minus_beta, w_hard, w_soft_over_t};
+    // c_h: reverse KL's h relative to h_ref (row_math.cuh, "A sharp row"): lse_t2 - h_ref - lse_z2
+    f.rm = RowMath{scale2, 0.0f, row_values[1], row_values[2],
+                   MODE == REVERSE_KL ? (row_values[2] - row_values[6]) - row_values[1] : 0.0f,
+                   beta, one_minus_beta, w_hard, w_soft_over_t};
     f.label_apart = G != nullptr && label_dominates(row_values[3], row_values[0]);
     f.label_column = holds_label && !f.label_apart ? y - lo : -1;
     f.parity = parity;
     if (f.softmax_is_p)
-      f.template passes<MODE, true>(row_values);
+      f.template passes<MODE, true>(row_values, poly);
     else
-      f.template passes<MODE, false>(row_values);
-    row = next;
-    next = after_row;
+      f.template passes<MODE, false>(row_values, poly);
+    row = rows_queued[parity ^ 1];  // overwritten only after the next row's first barrier
   }
   cluster_sync();  // no CTA leaves while its pushes may still be on the way
 }
 
 #define JSD_ROWS_ARGS                                                                                   \
   const float *S, long long lds, const float *Tl, long long ldt, const float *bias_s, const float *bias_t, \
-      const int *target, int vs, int vt, int slice, int rows, float inv_temp, int mode, float beta,       \
+      const int *target, int vs, int vt, int slice, int rows, float inv_temp, float beta,                 \
       float one_minus_beta,                                                                              \
       float w_hard, float w_soft_over_t, float *ce_out, float *jsd_out, void *G, long long ldg, float *label_terms, \
-      int *row_counter, float precise_below, int *redo_rows
+      int *row_counter, float soft_b, SOFT_POLY_PARAMS
 #define JSD_ROWS_CALL                                                                                      \
   S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, slice, rows, inv_temp, beta, one_minus_beta, w_hard,     \
-      w_soft_over_t, ce_out, jsd_out, G, ldg, label_terms, row_counter, precise_below, redo_rows
+      w_soft_over_t, ce_out, jsd_out, G, ldg, label_terms, row_counter, soft_b, poly
 
-// MIN_CTAS: CTAs per SM that the register allocation must allow
-template <int OUT, int CLUSTER, int THREADS, int GROUPS, int MIN_CTAS>
+// MODE: the divergence, a kernel of its own each: with the three modes' bodies in one kernel,
+// ptxas spilled where each alone does not. MIN_CTAS: CTAs per SM that the register allocation
+// must allow.
+template <int MODE, int OUT, int CLUSTER, int THREADS, int GROUPS, int MIN_CTAS>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MIN_CTAS) fused_rows(JSD_ROWS_ARGS) {
-  mode_dispatch(mode, [=](auto m) { fused_rows_body<decltype(m)::value, OUT, CLUSTER, THREADS, GROUPS>(JSD_ROWS_CALL); });
+  const SoftPoly poly = SOFT_POLY_OF_PARAMS;
+  fused_rows_body<MODE, OUT, CLUSTER, THREADS, GROUPS>(JSD_ROWS_CALL);
 }

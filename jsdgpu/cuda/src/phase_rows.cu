@@ -10,11 +10,9 @@
 // rank's pad columns) and t; the target logit where this rank owns the label (else 0); the t of
 // the column of the largest s (the reference column of a sharp row in reverse KL: row_math.cuh;
 // combined over the ranks, the t of the rank that holds the largest s).
-// kl [5, rows]: a, b (by precise_kl_terms: no cancellation), the sums of p and of q, and the fast
-// form of a (the gradient's: precise_kl_terms; in reverse KL relative to the reference column,
-// kl_rel). target: the label's column in this
-// rank's shard, -1 where not owned (or none). only: null, or the rows to work on (only[row] != 0),
-// the others left as they are: the rows the fused kernel left to these (redo_rows).
+// kl [6, rows]: the fast sums a and b (in reverse KL relative to the reference column: row_math.cuh,
+// "A sharp row"), the precise sum and its weights' sum (column_terms), the sums of p and of q.
+// target: the label's column in this rank's shard, -1 where not owned (or none).
 #include "reduce.cuh"
 #include "row_math.cuh"
 
@@ -52,13 +50,12 @@ __device__ __forceinline__ Lse lse_of4(const float x[4], float scale, int count)
 
 #define PHASE_ROW_ARGS                                                                                    \
   const float *S, long long lds, const float *Tl, long long ldt, const float *bias_s, const float *bias_t, \
-      const int *target, int vs, int vt, float inv_temp, int rows, const int *only
+      const int *target, int vs, int vt, float inv_temp, int rows
 
 // Phase 1: this rank's part of the row statistics.
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS) phase_stats(PHASE_ROW_ARGS, float* stats) {
   const long long row = blockIdx.x;
-  if (only != nullptr && !only[row]) return;
   const float *srow = S + row * lds, *trow = Tl + row * ldt;
   const int y = target[row];
   const bool tempered = inv_temp != 1.0f;
@@ -85,37 +82,33 @@ __global__ void __launch_bounds__(THREADS) phase_stats(PHASE_ROW_ARGS, float* st
   }
 }
 
-// The row's RowMath from the statistics combined over all ranks
-__device__ __forceinline__ RowMath phase_row_math(const float* stats, long long row, int rows, float inv_temp,
-                                                  float beta, float one_minus_beta, float w_hard,
+// The row's RowMath from the statistics combined over all ranks; in reverse KL with c_h, which
+// takes the gradient's h relative to the reference column (the largest s, whose t is stats[7]),
+// so that a sharp row's kl is a sum of small terms ("A sharp row", row_math.cuh)
+__device__ __forceinline__ RowMath phase_row_math(int mode, const float* stats, long long row, int rows,
+                                                  float inv_temp, float beta, float one_minus_beta, float w_hard,
                                                   float w_soft_over_t) {
   const float* st = stats + row;
   RowMath r = {inv_temp * LOG2E,
                st[0] + logf(st[3 * (long long)rows]),
                (st[(long long)rows] + logf(st[4 * (long long)rows])) * LOG2E,
                (st[2 * (long long)rows] + logf(st[5 * (long long)rows])) * LOG2E,
-               beta, one_minus_beta, w_hard, w_soft_over_t};
+               0.0f, beta, one_minus_beta, w_hard, w_soft_over_t};
+  if (mode == REVERSE_KL) r.c_h = shifted_lse_t2(st[0], st[7 * (long long)rows], r.scale2, r.lse_z2, r.lse_t2) - r.lse_z2;
   return r;
 }
 
-// The RowMath the gradient's h and kl take: in reverse KL, lse_t2 less the h of the reference
-// column (the largest s, whose t is stats[7]), so that a sharp row's kl is a sum of small terms
-// ("A sharp row", row_math.cuh); the row's own elsewhere
-__device__ __forceinline__ RowMath gradient_row_math(int mode, RowMath r, const float* stats, long long row,
-                                                     int rows) {
-  if (mode == REVERSE_KL) r.lse_t2 = shifted_lse_t2(stats[row], stats[7 * (long long)rows + row], r.scale2, r.lse_z2,
-                                                    r.lse_t2);
-  return r;
-}
-
-// Phase 2: this thread's part of the row's KL sums a and b.
+// Phase 2: this thread's part of the row's sums (column_terms): the fast a and b, the precise
+// sum and its weights' sum, and the sums of p and of q.
 template <int THREADS>
-struct KlSums {
+struct RowSums {
   const float *srow, *trow, *bias_s, *bias_t;
   int vs, vt;
-  RowMath rm, rm_grad;  // the row's, and gradient_row_math's
-  float4 sums;  // a, b, and the sums of p and of q
-  float fast_a;
+  RowMath rm;
+  float soft_b;
+  SoftPoly poly;
+  float4 sums;  // a, b, precise, weights
+  float2 pq;    // the sums of p and of q
 
   template <int MODE>
   __device__ __forceinline__ void operator()(Mode<MODE>) {
@@ -123,10 +116,10 @@ struct KlSums {
       float s[4], t[4];
       load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
       for (int k = 0; k < 4 && i + k < vt; ++k) {
-        const float sk = i + k < vs ? s[k] : 0.0f;
-        const PreciseTerms terms = precise_kl_terms<MODE>(sk, t[k], rm);
-        sums = make_float4(sums.x + terms.a, sums.y + terms.b, sums.z + terms.p, sums.w + terms.q);
-        fast_a += MODE == REVERSE_KL ? kl_terms<MODE>(sk, t[k], rm_grad).a : terms.fast_a;
+        // (the series' check in every column: the phase kernels are not the common path)
+        const ColumnTerms c = column_terms<MODE, true>(i + k < vs ? s[k] : 0.0f, t[k], rm, soft_b, poly);
+        sums = make_float4(sums.x + c.a, sums.y + c.b, sums.z + c.soft, sums.w + c.w);
+        pq = make_float2(pq.x + c.p, pq.y + c.q);
       }
     }
   }
@@ -134,20 +127,21 @@ struct KlSums {
 
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS)
-    phase_kl(PHASE_ROW_ARGS, int mode, float beta, float one_minus_beta, const float* stats, float* kl) {
+    phase_kl(PHASE_ROW_ARGS, int mode, float beta, float one_minus_beta, float soft_b, SOFT_POLY_PARAMS,
+             const float* stats, float* kl) {
   const long long row = blockIdx.x;
-  if (only != nullptr && !only[row]) return;
-  const RowMath rm = phase_row_math(stats, row, rows, inv_temp, beta, one_minus_beta, 0.0f, 0.0f);
-  KlSums<THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, vt, rm,
-                       gradient_row_math(mode, rm, stats, row, rows), make_float4(0.0f, 0.0f, 0.0f, 0.0f), 0.0f};
+  RowSums<THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, vt,
+                        phase_row_math(mode, stats, row, rows, inv_temp, beta, one_minus_beta, 0.0f, 0.0f),
+                        soft_b, SOFT_POLY_OF_PARAMS, make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float2(0.0f, 0.0f)};
   mode_dispatch(mode, f);
   const float4 sums = block_merge<THREADS>(f.sums, make_float4(0.0f, 0.0f, 0.0f, 0.0f), sums_warp_merge<32, float4>,
                                            sums_warp_merge<tree_lanes(THREADS / 32), float4>);
   __syncthreads();  // block_merge's shared memory, used again
-  const float fast_a = block_merge<THREADS>(f.fast_a, 0.0f, warp_sum<32>, warp_sum<tree_lanes(THREADS / 32)>);
+  const float2 pq = block_merge<THREADS>(f.pq, make_float2(0.0f, 0.0f), sums_warp_merge<32, float2>,
+                                         sums_warp_merge<tree_lanes(THREADS / 32), float2>);
   if (threadIdx.x == 0) {
-    const float v[5] = {sums.x, sums.y, sums.z, sums.w, fast_a};
-    for (int k = 0; k < 5; ++k) kl[k * (long long)rows + row] = v[k];
+    const float v[6] = {sums.x, sums.y, sums.z, sums.w, pq.x, pq.y};
+    for (int k = 0; k < 6; ++k) kl[k * (long long)rows + row] = v[k];
   }
 }
 
@@ -157,39 +151,34 @@ struct Finish {
   const float *srow, *trow, *bias_s, *bias_t;
   int vs, y;
   long long row;
-  RowMath rm, rm_grad;  // the row's, and gradient_row_math's
-  float target_logit;
-  float4 sums;  // phase_kl's, over every rank
-  float fast_a;
+  RowMath rm;
+  float soft_b, target_logit, h_ref;  // h_ref: reverse KL's (row_math.cuh, "A sharp row")
+  float4 sums;  // phase_kl's, over every rank: a, b, precise, weights
+  float2 pq;    // the sums of p and q
   float *ce_out, *jsd_out, *label_terms;
   void* G;
   long long ldg;
 
   template <int MODE>
   __device__ __forceinline__ void operator()(Mode<MODE>) {
-    // the generalized terms' sums over p and q as computed, normalized: their error is then second
-    // order in the probabilities' common error (the rounding of the row's logsumexps)
-    const float a = sums.x / sums.z, b = sums.y / sums.w, kl = fast_a / sums.z;
+    // the fast sums for the distributions as computed, normalized (where the fused kernel corrects
+    // them by the logsumexps' recovered roundings): kl, the gradient's, is a_n
+    const float a_n = sums.x / pq.x, b_n = sums.y / pq.y;
+    const float fast = MODE == REVERSE_KL ? h_ref + a_n : soft_bits<MODE>(a_n, b_n, rm);
     const bool label_apart = G != nullptr && y >= 0 && label_dominates(target_logit, rm.lse_s);
     if (threadIdx.x == 0)
-      write_row_results(row, target_logit, soft_bits<MODE>(a, b, rm), label_apart, rm, G != nullptr, ce_out,
+      write_row_results(row, target_logit, row_soft(fast, sums.z, sums.w), label_apart, rm, G != nullptr, ce_out,
                         jsd_out, label_terms);
     if (G == nullptr) return;
-    // G may be the row's own student logits (the rows the fused kernel left to these kernels): a
-    // 16-bit G value lands on the logit of half its column, which another thread reads, so each
-    // round of columns is read by every thread before any writes (and every thread takes every
-    // round, for the barrier)
-    for (int base = 0; base < vs; base += 4 * THREADS) {
-      const int i = base + 4 * threadIdx.x;
+    const SoftPoly none = {};  // the gradient takes p and h of column_terms, not its soft terms
+    for (int i = 4 * threadIdx.x; i < vs; i += 4 * THREADS) {
       float s[4], t[4], g[4];
-      if (i < vs) load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
-      __syncthreads();
-      if (i >= vs) continue;
+      load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const KlTerms terms = kl_terms<MODE>(s[k], t[k], rm_grad);
+        const ColumnTerms c = column_terms<MODE>(s[k], t[k], rm, soft_b, none);
         // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns
-        g[k] = grad_value<MODE, false>(softmax_of(s[k], rm), terms.p, terms.h, i + k == y && !label_apart, kl, rm);
+        g[k] = grad_value<MODE, false>(softmax_of(s[k], rm), c.p, c.h, i + k == y && !label_apart, a_n, rm);
       }
       const int count = min(4, vs - i);
       store4<OUT>(G, row * ldg + i, g, count);
@@ -199,17 +188,16 @@ struct Finish {
 
 template <int OUT, int THREADS>
 __global__ void __launch_bounds__(THREADS)
-    phase_finish(PHASE_ROW_ARGS, int mode, float beta, float one_minus_beta, float w_hard, float w_soft_over_t,
-                 const float* stats, const float* kl, float* ce_out, float* jsd_out, void* G, long long ldg,
+    phase_finish(PHASE_ROW_ARGS, int mode, float beta, float one_minus_beta, float soft_b, float w_hard,
+                 float w_soft_over_t, const float* stats, const float* kl, float* ce_out, float* jsd_out, void* G, long long ldg,
                  float* label_terms) {
   const long long row = blockIdx.x;
-  if (only != nullptr && !only[row]) return;
-  const RowMath rm = phase_row_math(stats, row, rows, inv_temp, beta, one_minus_beta, w_hard, w_soft_over_t);
-  Finish<OUT, THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, target[row], row, rm,
-                            gradient_row_math(mode, rm, stats, row, rows), stats[6 * (long long)rows + row],
-                            make_float4(kl[row], kl[rows + row], kl[2 * (long long)rows + row],
-                                        kl[3 * (long long)rows + row]),
-                            kl[4 * (long long)rows + row],
+  const RowMath rm = phase_row_math(mode, stats, row, rows, inv_temp, beta, one_minus_beta, w_hard, w_soft_over_t);
+  const long long n = rows;
+  Finish<OUT, THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, target[row], row, rm, soft_b,
+                            stats[6 * n + row], rm.lse_t2 - (rm.c_h + rm.lse_z2),
+                            make_float4(kl[row], kl[n + row], kl[2 * n + row], kl[3 * n + row]),
+                            make_float2(kl[4 * n + row], kl[5 * n + row]),
                             ce_out, jsd_out, label_terms, G, ldg};
   mode_dispatch(mode, f);
 }

@@ -11,137 +11,149 @@
 #include "common.cuh"
 #include "reduce.cuh"
 
-// What a row's KL sums and gradient need once its statistics are known.
+// What a row's sums and gradient need once its statistics are known.
 struct RowMath {
   float scale2;          // log2(e) / temperature
   float lse_s;           // logsumexp of s, natural units (the CE)
   float lse_z2, lse_t2;  // logsumexp of s / T and of t / T, in bits
+  float c_h;             // reverse KL: the gradient's h is (s - t) scale2 + c_h, relative to the
+                         // reference column ("A sharp row", below); unused elsewhere
   float beta, one_minus_beta;  // both from the host's float64: 1 - beta in float32 from a beta
                                // near 1 would be a few percent off
   float w_hard, w_soft_over_t;
 };
 
-// One column's share of a = sum p (log p - log m) and b = sum q (log q - log m), in bits, with m
-// the mixture (JSD), p (forward KL) or q (reverse KL); the sum a KL does not use is 0 (a in
-// forward KL, b in reverse KL). p, and h, what the gradient needs of the teacher (bits but in
-// forward KL, where h = q). s: the student logit (0 in a pad column), t: the teacher logit.
-struct KlTerms {
-  float a, b, p, h;
+// ---- one column's terms ----
+//
+// Every soft part here is a sum over the columns of w F(d) >= 0: w the probability of a weight
+// distribution (p; q where the divergence is mirrored: reverse KL, and the JSD with beta > 1/2),
+// d = ln(o / w) the log-ratio of the other distribution's, formed from the logits' difference
+// t - s (never from two logs near log(1/V), whose roundings are more than a small divergence),
+// and F second order in d, so that no column's term cancels against another's:
+//   KL(q || p) = sum p Phi(d), Phi(d) = 1 + e^d (d - 1); KL(p || q) is the same, mirrored;
+//   the JSD = sum w H_b(d), H_b(d) = b Phi(d) - G(b (e^d - 1)), G(y) = (1 + y) ln(1 + y) - y,
+//   with b the mixture's weight of the other distribution (beta, or 1 - beta mirrored: b <= 1/2,
+//   so that H_b = b (1 - b) d^2 / 2 + ... loses at most a factor 2 to cancellation).
+// (Each is the generalized KL form sum w (e^x - 1 - x): the sums of p and of q are 1, so the
+// terms that are linear in them add up to 0; the rows' normalization errors then change the sum
+// at second order only. docs/design.md, "Small divergences".)
+// Where |d| < 1, F(d) = d^2 P(d) with P the host's polynomial for the mode and b
+// (sources.soft_terms: a fit in float64, to float32's rounding). Elsewhere F by its formula,
+// written in w and o so that nothing overflows: w Phi(d) = w + o (d - 1), and
+// w G(y) = m ln(m / w) - (m - w) with m = w + b (o - w) the mixture (G by its series where
+// |y| < 1/10: only where b < 1/6). o is w times the smaller's ratio to the larger where o <= w,
+// its own exp where o > w; the mixture's log is taken relative to the larger of the two.
+//
+// The fast sums a = sum p (lp - lm), b = sum q (lq - lm) (in bits; m the mixture, q in forward
+// KL's b where m = p, and p in reverse KL's a where m = q) are the ones the gradient takes (its
+// kl is a) and the soft part above 0.1 nats (kernels.PRECISE_BELOW): they are first order in d
+// and cancel where the divergence is small, but correct to float32 where a divergence of
+// hundreds of bits is off by the rounding of the row's logsumexps (unrounded_sums, below).
+
+constexpr int SOFT_POLY_TERMS = 9;  // P's coefficients, of d^0 .. d^8
+struct SoftPoly {
+  float c[SOFT_POLY_TERMS];
+};
+// its coefficients as kernel parameters (by value: they stay in the constant bank), and gathered
+#define SOFT_POLY_PARAMS                                                                                  \
+  float poly0, float poly1, float poly2, float poly3, float poly4, float poly5, float poly6, float poly7, \
+      float poly8
+#define SOFT_POLY_OF_PARAMS {{poly0, poly1, poly2, poly3, poly4, poly5, poly6, poly7, poly8}}
+
+// One column's shares of the fast sums (a, b) and of the precise one (soft, over the weights' sum
+// w; natural units), p and q, and the gradient's h (lp - lm in bits; in reverse KL relative to the
+// reference column; q in forward KL). s: the student logit (0 in a pad column, -inf with t past
+// the row's end), t: the teacher's. soft_b: the JSD's b (above).
+struct ColumnTerms {
+  float a, b, soft, w, p, q, h;
 };
 
+// SMALL_B: soft_b < SMALL_B_BELOW, where G(y) may need its series; a variant of its own, so that
+// the common one (b >= 1/6, where the series is never taken) holds no check of it in each column
+constexpr float SMALL_B_BELOW = 1.0f / 6.0f;
 
-template <int MODE>
-__device__ __forceinline__ KlTerms kl_terms(float s, float t, const RowMath& r) {
+template <int MODE, bool SMALL_B = false>
+__device__ __forceinline__ ColumnTerms column_terms(float s, float t, const RowMath& r, float soft_b,
+                                                    const SoftPoly& poly) {
+  const bool mirrored = MODE == REVERSE_KL || (MODE == JSD && r.beta > 0.5f);
   const float lp = fmaf(s, r.scale2, -r.lse_z2), lq = fmaf(t, r.scale2, -r.lse_t2);
   const float p = ex2(lp), q = ex2(lq);
+  // t - s is 0 where both are -inf (past the row's end: p = q = 0, and every term 0)
+  const float diff = s == t ? 0.0f : t - s;
+  const float dq2 = fmaf(diff, r.scale2, r.lse_z2 - r.lse_t2);  // log2(q / p)
+  const float d2 = mirrored ? -dq2 : dq2;                       // log2(o / w)
+  const float w = mirrored ? q : p;
+  // the smaller of w and o over the larger: at most 1, so nothing here overflows
+  const float ratio = ex2(-fabsf(d2));
+  const float o = d2 <= 0.0f ? w * ratio : (mirrored ? p : q);
+  ColumnTerms k;
+  k.w = w;
+  k.p = p;
+  k.q = q;
+  float w_g = 0.0f;  // the JSD's w G(y), where |d| >= 1
   if (MODE == JSD) {
-    // m clamped to the smallest normal float so that its log stays finite (the terms it touches
-    // are below 1e-36); max_nan, not fmaxf, so that a NaN passes
-    const float m = r.one_minus_beta * p + r.beta * q;
-    const float lm = lg2(max_nan(m, FLT_MIN_NORMAL)), h = lp - lm;
-    // 0 log 0 = 0: lm is finite, so where p = 0 (lp = -inf at worst) p max(lp - lm, -FLT_MAX) is
-    // 0, and elsewhere it is p (lp - lm); likewise for q. A NaN reaches the loss. (One max and an
-    // FMA where "p != 0 ? p (lp - lm) : 0" took four instructions.)
-    KlTerms k = {p * max_nan(h, -FLT_MAX_FINITE), q * max_nan(lq - lm, -FLT_MAX_FINITE), p, h};
-    return k;
+    // log2 of the mixture over the larger of w and o (in [log2 b, 0]: never a difference of two
+    // large logs), and so lw - lm and lo - lm
+    const float l2 = lg2(d2 <= 0.0f ? fmaf(soft_b, ratio, 1.0f - soft_b) : fmaf(1.0f - soft_b, ratio, soft_b));
+    const float h_w = -l2 - fmaxf(d2, 0.0f), h_o = fminf(d2, 0.0f) - l2;
+    k.h = mirrored ? h_o : h_w;
+    k.a = p * k.h;
+    k.b = q * (mirrored ? h_w : h_o);
+    if (fabsf(d2) >= LOG2E) {
+      const float o_less_w = soft_b * (o - w);  // m - w
+      // (where b >= 1/6, |y| = b |e^d - 1| >= 1/10 here)
+      if (SMALL_B && o_less_w < 0.1f * w && o_less_w > -0.1f * w) {
+        // |y| < 1/10, y = b (o / w - 1): G(y) / y^2 = sum of (-y)^j / ((j + 1)(j + 2))
+        const float y = soft_b * (d2 <= 0.0f ? ratio - 1.0f : __frcp_rn(ratio) - 1.0f);
+        float g = 1.0f / 56.0f;
+        g = fmaf(g, y, -1.0f / 42.0f);
+        g = fmaf(g, y, 1.0f / 30.0f);
+        g = fmaf(g, y, -1.0f / 20.0f);
+        g = fmaf(g, y, 1.0f / 12.0f);
+        g = fmaf(g, y, -1.0f / 6.0f);
+        g = fmaf(g, y, 0.5f);
+        w_g = w * (y * y) * g;
+      } else {  // m ln(m / w) - (m - w)
+        w_g = fmaf(w + o_less_w, (l2 + fmaxf(d2, 0.0f)) * LN2, -o_less_w);
+      }
+    }
+  } else if (MODE == FORWARD_KL) {
+    k.h = q;
+    k.a = 0.0f;
+    k.b = q * dq2;
+  } else {
+    k.h = fmaf(-diff, r.scale2, r.c_h);
+    k.a = p * k.h;
+    k.b = 0.0f;
   }
-  // the KLs: only one sum is used (a for reverse KL, b for forward KL), and its log-ratio can be
-  // -inf - -inf where both logits are -inf: its 0 log 0 is the explicit 0 of "p != 0", which
-  // (rather than "p > 0") lets a NaN reach the loss
-  const float h = MODE == FORWARD_KL ? q : lp - lq;
-  KlTerms k = {MODE == REVERSE_KL && p != 0.0f ? p * h : 0.0f,
-               MODE == FORWARD_KL && q != 0.0f ? q * (lq - lp) : 0.0f, p, h};
+  if (fabsf(d2) < LOG2E) {  // |d| < 1: P takes d in bits (sources.soft_terms)
+    float c = poly.c[SOFT_POLY_TERMS - 1];
+#pragma unroll
+    for (int j = SOFT_POLY_TERMS - 2; j >= 0; --j) c = fmaf(c, d2, poly.c[j]);
+    k.soft = w * (d2 * d2) * c;
+  } else {
+    const float w_phi = fmaf(o, fmaf(d2, LN2, -1.0f), w);
+    k.soft = MODE == JSD ? fmaf(soft_b, w_phi, -w_g) : w_phi;
+  }
   return k;
 }
-
-// ---- the KL sums without cancellation, where the fast ones above cannot be trusted ----
-//
-// Where p and q nearly agree (a high temperature, or beta near 0 or 1 in the JSD), the fast sums
-// add first-order terms of about 1e-4 that cancel to a divergence of 1e-8, and the logs of
-// probabilities near 1/V carry 1e-6 bits of rounding each: their sum is off by far more than the
-// divergence. Here each column's term is the generalized KL term w (e^x - 1 - x) >= 0 of w
-// against w e^x, with x a log-ratio formed from the logits' difference t - s (never from two
-// logs near log(1/V)): second order in x, so no term cancels against another, and an error in
-// the rows' normalizations (the logsumexps) changes the sum only at second order. In natural
-// units.
-
-// e^x - 1 - x, to float32 rounding at every x: by its series where it cancels
-__device__ __forceinline__ float expm1_minus_x(float x) {
-  if (fabsf(x) < 0.5f) {  // sum of x^k / k! for k = 2..10; the rest is below 1e-9 of it
-    float c = 1.0f / 3628800.0f;
-    c = fmaf(c, x, 1.0f / 362880.0f);
-    c = fmaf(c, x, 1.0f / 40320.0f);
-    c = fmaf(c, x, 1.0f / 5040.0f);
-    c = fmaf(c, x, 1.0f / 720.0f);
-    c = fmaf(c, x, 1.0f / 120.0f);
-    c = fmaf(c, x, 1.0f / 24.0f);
-    c = fmaf(c, x, 1.0f / 6.0f);
-    c = fmaf(c, x, 0.5f);
-    return x * x * c;
-  }
-  return expm1f(x) - x;
-}
-
-// w (e^x - 1 - x) where w e^x = w_other: w's term of the generalized KL(w || w_other)
-__device__ __forceinline__ float kl_term(float w, float w_other, float x) {
-  if (x >= 0.5f) return w == 0.0f ? w_other : w_other - fmaf(w, x, w);  // w_other > 1.6 w: no cancellation
-  return w * expm1_minus_x(x);
-}
-
-// ln((1 - c) + c e^d) for c in [0, 1], omc = 1 - c: log1p(c expm1(d)), but from its sum of two
-// positive terms where that is below 1/2 (log1p's argument near -1 would have cancelled); NaN
-// passes. d <= 80 (no overflow).
-__device__ __forceinline__ float log_mix(float c, float omc, float d) {
-  const float y = c * expm1f(d);
-  return y < -0.5f ? logf(fmaf(c, expf(d), omc)) : log1pf(y);
-}
-
-// A column's share of the KL sums (a, b), in bits, as kl_terms' a and b; its p and q; and its share
-// of kl_terms' a as the gradient takes it (fast_a: its logs' offsets cancel there against h's).
-// s: the student logit, 0 in a pad column; t: the teacher's.
-struct PreciseTerms {
-  float a, b, p, q, fast_a;
-};
-
-template <int MODE>
-__device__ __forceinline__ PreciseTerms precise_kl_terms(float s, float t, const RowMath& r) {
-  const float lp = fmaf(s, r.scale2, -r.lse_z2), lq = fmaf(t, r.scale2, -r.lse_t2);
-  const float p = ex2(lp), q = ex2(lq);
-  const float delta = LN2 * fmaf(t - s, r.scale2, r.lse_z2 - r.lse_t2);  // ln(q / p)
-  if (MODE == FORWARD_KL) return {0.0f, LOG2E * kl_term(q, p, -delta), p, q, 0.0f};
-  if (MODE == REVERSE_KL) return {LOG2E * kl_term(p, q, delta), 0.0f, p, q, p != 0.0f ? p * (lp - lq) : 0.0f};
-  // JSD: lambda = ln(m / p), mu = ln(m / q) = lambda - delta, each from its own mixture where
-  // that does not overflow
-  const float m = r.one_minus_beta * p + r.beta * q;
-  float lambda, mu;
-  if (delta > 80.0f) {
-    mu = log_mix(r.one_minus_beta, r.beta, -delta);
-    lambda = mu + delta;
-  } else {
-    lambda = log_mix(r.beta, r.one_minus_beta, delta);
-    mu = delta < -80.0f ? lambda - delta : log_mix(r.one_minus_beta, r.beta, -delta);
-  }
-  const float lm = lg2(max_nan(m, FLT_MIN_NORMAL));
-  return {LOG2E * kl_term(p, m, lambda), LOG2E * kl_term(q, m, mu), p, q, p * max_nan(lp - lm, -FLT_MAX_FINITE)};
-}
-
 
 // A sharp row's gradient in reverse KL: at a low temperature and large logits p is near
 // one-hot, and the gradient's h - kl (below) at p's large column is a small difference of two
 // numbers of hundreds of bits (h = lp - lq, with lq far below 0 where the teacher disagrees):
 // kl = sum p h in float32 would carry their rounding into it, 1e-3 of G and more. So the fused
 // kernel takes every column's h relative to the h of a reference column (the student's largest
-// logit, where p is largest: h_ref), by shifting lse_t2 by h_ref (shifted_lse_t2): lq and h of
-// the reference column come out near 0 and exact, the other columns' h - h_ref as before, and
-// the sum a as a_rel = sum p (h - h_ref), a sum of small terms (kl_rel once unrounded_sums has
-// scaled it). h - kl = (h - h_ref) - kl_rel, and the soft part takes a_n = h_ref + kl_rel
-// (docs/design.md, "Numerics"). In the JSD, h = lp - lm is never
-// far from 0 where p is large (lm >= lg2((1 - beta) p)), and forward KL's gradient is p - q.
+// logit, where p is largest: h_ref), as h = (s - t) scale2 + c_h with c_h = shifted_lse_t2 -
+// lse_z2 (RowMath): h of the reference column comes out near 0 and exact, the other columns'
+// h - h_ref as before, and the sum a as a_rel = sum p (h - h_ref), a sum of small terms (kl_rel
+// once unrounded_sums has scaled it). h - kl = (h - h_ref) - kl_rel, and the fast soft part takes
+// a_n = h_ref + kl_rel (docs/design.md, "Numerics"). In the JSD, h = lp - lm is never far from 0
+// where p is large (lm >= lg2((1 - beta) p)), and forward KL's gradient is p - q.
 
 // reverse KL's lse_t2 less h_ref (above), from the reference column's logits s_ref and t_ref;
 // lse_t2 itself where h_ref is not finite (a teacher logit of -inf there: the divergence is inf)
 __device__ __forceinline__ float shifted_lse_t2(float s_ref, float t_ref, float scale2, float lse_z2, float lse_t2) {
-  const float h_ref = fmaf(s_ref, scale2, -lse_z2) - fmaf(t_ref, scale2, -lse_t2);  // as kl_terms forms h
+  const float h_ref = fmaf(s_ref, scale2, -lse_z2) - fmaf(t_ref, scale2, -lse_t2);
   return isfinite(h_ref) ? lse_t2 - h_ref : lse_t2;
 }
 
@@ -218,13 +230,43 @@ __device__ __forceinline__ float unrounded_soft_bits(float2 n, float eps_z, floa
   return soft_bits<MODE>(n.x, n.y, r);
 }
 
-// The row's CE and soft part (soft: in bits), and the label term kept out of G (with G only).
+// The precise sum's terms take d from the row's logsumexps as rounded, so every column's d is off
+// by the same delta = (eps_z - eps_t) ln 2 (for d = ln(q / p); -delta mirrored). The generalized
+// terms keep that out of a small divergence (second order there), but where a row's divergence is
+// large and its soft part still small (a tiny b, or a sharp row's KL times it) it reaches the sum
+// at first order, as delta sum w F'(d); and sum w F'(d) is ln 2 times a fast sum: b B for the JSD
+// (w = p; b A mirrored), B for forward KL, A for reverse KL (A, B: the unrounded a and b, in
+// bits). The precise sum less that.
+template <int MODE>
+__device__ __forceinline__ float unrounded_precise(float precise, float2 a_b, float eps_z, float eps_t, float soft_b,
+                                                   const RowMath& r) {
+  const bool mirrored = MODE == REVERSE_KL || (MODE == JSD && r.beta > 0.5f);
+  const float slope = MODE == FORWARD_KL ? a_b.y : MODE == REVERSE_KL ? a_b.x : soft_b * (mirrored ? a_b.x : a_b.y);
+  const float delta = (eps_z - eps_t) * (LN2 * LN2);
+  return fmaf(mirrored ? delta : -delta, slope, precise);
+}
+
+// The soft part, in bits, from which a row takes the fast sums' value rather than the precise
+// sum's: there the fast sums' error (about 1e-6 bits: the logs of the row's logsumexps and of
+// lg2.approx) is below 1e-5 of the divergence, and they are right to float32 where a divergence
+// of hundreds of bits is off by the rounding of the logsumexps, which only reaches the precise
+// sum's terms at first order there (unrounded_sums)
+constexpr float PRECISE_BELOW_BITS = 0.1f * LOG2E;  // 0.1 nats
+
+// The row's soft part in nats: fast_bits, the fast sums' (corrected as above), where it is at
+// least PRECISE_BELOW_BITS; else the precise sum over the weights' (the rows' normalization
+// errors common to both cancel in the quotient). A NaN of either reaches the loss.
+__device__ __forceinline__ float row_soft(float fast_bits, float precise, float weights) {
+  return fast_bits >= PRECISE_BELOW_BITS || isnan(precise) ? LN2 * fast_bits : precise / weights;
+}
+
+// The row's CE and soft part (soft: in nats), and the label term kept out of G (with G only).
 __device__ __forceinline__ void write_row_results(long long row, float target_logit, float soft, bool label_apart,
                                                   const RowMath& r, bool with_grad, float* ce_out, float* jsd_out,
                                                   float* label_terms) {
   if (with_grad) label_terms[row] = label_apart ? -r.w_hard : 0.0f;
   ce_out[row] = r.lse_s - target_logit;
-  jsd_out[row] = LN2 * soft;
+  jsd_out[row] = soft;
 }
 
 // bits = m + lg2(s) rounded to float32 (a logsumexp in bits): its rounding's error, exact where
