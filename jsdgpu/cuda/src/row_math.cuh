@@ -46,7 +46,7 @@ struct RowMath {
 //
 // The fast sums a = sum p (lp - lm), b = sum q (lq - lm) (in bits; m the mixture, q in forward
 // KL's b where m = p, and p in reverse KL's a where m = q) are the ones the gradient takes (its
-// kl is a) and the soft part above 0.1 nats (kernels.PRECISE_BELOW): they are first order in d
+// kl is a) and the soft part from 0.1 nats (PRECISE_BELOW_BITS, below): they are first order in d
 // and cancel where the divergence is small, but correct to float32 where a divergence of
 // hundreds of bits is off by the rounding of the row's logsumexps (unrounded_sums, below).
 
