@@ -17,7 +17,7 @@ import numpy as np
 
 import jsdgpu
 from jsdgpu.backend import Gradients
-from jsdgpu.cuda import kernels, products
+from jsdgpu.cuda import products
 from jsdgpu.cuda.backend import CudaBackend
 
 V, HS, HT = 128256, 2048, 4096

@@ -142,7 +142,6 @@ def main(argv=None):
     else:
         xp, sync = np, (lambda: None)
 
-    start = time.perf_counter()
     say(f"building the inputs on the {a.device.upper()}")
     inputs = make_inputs(a, xp)
     sync()

@@ -102,7 +102,6 @@ def soft_terms(divergence, beta):
     return tuple(np.float32(c) for c in (b, *(np.polynomial.chebyshev.cheb2poly(cheb) * ln2)))
 
 
-
 def fused_rows(dtype, divergence, shape=FUSED):
     return (f"fused_rows<{int(divergence)}, {FORMATS[np.dtype(dtype)]}, {shape.cluster}, {shape.threads}, "
             f"{shape.groups}, {shape.min_ctas}>")

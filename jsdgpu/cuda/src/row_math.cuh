@@ -72,10 +72,16 @@ struct ColumnTerms {
 // the common one (b >= 1/6, where the series is never taken) holds no check of it in each column
 constexpr float SMALL_B_BELOW = 1.0f / 6.0f;
 
+// Whether the weight distribution is q (the divergence mirrored, above)
+template <int MODE>
+__device__ __forceinline__ bool weight_is_q(const RowMath& r) {
+  return MODE == REVERSE_KL || (MODE == JSD && r.beta > 0.5f);
+}
+
 template <int MODE, bool SMALL_B = false>
 __device__ __forceinline__ ColumnTerms column_terms(float s, float t, const RowMath& r, float soft_b,
                                                     const SoftPoly& poly) {
-  const bool mirrored = MODE == REVERSE_KL || (MODE == JSD && r.beta > 0.5f);
+  const bool mirrored = weight_is_q<MODE>(r);
   const float lp = fmaf(s, r.scale2, -r.lse_z2), lq = fmaf(t, r.scale2, -r.lse_t2);
   const float p = ex2(lp), q = ex2(lq);
   // t - s is 0 where both are -inf (past the row's end: p = q = 0, and every term 0)
@@ -240,7 +246,7 @@ __device__ __forceinline__ float unrounded_soft_bits(float2 n, float eps_z, floa
 template <int MODE>
 __device__ __forceinline__ float unrounded_precise(float precise, float2 a_b, float eps_z, float eps_t, float soft_b,
                                                    const RowMath& r) {
-  const bool mirrored = MODE == REVERSE_KL || (MODE == JSD && r.beta > 0.5f);
+  const bool mirrored = weight_is_q<MODE>(r);
   const float slope = MODE == FORWARD_KL ? a_b.y : MODE == REVERSE_KL ? a_b.x : soft_b * (mirrored ? a_b.x : a_b.y);
   const float delta = (eps_z - eps_t) * (LN2 * LN2);
   return fmaf(mirrored ? delta : -delta, slope, precise);
