@@ -2,6 +2,7 @@
 
     python bench/bench_run.py                   # both tables; writes bench/results/<device>_run.{json,md}
     python bench/bench_run.py --tokens 2048 --impls jsdgpu gemm_floor --out /tmp/r
+    python bench/bench_run.py --no-run --tokens 2048 8192 --name h200_fresh   # the distributions, fresh
 
 The benchmark's own inputs (bench.py: student and teacher drawn independently, every row's JSD
 near its largest, a fresh process at one shape) are the easy case. Here, at the benchmark's
@@ -17,6 +18,12 @@ shapes (harness.py: V = 128256, hidden 2048 / 4096, bf16), forward + backward:
   ignored, other rows at every step. The ten steps are run in turn, again and again; each step's
   time is its median, and its floor the four products at its valid rows (the GEMM floor of the
   rows that count).
+
+Implementations: jsdgpu (CuPy arrays), the floor, Liger-Kernel's LigerFusedLinearJSDLoss (its
+defaults: compiled, chunks of 1024 rows) and jsdgpu through jsdgpu.torch's module in eager
+PyTorch, on the same buffers (DLPack). The distributions run after the run, so they are measured
+in a process that has seen other shapes; with --no-run they are measured in a fresh one (the
+history's effect: the two runs' times of each distribution).
 
 Times are CUDA-event medians after a second of warm-up (the GPU at its power cap). Each ratio
 compares numbers of this one run.
@@ -34,7 +41,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-IMPLS = ["jsdgpu", "gemm_floor", "liger"]
+IMPLS = ["jsdgpu", "gemm_floor", "liger", "jsdgpu_torch"]  # jsdgpu_torch: jsdgpu.torch, eager
 # name: (logit std, delta: None for an independent teacher)
 DISTRIBUTIONS = {"independent, std 1": (1.0, None), "independent, std 6": (6.0, None),
                  "converging, JSD ~0.3": (4.0, 2.0), "converging, JSD ~0.05": (4.0, 0.7),
@@ -81,7 +88,7 @@ def implementation(name, step, mode="fwd_bwd"):
         valid = target != -100
         step = (xs[valid], ws, xt[valid], wt, target[valid])
     fn = {"jsdgpu": harness.impl_jsdgpu, "gemm_floor": harness.impl_gemm_floor,
-          "liger": harness.impl_liger}[name]([step], mode)
+          "liger": harness.impl_liger, "jsdgpu_torch": harness.impl_jsdgpu_torch}[name]([step], mode)
     return lambda i=0: fn(0)
 
 
@@ -118,6 +125,9 @@ def main(argv=None):
     p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warm-seconds", type=float, default=1.0)
+    p.add_argument("--no-run", action="store_true",
+                   help="the distributions alone, in a fresh process (no history, no run): the history's "
+                        "effect is their times here against a default run's")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     p.add_argument("--name", help="result file name (default: the device's name, then _run)")
     a = p.parse_args(argv)
@@ -137,9 +147,9 @@ def main(argv=None):
 
     # the run first: its history must be the process's first calls
     ws, wn = heads(cupy, 4.0, 1)
-    for T, ignored in HISTORY:
+    for T, ignored in () if a.no_run else HISTORY:
         harness.time_ms(implementation("jsdgpu", step_inputs(cupy, T, ws, wn, 1.0, ignored, 7)), 1, 2, 3)
-    for T in a.run_tokens:
+    for T in [] if a.no_run else a.run_tokens:
         steps = [step_inputs(cupy, T, ws, wn, float(d), ig, 100 * T + i)
                  for i, (d, ig) in enumerate(zip(RUN_DELTAS, RUN_IGNORED))]
         ms = {impl: timed_turns([implementation(impl, s) for s in steps], a.repeats, a.warm_seconds)
@@ -172,23 +182,24 @@ def render(result):
              "The run: ten steps in turn, the row JSD falling, 0-40% of the rows ignored, after calls at "
              "other shapes; the floor is the four products at each step's valid rows.", "",
              "| T a step | mean row JSD, first / last step | jsdgpu, ms for the ten | floor | × floor "
-             "| Liger | Liger ÷ jsdgpu |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| Liger | Liger ÷ jsdgpu | torch eager | ÷ jsdgpu |", "| --- " * 9 + "|"]
     for r in result["run"]:
         ms = {k: sum(v) for k, v in r["ms"].items()}
         lines.append(_row([r["T"], f"{r['soft'][0]:.3f} / {r['soft'][-1]:.4f}"], ms))
     lines += ["", "Each input distribution alone (all rows valid):", "",
-              "| T | inputs | mean row JSD | jsdgpu ms | floor | × floor | Liger | Liger ÷ jsdgpu |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| T | inputs | mean row JSD | jsdgpu ms | floor | × floor | Liger | Liger ÷ jsdgpu "
+              "| torch eager | ÷ jsdgpu |", "| --- " * 10 + "|"]
     for r in result["distributions"]:
         lines.append(_row([r["T"], r["inputs"], f"{r['soft']:.4f}"], r["ms"]))
     return "\n".join(lines) + "\n"
 
 
 def _row(head, ms):
-    ours, floor, liger = ms.get("jsdgpu"), ms.get("gemm_floor"), ms.get("liger")
+    ours, floor, liger, eager = (ms.get(k) for k in ("jsdgpu", "gemm_floor", "liger", "jsdgpu_torch"))
     cells = [f"{ours:.2f}" if ours else "", f"{floor:.2f}" if floor else "",
              f"{ours / floor:.3f}" if ours and floor else "", f"{liger:.2f}" if liger else "",
-             f"{liger / ours:.2f}" if liger and ours else ""]
+             f"{liger / ours:.2f}" if liger and ours else "", f"{eager:.2f}" if eager else "",
+             f"{eager / ours:.3f}" if eager and ours else ""]
     return "| " + " | ".join(str(h) for h in head + cells) + " |"
 
 

@@ -45,8 +45,14 @@ HEAD_ROWS = 2 * ROW_ALIGN
 # the row kernel writes G over the logits (the online loss), more chunks cost what the sums
 # spare, or more (docs/design.md, "Chunks and G")
 HELD_MIN_ROWS = 8 * ROW_ALIGN
-# per thread: the last default call's leading valid rows and valid rows' count (queue_head), and
-# what its first product was made for (FirstProduct)
+# A default call's head is sized by the thread's last HEAD_HISTORY default calls (planned_head):
+# by the least of their shares of leading valid rows and of valid rows. Sized by the last call
+# alone, a run whose ignored rows change from step to step (bench/bench_run.py) guessed the whole
+# first chunk valid after each step with none ignored, and threw those products away at the next
+# step with 40% ignored: 2.1 times that step's floor at T = 1024 (docs/design.md, "A run's inputs")
+HEAD_HISTORY = 4
+# per thread: the last HEAD_HISTORY default calls' (leading valid rows, valid rows, rows) (queue_head),
+# and what the last one's first product was made for (FirstProduct)
 _last_rows = threading.local()
 
 
@@ -201,7 +207,7 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
         xs, xt = backend.take_rows(rows.valid_rows, xs, xt)
     target, inv_n = rows.target, rows.inv_n
     n_rows = xs.shape[0]
-    chunk, hold_g = cut_chunks(products, xs, xt, head, most, chunk_size, per_row, memory_budget)
+    chunk, hold_g = cut_chunks(products, xs, xt, head, most, per_row, memory_budget)
     G_all = None
     if compute_grad and n_rows:
         G_all = backend.gradient_rows(work, n_rows if hold_g else chunk, own_g=hold_g)
@@ -238,18 +244,30 @@ def _head_rows(expected, most):
     return min(most, max(HEAD_ROWS, expected // ROW_ALIGN * ROW_ALIGN))
 
 
+def _expected_rows(n_all):
+    """(leading, count): a default call of n_all rows' guess of its leading valid rows and its
+    valid rows, the least of the thread's last default calls' shares of theirs (all rows where
+    there was none)."""
+    seen = getattr(_last_rows, "seen", ())
+
+    def share(part, rows):
+        return n_all if part >= rows else part * n_all // rows
+    return (min((share(leading, rows) for leading, _, rows in seen), default=n_all),
+            min((share(count, rows) for _, count, rows in seen), default=n_all))
+
+
 def planned_head(most, n_all):
     """(as_they_are, head) of a default call of n_all rows in chunks of at most `most` (queue_head),
-    by the thread's last default call's rows."""
-    leading, count = getattr(_last_rows, "seen", (n_all, n_all))
+    by the thread's last default calls' rows."""
+    leading, count = _expected_rows(n_all)
     as_they_are = leading >= min(HEAD_ROWS, most)
     return as_they_are, _head_rows(leading if as_they_are else count, most)
 
 
 def expects_all_valid(n_all):
-    """A default call's guess that its n_all rows are all valid: the thread's last default call's
-    were, as far as n_all (or there was none)."""
-    return getattr(_last_rows, "seen", (n_all, n_all))[0] >= n_all
+    """A default call's guess that its n_all rows are all valid: the thread's last default calls'
+    were (or there was none)."""
+    return _expected_rows(n_all)[0] >= n_all
 
 
 def queue_head(backend, products, xs, other, most, select, capturable, normalizer, first=None, before_wait=None):
@@ -262,12 +280,14 @@ def queue_head(backend, products, xs, other, most, select, capturable, normalize
     student's logits of the head, queued ahead of the call's setup where it could be), or None.
 
     A capturable call's head is its first chunk (its rows are the call's own). A default call's
-    head is sized by the thread's last default call: where that one's leading rows were valid
-    (HEAD_ROWS of them, or all), its head is its first rows as they are, as many as those leading
-    rows (kept as far as this call's own leading rows go; the loop computes the others again);
-    else its first selected rows, as many as the last call had valid, gathered on the device from
-    the selection kernel's output. Either way the products are queued before the host reads the
-    selection, and the selection runs beside them (backend.mark, select_rows' after), so that
+    head is sized by the thread's last HEAD_HISTORY default calls (planned_head): where each one's
+    leading rows were valid (a share of its rows that gives HEAD_ROWS of this call's, or all), its
+    head is its first rows as they are, as many as the least share gives (kept as far as this
+    call's own leading rows go; the loop computes the others again); else its first selected
+    rows, as many as the least share of valid rows gives, gathered on the device from the
+    selection kernel's output (the rows past its count are computed for nothing); never more
+    than the first chunk (cut_chunks). Either way the products are queued before the host reads
+    the selection, and the selection runs beside them (backend.mark, select_rows' after), so that
     the host's wait is for the selection alone and the GPU runs the head meanwhile, and while the
     host queues what follows (docs/design.md, "The host before the first product"). A backend
     that does not queue ahead (the CPU's, queues_ahead) selects first: its head is empty.
@@ -297,20 +317,29 @@ def queue_head(backend, products, xs, other, most, select, capturable, normalize
     if first is not None:
         first.remember(backend, most)
     if n_all:
-        _last_rows.seen = (rows.leading, rows.count)
+        _last_rows.seen = (*getattr(_last_rows, "seen", ())[1 - HEAD_HISTORY:], (rows.leading, rows.count, n_all))
         head = min(head, rows.leading if as_they_are else rows.count)  # the rows whose products are right
     return head, rows
 
 
-def cut_chunks(products, xs, other, head, most, chunk_size, per_row, memory_budget, most_rows=None):
+def cut_chunks(products, xs, other, head, most, per_row, memory_budget):
     """(rows per chunk, hold_g) for the call's rows (xs, and other: the rows that go with them,
-    as queue_head's), at most `most` rows a chunk (the buffers'), with the rest of the first
-    chunk's products queued after the head's (products(xs, other, at=row)): before the caller
-    makes its other buffers, so that the GPU runs them meanwhile, where it would idle."""
+    as queue_head's), with the rest of the first chunk's products queued after the head's
+    (products(xs, other, at=row)): before the caller makes its other buffers, so that the GPU runs
+    them meanwhile, where it would idle.
+
+    The chunks are of `most` rows (the plan for all of the call's rows, its buffers'), the last
+    one shorter, however many rows are valid: so the head (sized by the calls before, at most
+    `most` rows) is never longer than the first chunk, and the chunks depend on the call's own
+    rows alone (so do its bits). Planned anew for the valid rows' count, the chunks of a step
+    with 30% of 4096 rows ignored were 1536 rows, and 512 rows of a 2048-row head were computed
+    for nothing. hold_g: where G for all the rows fits the budget beside chunks of `most` rows."""
     n_rows = xs.shape[0]
-    chunk, hold_g = plan_chunks(n_rows, chunk_size, *per_row, memory_budget, most_rows) if n_rows else (0, False)
-    chunk = min(chunk, most)  # the buffers' rows (the plan for fewer rows may cut longer chunks)
-    if head < min(chunk, n_rows):
+    if not n_rows:
+        return 0, False
+    chunk = min(most, n_rows)
+    hold_g = plan_chunks(n_rows, most, *per_row, memory_budget)[1]
+    if head < chunk:
         products(xs[head:chunk], other[head:chunk], at=head)
     return chunk, hold_g
 

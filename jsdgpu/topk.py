@@ -169,7 +169,7 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
             lq = lq[rows.valid_rows]
         target, inv_n = rows.target, rows.inv_n
         n_rows = len(target)
-        chunk, hold_g = cut_chunks(products, xs, ids, head, most, run_opts.chunk_size, per_row, budget, most_rows)
+        chunk, hold_g = cut_chunks(products, xs, ids, head, most, per_row, budget)
         if ahead is not None and (rows.valid_rows is not None or ahead[:2] != (chunk, hold_g)):
             ahead = None  # the guess was wrong: the rows or their chunks are others
         out = outputs(n_rows, chunk, hold_g) if ahead is None else ahead[2]

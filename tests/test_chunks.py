@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jsdgpu
-from jsdgpu.chunks import HEAD_ROWS, HELD_MIN_ROWS, ROW_ALIGN, plan_chunks
+from jsdgpu.chunks import HEAD_HISTORY, HEAD_ROWS, HELD_MIN_ROWS, ROW_ALIGN, cut_chunks, plan_chunks
 from conftest import head_path_ignored, make_case, rel_err, to_numpy, to_xp
 
 
@@ -64,10 +64,48 @@ def test_plan_chunks():
     assert plan_chunks(8192, 4096, 10, 2, 2, 10**9, 2048) == (4096, True)
 
 
+def test_head_sized_by_the_last_calls(monkeypatch):
+    """A default call's head (chunks.planned_head) follows the least share of leading valid rows
+    and of valid rows among the thread's last HEAD_HISTORY default calls, whatever their sizes: one
+    step with rows ignored among steps with none is enough to gather the selected rows."""
+    from jsdgpu import chunks
+    monkeypatch.setattr(chunks._last_rows, "seen", (), raising=False)
+    assert chunks.planned_head(1024, 1024) == (True, 1024) and chunks.expects_all_valid(1024)
+    # (leading valid rows, valid rows, rows) of each call, the last one last
+    chunks._last_rows.seen = ((1024, 1024, 1024),) * (HEAD_HISTORY - 1) + ((1, 614, 1024),)
+    assert chunks.planned_head(1024, 1024) == (False, 4 * ROW_ALIGN)  # 614 valid: whole tiles of them
+    assert not chunks.expects_all_valid(1024)
+    chunks._last_rows.seen = ((2048, 2048, 2048),) * HEAD_HISTORY
+    assert chunks.planned_head(2048, 4096) == (True, 2048) and chunks.expects_all_valid(4096)
+    chunks._last_rows.seen = ((300, 750, 1000),) * HEAD_HISTORY  # as shares of a call of 2000 rows: 600, 1500
+    assert chunks.planned_head(2048, 2000) == (True, 4 * ROW_ALIGN)
+    chunks._last_rows.seen = ((100, 750, 1000),) * HEAD_HISTORY
+    assert chunks.planned_head(2048, 2000) == (False, 11 * ROW_ALIGN)
+    assert chunks.planned_head(1024, 2000) == (False, 1024)  # at most the first chunk
+
+
+def test_chunks_of_the_planned_rows_whatever_the_valid_rows():
+    """The rows a chunk are the plan's for all of the call's rows (the buffers'), the last chunk
+    shorter, whatever share of them is valid (chunks.cut_chunks): a head of the whole first chunk
+    is never longer than the call's first chunk. The rest of the first chunk is queued where the
+    head is shorter."""
+    queued = []
+
+    def products(x, other, at=0):
+        queued.append((at, len(x)))
+    xs = np.zeros((2867, 4), np.float32)
+    per_row = (1000, 2, 0)  # logits, G held, G per chunk: bytes a row
+    assert cut_chunks(products, xs, xs, 2048, 2048, per_row, 2048 * 1000 + 2867 * 2) == (2048, True)
+    assert cut_chunks(products, xs, xs, 2048, 2048, per_row, 2048 * 1000) == (2048, False)
+    assert queued == []
+    assert cut_chunks(products, xs[:700], xs[:700], 512, 2048, per_row, 10**9) == (700, True)
+    assert queued == [(512, 188)]
+
+
 @pytest.mark.parametrize("T,chunk", [(17, 5), (HEAD_ROWS + 44, None)])  # the head a chunk, or part of one
 def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
     """A default call's first chunk products come from its first rows as they are where the last
-    call's leading rows were valid, else from its first selected rows (chunks.queue_head): a run
+    calls' leading rows were valid, else from its first selected rows (chunks.queue_head): a run
     of calls that takes every path (conftest.head_path_ignored; on the GPU, which queues products
     ahead of the selection) gives the reference's answer at each call."""
     for ignored in head_path_ignored(T):
@@ -88,7 +126,7 @@ def test_a_call_gives_the_same_bits_whatever_came_before(xp, rng):
     T = HEAD_ROWS + 44
     case = to_xp(make_case(rng, T=T, bias=True, ignored=0.3), xp)
     runs = []
-    for ignored in head_path_ignored(T)[:9]:
+    for ignored in head_path_ignored(T):
         before = make_case(rng, T=T, ignored=0.0)
         before["target"][ignored] = -100
         jsdgpu.forward(**to_xp(before, xp), compute_grad=False)
@@ -127,6 +165,8 @@ def test_a_call_like_the_last_queues_its_first_product_ahead(rng, queued_ahead):
         c["target"][HEAD_ROWS + 20::3] = -100  # the leading rows valid: a head of its rows as they are
         return c
 
+    for _ in range(HEAD_HISTORY):  # the thread's last calls' leading rows valid (chunks.planned_head)
+        call(case())
     for options, vt in ((dict(), vs), (dict(memory_budget=budget), vt_wide)):
         this = case(vt)
         call(case(), memory_budget=123 * 2**20)  # not like it: the same rows, other options

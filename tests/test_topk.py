@@ -10,7 +10,7 @@ import pytest
 import jsdgpu
 from conftest import (DTYPES, assert_grads_near, assert_part_near, float32_logits, head_logits, head_path_ignored,
                       rel_err, to_numpy, to_xp)
-from jsdgpu.chunks import HEAD_ROWS
+from jsdgpu.chunks import HEAD_HISTORY, HEAD_ROWS
 from jsdgpu.options import DEFAULTS
 from jsdgpu.reference import reference_logits, reference_topk, reference_topk_logits
 
@@ -146,7 +146,7 @@ def test_against_float64(xp, rng, dtype, missing_mass, beta):
 
 @pytest.mark.parametrize("T,chunk", [(17, 5), (HEAD_ROWS + 44, None)])  # the head a chunk, or part of one
 def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
-    """The first chunk's products come from the first rows as they are, where the last call's
+    """The first chunk's products come from the first rows as they are, where the last calls'
     leading rows were valid, else from the first selected rows (chunks.queue_head, as the online
     loss's: test_chunks): a run of calls that takes every path (conftest.head_path_ignored) gives
     the reference's answer at each call."""
@@ -186,7 +186,7 @@ def test_a_call_like_the_last_queues_its_first_product_ahead(rng, queued_ahead):
 @pytest.mark.parametrize("chunk_size", [None, 128])
 @pytest.mark.parametrize("own", [False, True])
 def test_first_row_work_queued_before_the_wait_where_the_rows_are_guessed_valid(rng, monkeypatch, chunk_size, own):
-    """A default call guessed to have every row valid (the thread's last call had) queues its
+    """A default call guessed to have every row valid (the thread's last calls had) queues its
     first chunk's row kernel before the host reads the selection (topk.py, before_wait), and
     gives the bits of the same call not guessed so; with the own product (bf16), that product
     is the call's first GPU work, before the checks are launched. Where the guess fails (ignored
@@ -219,20 +219,24 @@ def test_first_row_work_queued_before_the_wait_where_the_rows_are_guessed_valid(
     plain = call(valid)
     assert not any(guesses)
     assert order[:2] == (["check", "product"] if own else ["check"])
+    for _ in range(HEAD_HISTORY - 1):  # the thread's last HEAD_HISTORY calls all valid (chunks.planned_head)
+        call(valid)
     guesses.clear()
     order.clear()
     same(call(valid), plain)
     assert guesses == [True]
     assert order[:2] == (["product", "check"] if own else ["check"])
     plain_half = call(half)
-    call(valid)
+    for _ in range(HEAD_HISTORY):
+        call(valid)
     guesses.clear()
     same(call(half), plain_half)
     assert guesses == [True]
     bad = {name: a.copy() if a is not None else None for name, a in valid.items()}
     bad["teacher_indices"][5, 3] = 523  # in the first chunk, whose row kernel is queued before the checks are read
     arrays = to_xp(bad, cupy)
-    call(valid)  # so that the bad call's rows are guessed valid: its first chunk queued before its checks
+    for _ in range(HEAD_HISTORY):  # so that the bad call's rows are guessed valid: its first chunk queued before its checks
+        call(valid)
     with pytest.raises(ValueError, match="outside"):
         jsdgpu.forward_topk(**arrays, beta=0.3, chunk_size=chunk_size)
     np.testing.assert_array_equal(to_numpy(arrays["teacher_indices"]), bad["teacher_indices"])

@@ -38,8 +38,9 @@ struct RowMath {
 // terms that are linear in them add up to 0; the rows' normalization errors then change the sum
 // at second order only. docs/design.md, "Small divergences".)
 // Where |d| < 1, F(d) = d^2 P(d) with P the host's polynomial for the mode and b
-// (sources.soft_terms: a fit in float64, to float32's rounding). Elsewhere F by its formula,
-// written in w and o so that nothing overflows: w Phi(d) = w + o (d - 1), and
+// (sources.soft_terms: a fit in float64, to float32's rounding). Elsewhere, in the JSD with
+// b >= 1/6, the column's shares of the fast sums (below: they are w H_b(d) there, to float32);
+// else F by its formula, written in w and o so that nothing overflows: w Phi(d) = w + o (d - 1), and
 // w G(y) = m ln(m / w) - (m - w) with m = w + b (o - w) the mixture (G by its series where
 // |y| < 1/10: only where b < 1/6). o is w times the smaller's ratio to the larger where o <= w,
 // its own exp where o > w; the mixture's log is taken relative to the larger of the two.
@@ -105,7 +106,7 @@ __device__ __forceinline__ ColumnTerms column_terms(float s, float t, const RowM
     k.h = mirrored ? h_o : h_w;
     k.a = p * k.h;
     k.b = q * (mirrored ? h_w : h_o);
-    if (fabsf(d2) >= LOG2E) {
+    if (SMALL_B && fabsf(d2) >= LOG2E) {
       const float o_less_w = soft_b * (o - w);  // m - w
       // (where b >= 1/6, |y| = b |e^d - 1| >= 1/10 here)
       if (SMALL_B && o_less_w < 0.1f * w && o_less_w > -0.1f * w) {
@@ -137,6 +138,14 @@ __device__ __forceinline__ ColumnTerms column_terms(float s, float t, const RowM
 #pragma unroll
     for (int j = SOFT_POLY_TERMS - 2; j >= 0; --j) c = fmaf(c, d2, poly.c[j]);
     k.soft = w * (d2 * d2) * c;
+  } else if (MODE == JSD && !SMALL_B) {
+    // |d| >= 1 and b >= 1/6: the column's shares of the fast sums, (1 - beta) a + beta b, are
+    // w H_b(d) itself (their linear parts, (1 - b) (w - m) + b (o - m), are 0), and there they
+    // cancel by a factor of a few at most, the mixture's log is of a number at least 1/10 from 1
+    // (lg2's absolute error is small beside it) and the term is at least w H_b(+-1): right to a
+    // few 1e-6 of the term (each >= 0, so the sum likewise), in 2 instructions where the formula
+    // took 10 (it stays in the SMALL_B variant, whose G may need its series)
+    k.soft = LN2 * fmaf(r.beta, k.b, r.one_minus_beta * k.a);
   } else {
     const float w_phi = fmaf(o, fmaf(d2, LN2, -1.0f), w);
     k.soft = MODE == JSD ? fmaf(soft_b, w_phi, -w_g) : w_phi;
