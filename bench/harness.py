@@ -19,6 +19,7 @@ import jsdgpu
 from jsdgpu.backend import Gradients
 from jsdgpu.cuda import products
 from jsdgpu.cuda.backend import CudaBackend
+from plain_loss import torch_loss
 
 V, HS, HT = 128256, 2048, 4096
 BF16 = ml_dtypes.bfloat16
@@ -194,20 +195,6 @@ def impl_jsdgpu_jax(sets, mode):
 def impl_liger(sets, mode):
     from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
     return _torch_step(sets, mode, LigerFusedLinearJSDLoss())  # compiled, chunk_size=1024: its defaults
-
-
-def torch_loss(xs, ws, xt, wt, target, beta=0.5, ignore_index=-100):
-    """The loss of docs/contract.md with full logits in plain PyTorch (default options)."""
-    import torch
-    s = (xs @ ws.T).float()
-    t = (xt @ wt.T).float()
-    valid = target != ignore_index
-    n = valid.sum().clamp(min=1)
-    ce = torch.nn.functional.cross_entropy(s, target, ignore_index=ignore_index, reduction="sum") / n
-    logp, logq = torch.log_softmax(s, -1), torch.log_softmax(t, -1)
-    logm = torch.logsumexp(torch.stack([logp + np.log(1 - beta), logq + np.log(beta)]), 0)
-    jsd = beta * (logq.exp() * (logq - logm)).sum(-1) + (1 - beta) * (logp.exp() * (logp - logm)).sum(-1)
-    return 0.5 * ce + 0.5 * (jsd * valid).sum() / n
 
 
 def impl_torch(sets, mode):

@@ -9,7 +9,7 @@ import numpy as np
 from .. import checks
 from ..backend import HeldG, Rows
 from ..options import divisor
-from .rows import finish_kernel, kl_kernel, stats_kernel
+from .rows import finish_kernel, fused_kernel, kl_kernel, stats_kernel
 from .topk import teacher_topk_rows, topk_rows
 
 
@@ -22,7 +22,8 @@ class CpuWork:
     bt: object
     s: object
     t: object
-    fused: object = None  # no fused kernel here: the chunk loop runs the three phases
+    fused: bool = False  # the fused row kernel (where no communicator combines ranks), else the three phases
+    part: object = None  # a chunk's part of grad_weight, made at the second chunk (grad_products)
 
 
 def _f32(a):
@@ -36,6 +37,7 @@ class TopKWork:
     ws: object
     bs: object
     s: object
+    part: object = None  # as CpuWork's
 
 
 class CheckedTopK:
@@ -136,7 +138,7 @@ class CpuBackend:
     @staticmethod
     def prepare(ws, wt, bs, bt, rows, fused):
         return CpuWork(_f32(ws), _f32(wt), _f32(bs), _f32(bt), np.empty((rows, ws.shape[0]), np.float32),
-                       np.empty((rows, wt.shape[0]), np.float32))
+                       np.empty((rows, wt.shape[0]), np.float32), fused)
 
     @staticmethod
     def gradient_rows(work, g_rows, own_g):
@@ -206,6 +208,14 @@ class CpuBackend:
         ids[...], logprobs[...] = teacher_topk_rows(work.s[:rows], k, temperature)
 
     @staticmethod
+    def fused_rows(work, target, opts, ce, jsd, G, label_terms):
+        n = len(target)
+        compute_grad = G is not None
+        fused_kernel(work.s[:n], work.t[:n], target, 1.0 / opts.temperature, int(opts.divergence), opts.beta,
+                     opts.weight_hard_loss, opts.w_soft_over_t, ce, jsd, G if compute_grad else _NO_G,
+                     label_terms if compute_grad else _NO_TERMS, compute_grad)
+
+    @staticmethod
     def row_stats(work, target, opts):
         n = len(target)
         stats = np.empty((7, n))
@@ -233,21 +243,31 @@ class CpuBackend:
 
     @staticmethod
     def grad_products(work, G, xs, inv_n, grads, start, stop, input_made=False):
+        """The chunk's rows of grad_input, and its parts of grad_weight (where G is not held) and
+        grad_bias, 1/N applied. Into buffers made once a call: a fresh [V, H] product a chunk
+        (its pages faulted in anew) and its scaled copy took 0.5 s of a 1.4 s step at T = 512,
+        V = 128256 (docs/design.md, "The CPU backend")."""
         inv_n = np.float32(inv_n)
-        if input_made:
-            grads.grad_input[start:stop] *= inv_n
-        else:
-            grads.grad_input[start:stop] = (G @ work.ws) * inv_n
-        parts = []
+        grad_input = grads.grad_input[start:stop]
+        if not input_made:
+            np.matmul(G, work.ws, out=grad_input)
+        grad_input *= inv_n
         if grads.grad_weight is not None:  # else weight_product makes it
-            parts.append((grads.grad_weight, G.T @ xs.astype(np.float32)))
-        if grads.grad_bias is not None:
-            parts.append((grads.grad_bias, G.sum(axis=0)))
-        for total, part in parts:  # the first chunk writes, the others add
+            # 1/N on the chunk's inputs, which are small ([rows, H]): the first chunk writes, the
+            # others add their product
+            xs_n = xs.astype(np.float32) * inv_n
             if start == 0:
-                np.multiply(part, inv_n, out=total)
+                np.matmul(G.T, xs_n, out=grads.grad_weight)
             else:
-                total += part * inv_n
+                if work.part is None:
+                    work.part = np.empty_like(grads.grad_weight)
+                np.matmul(G.T, xs_n, out=work.part)
+                grads.grad_weight += work.part
+        if grads.grad_bias is not None:
+            if start == 0:
+                np.multiply(G.sum(axis=0), inv_n, out=grads.grad_bias)
+            else:
+                grads.grad_bias += G.sum(axis=0) * inv_n
 
     @staticmethod
     def input_product(work, G, out):

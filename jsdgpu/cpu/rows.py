@@ -1,70 +1,82 @@
-"""The CPU backend's row kernels (Numba, parallel over rows): the three phases of the row work
-that the chunk loop runs (and, under vocab parallelism, combines across ranks between): the row
-statistics, the KL sums, then the row results and the gradient row. Their sums are float64
-(cheap on a CPU)."""
+"""The CPU backend's row kernels (Numba, parallel over rows): the fused kernel, which does a
+row's whole work while the row is in the core's cache (statistics, KL sums, results and gradient
+row), and the three phases of the same work that vocab parallelism combines across ranks between
+(row statistics; KL sums; results and gradient). Their math is float64 (sums and per-column
+terms), with an exp and a log1p of their own (`_exp`, `_log1p`): branch-free polynomials that
+LLVM vectorizes, where libm's are a call per column (docs/design.md, "The CPU backend").
+
+Non-finite inputs give non-finite results, as the contract says: the kernels are compiled without
+the no-NaN and no-infinity assumptions of fast math, keeping only reassociation (the vectorized
+sums) and contraction, and `_exp` keeps a NaN."""
 
 import math
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 from ..options import Divergence
 
 FORWARD_KL, JSD = int(Divergence.FORWARD_KL), int(Divergence.JSD)
+# fast math without nnan and ninf (a NaN or an infinity must reach the loss)
+FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+_LOG2E = 1.4426950408889634
+_LN2_HI, _LN2_LO = 0.6931471803691238, 1.9082149292705877e-10  # ln 2 in two parts (Cody and Waite)
+_SQRT2 = 1.4142135623730951
 
 
-@numba.njit(parallel=True, cache=True)
-def stats_kernel(s, t, target, inv_temp, stats):
-    """stats [7, n]: the maxima of s, z = s / temperature (padded with zeros to vt) and
-    t / temperature; the sums of exp(x - max) of each; the target logit (0 where target < 0)."""
-    n, vs = s.shape
-    vt = t.shape[1]
-    for i in numba.prange(n):
-        ms = -np.inf
-        for j in range(vs):
-            ms = max(ms, s[i, j])
-        mt = -np.inf
-        for j in range(vt):
-            mt = max(mt, t[i, j])
-        mz = ms * inv_temp
-        if vt > vs:
-            mz = max(mz, 0.0)
-        mt = mt * inv_temp
-        sum_s = 0.0
-        sum_z = (vt - vs) * math.exp(-mz)
-        for j in range(vs):
-            x = np.float64(s[i, j])
-            sum_s += math.exp(x - ms)
-            sum_z += math.exp(x * inv_temp - mz)
-        sum_t = 0.0
-        for j in range(vt):
-            sum_t += math.exp(t[i, j] * inv_temp - mt)
-        stats[0, i], stats[1, i], stats[2, i] = ms, mz, mt
-        stats[3, i], stats[4, i], stats[5, i] = sum_s, sum_z, sum_t
-        stats[6, i] = s[i, target[i]] if target[i] >= 0 else 0.0
+@intrinsic
+def _double_of_bits(typingctx, bits):
+    """The float64 whose bits are the int64 `bits`."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return types.float64(types.int64), codegen
 
 
-@numba.njit(cache=True)
-def _lse(stats, i):
-    return (stats[0, i] + math.log(stats[3, i]), stats[1, i] + math.log(stats[4, i]),
-            stats[2, i] + math.log(stats[5, i]))
+@numba.njit(fastmath=FAST, inline="always")
+def _exp(x):
+    """e^x to a few 1e-16 relative (0 below -708, where a float64 would be subnormal; NaN for a
+    NaN): x = n ln 2 + r, |r| <= ln(2) / 2, e^r by its Taylor series to r^13, 2^n from its bits."""
+    c = min(max(x, -708.0), 709.0)
+    n = math.floor(c * _LOG2E + 0.5)
+    r = (c - n * _LN2_HI) - n * _LN2_LO
+    e = (((((1.0 / 6227020800.0 * r + 1.0 / 479001600.0) * r + 1.0 / 39916800.0) * r + 1.0 / 3628800.0) * r
+          + 1.0 / 362880.0) * r + 1.0 / 40320.0) * r + 1.0 / 5040.0
+    e = ((((((e * r + 1.0 / 720.0) * r + 1.0 / 120.0) * r + 1.0 / 24.0) * r + 1.0 / 6.0) * r + 0.5) * r + 1.0) * r + 1.0
+    e *= _double_of_bits((np.int64(n) + 1023) << 52)
+    return x if x != x else (0.0 if x < -708.0 else e)
 
 
-@numba.njit(cache=True)
-def _kl_terms(z, tt, lse_z, lse_t, mode, beta):
-    """One column's share of a = sum p (log p - log m) and b = sum q (log q - log m), with m the
-    mixture (JSD), p (forward KL) or q (reverse KL); then p, and h, what the gradient needs of
-    the teacher. z, tt: the tempered student (0 in a pad column) and teacher logits."""
-    lp = z - lse_z
-    lq = tt - lse_t
-    p = math.exp(lp)
-    q = math.exp(lq)
+@numba.njit(fastmath=FAST, inline="always")
+def _log1p(y):
+    """ln(1 + y) for y in [0, 1], to a few 1e-16 relative: 1 + y = 2^k f, f in [1/sqrt 2, sqrt 2],
+    and ln f = 2 atanh(u), u = (f - 1) / (f + 1) (|u| <= 0.172), by its series to u^23; u formed
+    from y itself (no rounding of 1 + y: right for the smallest y too)."""
+    high = 1.0 + y > _SQRT2
+    u = (y - 1.0) / (y + 3.0) if high else y / (2.0 + y)
+    u2 = u * u
+    s = ((((1.0 / 23.0 * u2 + 1.0 / 21.0) * u2 + 1.0 / 19.0) * u2 + 1.0 / 17.0) * u2 + 1.0 / 15.0) * u2 + 1.0 / 13.0
+    s = (((((s * u2 + 1.0 / 11.0) * u2 + 1.0 / 9.0) * u2 + 1.0 / 7.0) * u2 + 1.0 / 5.0) * u2 + 1.0 / 3.0) * u2 + 1.0
+    return 2.0 * u * s + (_LN2_HI + _LN2_LO if high else 0.0)
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _column(lp, lq, p, q, mode, log_1mb, log_b):
+    """One column's shares of a = sum p (log p - log m) and b = sum q (log q - log m), with m the
+    mixture (JSD), p (forward KL) or q (reverse KL), and h, what the gradient needs of the
+    teacher; from the column's log-probabilities lp, lq and probabilities p, q. log_1mb, log_b:
+    log(1 - beta) and log(beta)."""
     if mode == FORWARD_KL:
         lm = lp
         h = q
     elif mode == JSD:
         # log m in log space: finite where p and q both underflow, or where (1 - beta) p does
-        lm = np.logaddexp(math.log1p(-beta) + lp, math.log(beta) + lq)
+        u = log_1mb + lp
+        v = log_b + lq
+        lm = max(u, v) + _log1p(_exp(-abs(u - v)))
         h = lp - lm
     else:
         lm = lq
@@ -72,53 +84,205 @@ def _kl_terms(z, tt, lse_z, lse_t, mode, beta):
     # 0 log 0 = 0; "!= 0" so that a NaN reaches the loss
     a = p * (lp - lm) if p != 0.0 else 0.0
     b = q * (lq - lm) if q != 0.0 else 0.0
-    return a, b, p, h
+    return a, b, h
 
 
-@numba.njit(parallel=True, cache=True)
-def kl_kernel(s, t, inv_temp, mode, beta, stats, kl):
-    """kl [2, n]: a and b of each row."""
+@numba.njit(fastmath=FAST, inline="always")
+def _row_max(x):
+    """The largest of x (-inf where empty), as float64, in eight chains: one chain of dependent
+    max took twice as long (LLVM keeps it scalar: a max with NaN is not reassociable). A NaN is
+    passed over here; it reaches the results through the sums."""
+    n = len(x)
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = np.float32(-np.inf)
+    for j in range(0, n - 7, 8):
+        m0, m1, m2, m3 = max(m0, x[j]), max(m1, x[j + 1]), max(m2, x[j + 2]), max(m3, x[j + 3])
+        m4, m5, m6, m7 = max(m4, x[j + 4]), max(m5, x[j + 5]), max(m6, x[j + 6]), max(m7, x[j + 7])
+    for j in range(n - n % 8, n):
+        m0 = max(m0, x[j])
+    return np.float64(max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7))))
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _row_stats(s, t, y, inv_temp, vs, vt, e_z, e_t):
+    """(max s, max z, max t / T, sum exp(s - max), sum exp(z - max z), sum exp(t / T - max), the
+    target logit) of one row: z = s / temperature padded with zeros to vt. Where e_z and e_t have
+    room (the fused kernel's), the student columns' exp(z - max z) and exp(t / T - max) are kept
+    there (its KL sums take p and q from them)."""
+    ms = _row_max(s[:vs])
+    mt = _row_max(t[:vt])
+    mz = ms * inv_temp
+    if vt > vs:
+        mz = max(mz, 0.0)
+    mt = mt * inv_temp
+    keep = len(e_z) >= vs
+    sum_s = 0.0
+    for j in range(vs):
+        e = _exp(np.float64(s[j]) - ms)
+        sum_s += e
+        if keep:
+            e_z[j] = e
+    if inv_temp == 1.0 and vt == vs:
+        sum_z = sum_s
+    else:
+        sum_z = (vt - vs) * _exp(-mz)
+        for j in range(vs):
+            e = _exp(np.float64(s[j]) * inv_temp - mz)
+            sum_z += e
+            if keep:
+                e_z[j] = e
+    sum_t = 0.0
+    for j in range(vs):  # (vt >= vs: the student is padded, never the teacher)
+        e = _exp(t[j] * inv_temp - mt)
+        sum_t += e
+        if keep:
+            e_t[j] = e
+    for j in range(vs, vt):
+        sum_t += _exp(t[j] * inv_temp - mt)
+    return ms, mz, mt, sum_s, sum_z, sum_t, (np.float64(s[y]) if y >= 0 else 0.0)
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _row_kl(s, t, inv_temp, mode, log_1mb, log_b, stats, p, h):
+    """(a, b) of one row with its statistics (_row_stats'). Where p and h have room (the fused
+    kernel's), they hold the student columns' exp(z - max z) and exp(t / T - max) (_row_stats),
+    and their p and h are written over them (the gradient reads them there)."""
+    vs, vt = len(s), len(t)
+    mz, mt, sum_z, sum_t = stats[1], stats[2], stats[4], stats[5]
+    lse_z, lse_t = mz + math.log(sum_z), mt + math.log(sum_t)
+    inv_z, inv_t = 1.0 / sum_z, 1.0 / sum_t
+    keep = len(p) >= vs
+    a = 0.0
+    b = 0.0
+    for j in range(vs):
+        lp = np.float64(s[j]) * inv_temp - lse_z
+        lq = t[j] * inv_temp - lse_t
+        pj = p[j] * inv_z if keep else _exp(lp)
+        qj = h[j] * inv_t if keep else _exp(lq)
+        da, db, hj = _column(lp, lq, pj, qj, mode, log_1mb, log_b)
+        a += da
+        b += db
+        if keep:
+            p[j] = pj
+            h[j] = hj
+    for j in range(vs, vt):  # the teacher's pad: z = 0
+        lp, lq = -lse_z, t[j] * inv_temp - lse_t
+        da, db, _ = _column(lp, lq, _exp(lp), _exp(lq), mode, log_1mb, log_b)
+        a += da
+        b += db
+    return a, b
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _soft(a, b, mode, beta):
+    return b if mode == FORWARD_KL else (beta * b + (1.0 - beta) * a if mode == JSD else a)
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _label_apart(y, target_logit, lse_s):
+    """Whether the label's one-hot term is kept out of G (as the fused GPU kernel does, where G is
+    16-bit): where softmax(s)[label] < 1/2."""
+    return y >= 0 and math.exp(target_logit - lse_s) < 0.5
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _gradient_row(s, y, lse_s, softmax_is_p, mode, beta, a, w_hard, w_soft_over_t, label_apart, p, h, G):
+    """G's row from the columns' p and h: w_hard (softmax(s) - onehot) + (w_soft / T) dz
+    (softmax_is_p: no temperature and no pad, so that softmax(s) is p)."""
+    c_jsd = 1.0 - beta if mode == JSD else 1.0
+    for j in range(len(G)):
+        x = np.float64(s[j])
+        dz = p[j] - h[j] if mode == FORWARD_KL else c_jsd * p[j] * (h[j] - a)
+        softmax = p[j] if softmax_is_p else _exp(x - lse_s)
+        G[j] = w_hard * softmax + w_soft_over_t * dz
+    if y >= 0 and not label_apart:
+        G[y] -= w_hard
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _log_weights(beta):
+    """(log(1 - beta), log(beta)), -inf for log(0)."""
+    return math.log1p(-beta) if beta < 1.0 else -np.inf, math.log(beta) if beta > 0.0 else -np.inf
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _results(s, i, y, stats, a, b, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms, write_grad,
+             p, h):
+    """Row i's CE and soft part from its statistics and KL sums a, b, and with write_grad its
+    gradient row and label term from its columns' p and h."""
+    lse_s, lse_z = stats[0] + math.log(stats[3]), stats[1] + math.log(stats[4])
+    ce[i] = lse_s - stats[6]
+    jsd[i] = _soft(a, b, mode, beta)
+    if write_grad:
+        apart = _label_apart(y, stats[6], lse_s)
+        label_terms[i] = -w_hard if apart else 0.0
+        # softmax(s) is p where z is s (no temperature) and no pad widens z's sum (here or on
+        # another rank)
+        _gradient_row(s, y, lse_s, inv_temp == 1.0 and lse_z == lse_s, mode, beta, a, w_hard, w_soft_over_t, apart,
+                      p, h, G[i])
+
+
+@numba.njit(parallel=True, fastmath=FAST, cache=True)
+def fused_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms, write_grad):
+    """Each row's CE and soft part, and with write_grad its gradient row (without the 1/N of the
+    mean) and label term: the three phases' work on one row at a time, read from memory once."""
     n, vs = s.shape
     vt = t.shape[1]
+    log_1mb, log_b = _log_weights(beta)
     for i in numba.prange(n):
-        _, lse_z, lse_t = _lse(stats, i)
-        a = 0.0
-        b = 0.0
-        for j in range(vt):
-            z = np.float64(s[i, j]) * inv_temp if j < vs else 0.0
-            da, db, _, _ = _kl_terms(z, t[i, j] * inv_temp, lse_z, lse_t, mode, beta)
-            a += da
-            b += db
-        kl[0, i] = a
-        kl[1, i] = b
+        y = target[i]
+        p = np.empty(vs)  # exp(z - max z), then p (_row_stats, _row_kl)
+        h = np.empty(vs)  # exp(t / T - max), then h
+        stats = _row_stats(s[i], t[i], y, inv_temp, vs, vt, p, h)
+        a, b = _row_kl(s[i], t[i], inv_temp, mode, log_1mb, log_b, stats, p, h)
+        _results(s[i], i, y, stats, a, b, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms,
+                 write_grad, p, h)
 
 
-@numba.njit(parallel=True, cache=True)
-def finish_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, stats, kl, ce, jsd, G,
-                   label_terms, write_grad):
-    """The row's CE and JSD values, and with write_grad its gradient row without the 1/N of
-    the mean; the label's one-hot term kept apart where it dominates (as the fused kernel does, where G
-    is 16-bit)."""
+# ---- the three phases (vocab parallelism: each rank's shard, combined between them) ----
+
+@numba.njit(parallel=True, fastmath=FAST, cache=True)
+def stats_kernel(s, t, target, inv_temp, stats):
+    """stats [7, n]: the maxima of s, z = s / temperature (padded with zeros to vt) and
+    t / temperature; the sums of exp(x - max) of each; the target logit (0 where target < 0)."""
     n, vs = s.shape
-    c_jsd = 1.0 - beta if mode == JSD else 1.0
+    vt = t.shape[1]
+    none = np.empty(0)
     for i in numba.prange(n):
-        lse_s, lse_z, lse_t = _lse(stats, i)
-        a = kl[0, i]
-        b = kl[1, i]
-        ce[i] = lse_s - stats[6, i]
-        if mode == FORWARD_KL:
-            jsd[i] = b
-        elif mode == JSD:
-            jsd[i] = beta * b + (1.0 - beta) * a
-        else:
-            jsd[i] = a
+        (stats[0, i], stats[1, i], stats[2, i], stats[3, i], stats[4, i], stats[5, i],
+         stats[6, i]) = _row_stats(s[i], t[i], target[i], inv_temp, vs, vt, none, none)
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _stats_of(stats, i):
+    return stats[0, i], stats[1, i], stats[2, i], stats[3, i], stats[4, i], stats[5, i], stats[6, i]
+
+
+@numba.njit(parallel=True, fastmath=FAST, cache=True)
+def kl_kernel(s, t, inv_temp, mode, beta, stats, kl):
+    """kl [2, n]: a and b of each row."""
+    n = s.shape[0]
+    log_1mb, log_b = _log_weights(beta)
+    none = np.empty(0)
+    for i in numba.prange(n):
+        kl[0, i], kl[1, i] = _row_kl(s[i], t[i], inv_temp, mode, log_1mb, log_b, _stats_of(stats, i), none, none)
+
+
+@numba.njit(parallel=True, fastmath=FAST, cache=True)
+def finish_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, stats, kl, ce, jsd, G,
+                  label_terms, write_grad):
+    """The row's CE and JSD values, and with write_grad its gradient row without the 1/N of
+    the mean; the label's one-hot term kept apart where it dominates (as the fused GPU kernel does,
+    where G is 16-bit)."""
+    n, vs = s.shape
+    log_1mb, log_b = _log_weights(beta)
+    for i in numba.prange(n):
+        row = _stats_of(stats, i)
+        p = np.empty(vs if write_grad else 0)
+        h = np.empty(vs if write_grad else 0)
+        for j in range(len(p)):  # what _row_kl takes p and h from (the rows' statistics, all ranks')
+            p[j] = _exp(np.float64(s[i, j]) * inv_temp - row[1])
+            h[j] = _exp(t[i, j] * inv_temp - row[2])
         if write_grad:
-            y = target[i]
-            label_apart = y >= 0 and math.exp(stats[6, i] - lse_s) < 0.5
-            label_terms[i] = -w_hard if label_apart else 0.0
-            for j in range(vs):
-                x = np.float64(s[i, j])
-                _, _, p, h = _kl_terms(x * inv_temp, t[i, j] * inv_temp, lse_z, lse_t, mode, beta)
-                dz = p - h if mode == FORWARD_KL else c_jsd * p * (h - a)
-                hard = math.exp(x - lse_s) - (1.0 if j == y and not label_apart else 0.0)
-                G[i, j] = w_hard * hard + w_soft_over_t * dz
+            _row_kl(s[i], t[i], inv_temp, mode, log_1mb, log_b, row, p, h)  # (this rank's sums: not needed)
+        _results(s[i], i, target[i], row, kl[0, i], kl[1, i], inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd,
+                  G, label_terms, write_grad, p, h)

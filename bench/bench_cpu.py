@@ -1,0 +1,194 @@
+"""jsdgpu's CPU backend against the loss in plain PyTorch (eager and torch.compile), on the CPU.
+
+    python bench/bench_cpu.py                       # writes bench/results/cpu_<cores>cores.{json,md}
+    python bench/bench_cpu.py --tokens 512 --vocab 32000 --impls jsdgpu
+
+Forward + backward (the gradients of both inputs of the student), float32, hidden 256 / 256,
+student and teacher logits of std 4, every row valid, default options; the median of --repeats
+steps after one untimed step (torch.compile's compilation). Each implementation and shape runs
+in a process of its own, and its peak memory is the process's peak resident memory during one
+step beyond what it held before (the inputs), from Linux's VmHWM (reset through clear_refs).
+The row kernel's bandwidth: jsdgpu's fused CPU row kernel alone on one chunk of logits, its
+bytes (each logit of both read once, the float32 gradient written once) over its time, against
+the machine's copy bandwidth (a parallel copy of 1 GB by the same Numba threads).
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+IMPLS = ["jsdgpu", "torch_eager", "torch_compile"]
+HIDDEN = 256
+
+
+def inputs(T, V, seed=0):
+    rng = np.random.default_rng(seed)
+    xs = rng.standard_normal((T, HIDDEN), dtype=np.float32)
+    xt = rng.standard_normal((T, HIDDEN), dtype=np.float32)
+    ws = rng.standard_normal((V, HIDDEN), dtype=np.float32) * np.float32(4.0 / HIDDEN**0.5)
+    wt = rng.standard_normal((V, HIDDEN), dtype=np.float32) * np.float32(4.0 / HIDDEN**0.5)
+    return xs, ws, xt, wt, rng.integers(0, V, T)
+
+
+def step_fn(impl, T, V):
+    """fn() running one forward + backward of impl on the shape's inputs."""
+    xs, ws, xt, wt, target = inputs(T, V)
+    if impl == "jsdgpu":
+        import jsdgpu
+
+        def fn():
+            loss, ctx = jsdgpu.forward(xs, ws, xt, wt, target)
+            jsdgpu.backward(ctx)
+        return fn
+    import torch
+
+    from plain_loss import torch_loss
+    t = [torch.from_numpy(a) for a in (xs, ws, xt, wt)]
+    t[0].requires_grad_(True)
+    t[1].requires_grad_(True)
+    target_t = torch.from_numpy(target)
+    loss_fn = torch.compile(torch_loss) if impl == "torch_compile" else torch_loss
+
+    def fn():
+        loss_fn(*t, target_t).backward()
+        t[0].grad = t[1].grad = None
+    return fn
+
+
+def _status_kib(field):
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return None
+
+
+def measure(impl, T, V, repeats):
+    """(median seconds, peak MiB beyond the inputs) of one implementation at one shape, in this
+    process."""
+    fn = step_fn(impl, T, V)
+    fn()  # compilation (Numba's from its cache, torch.compile's), first allocations
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    pathlib.Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _status_kib("VmRSS")
+    fn()
+    return statistics.median(times), (_status_kib("VmHWM") - before) / 1024
+
+
+def row_kernel_bandwidth(T, V):
+    """(GB/s of the fused row kernel on one chunk of T rows, the copy's GB/s)."""
+    import numba
+
+    from jsdgpu.cpu.rows import fused_kernel
+
+    @numba.njit(parallel=True)
+    def copy(a, b):
+        for i in numba.prange(a.shape[0]):
+            b[i] = a[i]
+    rng = np.random.default_rng(0)
+    s = rng.standard_normal((T, V), dtype=np.float32) * 4
+    t = s + rng.standard_normal((T, V), dtype=np.float32)
+    G = np.empty_like(s)
+    target = rng.integers(0, V, T).astype(np.int32)
+    ce, jsd, terms = (np.empty(T, np.float32) for _ in range(3))
+
+    def rows():
+        fused_kernel(s, t, target, 1.0, 1, 0.5, 0.5, 0.5, ce, jsd, G, terms, True)
+    a = np.ones(2**28, np.float32)
+    b = np.empty_like(a)
+    best = {}
+    for name, fn, nbytes in (("rows", rows, 12 * s.size), ("copy", lambda: copy(a, b), 2 * a.nbytes)):
+        fn()
+        best[name] = nbytes / min(_timed(fn) for _ in range(3)) / 1e9
+    return best["rows"], best["copy"]
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    p.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
+    p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    p.add_argument("--one", nargs=3, metavar=("IMPL", "T", "V"), help=argparse.SUPPRESS)  # a child process
+    a = p.parse_args(argv)
+    if a.one:
+        print(json.dumps(measure(a.one[0], int(a.one[1]), int(a.one[2]), a.repeats)))
+        return
+    cores = os.cpu_count()
+    result = dict(cores=cores, date=time.strftime("%Y-%m-%d"), hidden=HIDDEN,
+                  command="python bench/bench_cpu.py " + " ".join(argv or sys.argv[1:]), rows=[])
+    name = f"cpu_{cores}cores"
+    a.out.mkdir(parents=True, exist_ok=True)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for V in a.vocab:
+        for T in a.tokens:
+            row = dict(T=T, V=V, seconds={}, peak_mib={})
+            for impl in a.impls:
+                # the plain loss holds about eight [T, V] float32 arrays at once
+                if impl != "jsdgpu" and 8 * 4 * T * V > 0.8 * total:
+                    row["seconds"][impl] = row["peak_mib"][impl] = None
+                    continue
+                out = subprocess.run([sys.executable, __file__, "--one", impl, str(T), str(V),
+                                      "--repeats", str(a.repeats)], capture_output=True, text=True)
+                if out.returncode:
+                    print(out.stderr[-2000:], file=sys.stderr)
+                    row["seconds"][impl] = row["peak_mib"][impl] = None
+                    continue
+                row["seconds"][impl], row["peak_mib"][impl] = json.loads(out.stdout.splitlines()[-1])
+                print(f"T={T} V={V} {impl}: {row['seconds'][impl]:.3f} s, {row['peak_mib'][impl]:.0f} MiB",
+                      flush=True)
+            result["rows"].append(row)
+            (a.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    if "jsdgpu" in a.impls:
+        result["row_kernel_gb_s"], result["copy_gb_s"] = row_kernel_bandwidth(512, 32000)
+    (a.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (a.out / f"{name}.md").write_text(render(result))
+    print(render(result))
+
+
+def render(result):
+    lines = [f"`{result['command']}` ({result['cores']} cores, {result['date']}), forward + backward, float32, "
+             f"hidden {result['hidden']} / {result['hidden']}; seconds a step (median), peak memory beyond the "
+             "inputs.", "",
+             "| T | V | jsdgpu s | torch eager s | torch.compile s | jsdgpu ÷ compiled | jsdgpu MiB | eager MiB "
+             "| compiled MiB | jsdgpu ÷ compiled, memory |", "| --- " * 10 + "|"]
+    for r in result["rows"]:
+        s, m = r["seconds"], r["peak_mib"]
+
+        def cell(d, k, f):
+            return f.format(d[k]) if d.get(k) is not None else "—"
+
+        def ratio(d):
+            return f"{d['jsdgpu'] / d['torch_compile']:.2f}" if d.get("jsdgpu") and d.get("torch_compile") else "—"
+        lines.append(f"| {r['T']} | {r['V']} | {cell(s, 'jsdgpu', '{:.3f}')} | {cell(s, 'torch_eager', '{:.3f}')} | "
+                     f"{cell(s, 'torch_compile', '{:.3f}')} | {ratio(s)} | {cell(m, 'jsdgpu', '{:.0f}')} | "
+                     f"{cell(m, 'torch_eager', '{:.0f}')} | {cell(m, 'torch_compile', '{:.0f}')} | {ratio(m)} |")
+    if "row_kernel_gb_s" in result:
+        lines += ["", f"The fused row kernel alone (T = 512, V = 32000): {result['row_kernel_gb_s']:.1f} GB/s against "
+                      f"a parallel copy's {result['copy_gb_s']:.1f} GB/s "
+                      f"({result['row_kernel_gb_s'] / result['copy_gb_s']:.0%})."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
