@@ -314,12 +314,15 @@ class FusedLinearJSDLoss(torch.nn.Module):
         self.return_soft_hard_loss, self.vocab_parallel = return_soft_hard_loss, vocab_parallel
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels,
-                student_bias=None, teacher_bias=None):
+                student_bias=None, teacher_bias=None, *, num_valid_tokens=None):
+        """num_valid_tokens: this call's N for the mean (fused_linear_jsd_loss's), such as a
+        data-parallel batch's whole count of valid tokens; None: this call's own count."""
         return fused_linear_jsd_loss(
             student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
             weight_hard_loss=self.weight_hard_loss, weight_soft_loss=self.weight_soft_loss, beta=self.beta,
             ignore_index=self.ignore_index, temperature=self.temperature, chunk_size=self.chunk_size,
-            return_soft_hard_loss=self.return_soft_hard_loss, vocab_parallel=self.vocab_parallel)
+            return_soft_hard_loss=self.return_soft_hard_loss, num_valid_tokens=num_valid_tokens,
+            vocab_parallel=self.vocab_parallel)
 
 
 class FusedLinearJSDFunction:
@@ -428,12 +431,14 @@ class FusedLinearTopKJSDLoss(torch.nn.Module):
         self.chunk_size, self.return_soft_hard_loss = chunk_size, return_soft_hard_loss
 
     def forward(self, student_input, student_weight, teacher_indices, teacher_logprobs, true_labels,
-                student_bias=None):
+                student_bias=None, *, num_valid_tokens=None):
+        """num_valid_tokens: as FusedLinearJSDLoss.forward's."""
         return fused_linear_topk_jsd_loss(
             student_input, student_weight, teacher_indices, teacher_logprobs, true_labels, student_bias,
             missing_mass=self.missing_mass, weight_hard_loss=self.weight_hard_loss,
             weight_soft_loss=self.weight_soft_loss, beta=self.beta, ignore_index=self.ignore_index,
-            temperature=self.temperature, chunk_size=self.chunk_size, return_soft_hard_loss=self.return_soft_hard_loss)
+            temperature=self.temperature, chunk_size=self.chunk_size, return_soft_hard_loss=self.return_soft_hard_loss,
+            num_valid_tokens=num_valid_tokens)
 
 
 @torch.no_grad()

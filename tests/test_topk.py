@@ -742,6 +742,12 @@ def test_torch_module_against_reference(rng, torch_device, missing_mass):
         assert abs(float(got.detach()) - want) <= 1e-5 * max(1.0, abs(want))
     for name, want in zip(("student_input", "student_weight", "student_bias"), ref[3:]):
         assert rel_err(t[name].grad.cpu().numpy(), 2.0 * want) <= 1e-4
+    # the mean's N per call (a data-parallel batch's count)
+    n = max(1, int((case["target"] != -100).sum()))
+    loss_fn.return_soft_hard_loss = False
+    loss = loss_fn(t["student_input"], t["student_weight"], t["teacher_indices"], t["teacher_logprobs"], t["target"],
+                   t["student_bias"], num_valid_tokens=3.0 * n)
+    assert abs(float(loss.detach()) - ref[0] / 3.0) <= 1e-5 * max(1.0, abs(ref[0]))
 
 
 def test_torch_training_step_compiled_and_under_autocast(rng, torch_device):

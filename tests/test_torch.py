@@ -177,11 +177,15 @@ def test_matches_liger(rng, beta, temperature, weights, bias, ignore_index, logi
         assert e_ours <= e_theirs
 
 
-def test_num_valid_tokens(rng, device):
+@pytest.mark.parametrize("form", ["function", "module"])
+def test_num_valid_tokens(rng, device, form):
+    """num_valid_tokens per call, in the functional form and the module's call (a data-parallel
+    user of the module passes the whole batch's count at every step)."""
     case = make_case(rng, T=6, ignored=0.3)
     ts = tensors(case, device)
     n = max(1, int((case["target"] != -100).sum()))
-    loss = jtorch.fused_linear_jsd_loss(*ts, num_valid_tokens=4.0 * n)
+    loss_fn = jtorch.fused_linear_jsd_loss if form == "function" else jtorch.FusedLinearJSDLoss()
+    loss = loss_fn(*ts, num_valid_tokens=4.0 * n)
     loss.backward()
     ref = jsdgpu.reference(**case)
     assert abs(float(loss.detach()) - ref[0] / 4.0) <= 1e-5 * ref[0]
