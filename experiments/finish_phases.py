@@ -78,7 +78,7 @@ def main():
     import cupy  # here, not above: --help runs without a GPU
     import ml_dtypes
 
-    from jsdgpu.cuda import sources
+    from jsdgpu.cuda import kernels, sources
     from jsdgpu.cuda.backend import CudaBackend as B
     from jsdgpu.options import split_options
 
@@ -111,8 +111,11 @@ def main():
                 B.topk_own_logits(work, x, ids, lq, G)
                 start, stop = cupy.cuda.Event(), cupy.cuda.Event()
                 start.record()
-                B.topk_rows(work, ids, lq, target, opts, "bucket", *out[:2], G, *out[2:], x,
-                            finish=finish[label])
+                # CudaBackend.topk_rows's call of the finishing kernel, with the variant's kernel
+                own = work.own
+                kernels.topk_finish(target, v, ids, lq, opts, True, *out[:2], G, *out[2:], own.partials, own.ref,
+                                    own.slot_logits, x, work.ws, work.bias_s, own.bitmap, own.ready,
+                                    own.slots_before, finish[label])
                 stop.record()
                 stop.synchronize()
                 return cupy.cuda.get_elapsed_time(start, stop)

@@ -98,8 +98,8 @@ class Backend(Protocol):
     def take_rows(self, rows, a, b):
         """The given rows of a and of b."""
 
-    def scale_cast(self, a, scale, dtype):
-        """a * scale (scale None for 1) in dtype."""
+    def scale_cast(self, a, scale, dtype, out=None):
+        """a * scale (scale None for 1) in dtype (into out, where given)."""
 
     def bytes_per_row(self, vs, vt, dtype, compute_grad, fused):
         """(logits, G held for all rows, G per chunk) bytes per row."""
@@ -146,8 +146,8 @@ class Backend(Protocol):
     def hold_g(self, work, G, xs, inv_n, label_terms, target, g_scale=None) -> HeldG:
         """What weight_product needs of G held for all rows (g_scale: Gradients.g_scale)."""
 
-    def weight_product(self, held, scale, dtype):
-        """grad_weight from held G, times scale (None for 1), in dtype."""
+    def weight_product(self, held, scale, dtype, out=None):
+        """grad_weight from held G, times scale (None for 1), in dtype (into out, where given)."""
 
     # ---- offline distillation (jsdgpu.topk): one head's logits and the top-k row work ----
 

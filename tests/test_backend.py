@@ -1,11 +1,38 @@
 """The steps both backends implement (jsdgpu.backend.Backend), tested alike on each: the
-selection of the valid rows."""
+contract's methods, and the selection of the valid rows."""
+
+import inspect
 
 import numpy as np
 import pytest
 
 from conftest import to_numpy
 from jsdgpu.api import backend_for
+
+
+def _parameters(method, skip_self):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(method).parameters.values()
+            if not (skip_self and p.name == "self")]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_backends_implement_the_contract(kind):
+    """Each backend has every method of jsdgpu.backend.Backend, with its parameters (names, kinds,
+    defaults), and no public method beyond it. (The CUDA backend's module imports without a GPU,
+    where CuPy is installed.)"""
+    from jsdgpu.backend import Backend
+    if kind == "cpu":
+        from jsdgpu.cpu.backend import CpuBackend as B
+    else:
+        pytest.importorskip("cupy")
+        from jsdgpu.cuda.backend import CudaBackend as B
+    contract = {name: f for name, f in vars(Backend).items() if inspect.isfunction(f) and not name.startswith("_")}
+    public = {name for name, f in vars(B).items() if not name.startswith("_") and callable(getattr(B, name))}
+    assert public == set(contract), (sorted(public - set(contract)), sorted(set(contract) - public))
+    for name, f in contract.items():
+        assert _parameters(getattr(B, name), False) == _parameters(f, True), name
+    for name in ("xp", "default_memory_budget", "queues_ahead"):
+        assert hasattr(B, name), name
 
 
 def _select_rows(xp, target, vocab, ignore_index):

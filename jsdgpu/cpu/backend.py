@@ -102,6 +102,15 @@ class CpuBackend:
         return None
 
     @staticmethod
+    def ahead_key(xs, ws):
+        """None: nothing is queued ahead here (queues_ahead)."""
+        return None
+
+    @staticmethod
+    def logits_ahead(xs, ws, rows, head):
+        raise NotImplementedError("the CPU backend queues nothing ahead (its ahead_key is None)")
+
+    @staticmethod
     def mark_rows(target, vocab, ignore_index, num_valid_tokens):
         """Every row, the ignored ones (and any bad one) masked with target -1, as a capturable
         call on the GPU computes them: a bad target makes 1/N NaN (status: the count, the first
@@ -136,9 +145,9 @@ class CpuBackend:
         return 4 * (vs + vt), grad, grad
 
     @staticmethod
-    def prepare(ws, wt, bs, bt, rows, fused):
-        return CpuWork(_f32(ws), _f32(wt), _f32(bs), _f32(bt), np.empty((rows, ws.shape[0]), np.float32),
-                       np.empty((rows, wt.shape[0]), np.float32), fused)
+    def prepare(ws, wt, bs, bt, rows, fused, logits_s=None):
+        s = np.empty((rows, ws.shape[0]), np.float32) if logits_s is None else logits_s
+        return CpuWork(_f32(ws), _f32(wt), _f32(bs), _f32(bt), s, np.empty((rows, wt.shape[0]), np.float32), fused)
 
     @staticmethod
     def gradient_rows(work, g_rows, own_g):
@@ -179,8 +188,9 @@ class CpuBackend:
         return None
 
     @staticmethod
-    def topk_prepare(ws, bs, rows, own=False, k=None):
-        return TopKWork(_f32(ws), _f32(bs), np.empty((rows, ws.shape[0]), np.float32))
+    def topk_prepare(ws, bs, rows, logits_s=None, own=False, k=None):
+        s = np.empty((rows, ws.shape[0]), np.float32) if logits_s is None else logits_s
+        return TopKWork(_f32(ws), _f32(bs), s)
 
     @staticmethod
     def topk_gradient_rows(work, g_rows):
@@ -193,6 +203,10 @@ class CpuBackend:
         np.matmul(xs.astype(np.float32), work.ws.T, out=s)
         if work.bs is not None:
             s += work.bs
+
+    @staticmethod
+    def topk_own_logits(work, x, ids, lq, G):
+        raise NotImplementedError("the CPU backend has no logits product of its own (topk_own_product is False)")
 
     @staticmethod
     def topk_scales_g(opts, dtype):

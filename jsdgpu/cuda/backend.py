@@ -348,10 +348,7 @@ class CudaBackend:
                             own.slot_logits, own.slots_before)
 
     @staticmethod
-    def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None, x=None,
-                  finish=None):
-        """finish: with the own product, topk_finish's compiled kernel where an experiment times a
-        variant's (None: the library's)."""
+    def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None, x=None):
         vs, own = work.ws.shape[0], work.own
         if own is None:
             kernels.topk_rows(work.logits_s, work.bias_s, target, vs, ids, lq, opts, missing_mass == "bucket",
@@ -359,7 +356,7 @@ class CudaBackend:
             return
         kernels.topk_finish(target, vs, ids, lq, opts, missing_mass == "bucket", ce, soft, G, label_terms, g_scale,
                             own.partials, own.ref, own.slot_logits, x, work.ws, work.bias_s, own.bitmap, own.ready,
-                            own.slots_before, finish)
+                            own.slots_before)
 
     @staticmethod
     def teacher_topk_rows(work, rows, k, temperature, ids, logprobs):
