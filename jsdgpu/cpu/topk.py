@@ -1,10 +1,91 @@
-"""The CPU backend's top-k row work (offline distillation, docs/contract.md): NumPy in float64
-over a chunk's student logits, and the teacher's top-k of a chunk's logits."""
+"""The CPU backend's top-k row work (offline distillation, docs/contract.md): each row's
+categories by a Numba kernel, then NumPy in float64 over them, from a chunk's student logits; and
+the teacher's top-k of a chunk's logits. Its own code throughout: the tests compare it with
+jsdgpu.reference, which it does not import."""
 
+import math
+
+import numba
 import numpy as np
 
 from ..options import Divergence
-from ..reference import row_logsumexp, topk_categories
+
+
+@numba.njit(cache=True)
+def _lse(x):
+    """logsumexp of the float64 row x: -inf for a row of -infs (a NaN stays NaN)."""
+    m = -np.inf
+    for v in x:
+        m = max(m, v)
+    if m == -np.inf:
+        return -np.inf
+    total = 0.0
+    for v in x:
+        total += math.exp(v - m)
+    return m + math.log(total)
+
+
+@numba.njit(parallel=True, cache=True)
+def row_logsumexp(x):
+    """logsumexp of each row of the float64 [n, m] x."""
+    out = np.empty(x.shape[0])
+    for i in numba.prange(x.shape[0]):
+        out[i] = _lse(x[i])
+    return out
+
+
+@numba.njit(parallel=True, cache=True)
+def _categories(logp, ids, lq, bucket, LP, LQ, used):
+    """Each row's categories: the k slots (log P of the student's log-softmax logp at the slot's
+    id, log q the teacher's; -inf in both where the slot is unused, log q = -inf), then, with
+    bucket, the rest (column k): the student's mass on every id in no used slot, summed over
+    those ids (no cancellation), and the teacher's left over, log(1 - sum q) (-inf where no id
+    is left); without bucket, both renormalized over the used slots."""
+    n, k = ids.shape
+    vs = logp.shape[1]
+    for i in numba.prange(n):
+        lse_q = -np.inf
+        for c in range(k):
+            used[i, c] = lq[i, c] != -np.inf
+            LP[i, c] = logp[i, ids[i, c]] if used[i, c] else -np.inf
+            LQ[i, c] = lq[i, c] if used[i, c] else -np.inf
+        lse_q = _lse(LQ[i, :k])
+        if not bucket:
+            lse_p = _lse(LP[i, :k])
+            for c in range(k):
+                if used[i, c]:
+                    LP[i, c] -= lse_p
+                    LQ[i, c] -= lse_q
+            continue
+        in_slot = np.zeros(vs, np.bool_)
+        for c in range(k):
+            if used[i, c]:
+                in_slot[ids[i, c]] = True
+        rest = np.full(vs, -np.inf)
+        any_rest = False
+        for j in range(vs):
+            if not in_slot[j]:
+                rest[j] = logp[i, j]
+                any_rest = True
+        LP[i, k] = _lse(rest)
+        if lse_q != lse_q:
+            LQ[i, k] = np.nan
+        elif lse_q < 0.0 and any_rest:
+            LQ[i, k] = math.log(-math.expm1(lse_q))
+        else:  # where the slots hold every id, the teacher's mass left over is its rounding
+            LQ[i, k] = -np.inf
+        used[i, k] = True
+
+
+def topk_categories(logp, ids, lq, missing_mass):
+    """(log P, log q, used) [n, k + 1] (bucket; [n, k] renormalized) of the rows' categories
+    (_categories)."""
+    n, k = ids.shape
+    width = k + 1 if missing_mass == "bucket" else k
+    LP, LQ, used = np.empty((n, width)), np.empty((n, width)), np.empty((n, width), np.bool_)
+    _categories(logp, np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(lq, np.float64),
+                missing_mass == "bucket", LP, LQ, used)
+    return LP, LQ, used
 
 
 def topk_rows(s, ids, lq, target, opts, missing_mass, ce, soft, G):
@@ -16,7 +97,7 @@ def topk_rows(s, ids, lq, target, opts, missing_mass, ce, soft, G):
     s = s.astype(np.float64)
     z = s / opts.temperature
     logp = z - row_logsumexp(z)[:, None]
-    LP, LQ, used, _ = topk_categories(logp, ids, lq, missing_mass)
+    LP, LQ, used = topk_categories(logp, ids, lq, missing_mass)
     P, Q = np.exp(LP), np.exp(LQ)
     beta, mode = opts.beta, opts.divergence
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
