@@ -143,7 +143,7 @@ def _forward(arrays, opts, run_opts):
     device = xs.device.id if kind == "cupy" else None
     with backend.on_device(device):
         xs, ws, xt, wt = (xp.ascontiguousarray(a) for a in (xs, ws, xt, wt))
-        budget = backend.default_memory_budget if run_opts.memory_budget is None else run_opts.memory_budget
+        budget = run_opts.budget(backend)
         # the shard sizes cross the ranks first: the targets index the whole vocabulary
         shard = None if comm is None else parallel.shard_layout(comm, xp, ws.shape[0], wt.shape[0])
         vocab = ws.shape[0] if shard is None else shard.vs_total

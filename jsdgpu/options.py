@@ -134,6 +134,15 @@ class RunOptions:
         """N, the divisor of the summed row losses (divisor)."""
         return divisor(self.num_valid_tokens, n_valid)
 
+    def budget(self, backend):
+        """The bytes of per-chunk buffers: memory_budget, or the backend's default."""
+        return backend_budget(self.memory_budget, backend)
+
+
+def backend_budget(memory_budget, backend):
+    """memory_budget, or where it is None the backend's default: the one place it is resolved."""
+    return backend.default_memory_budget if memory_budget is None else memory_budget
+
 
 def divisor(num_valid_tokens, n_valid):
     """N, the divisor of the summed row losses: num_valid_tokens where given, else max(1, n_valid)

@@ -14,7 +14,7 @@ from . import checks
 from .api import Context, backend_for, backward, bridged, runs_capturable, weighted_loss
 from .chunks import (FirstProduct, chunk_g, cut_chunks, expects_all_valid, finish_gradients, plan_chunks, queue_head,
                      row_means, row_outputs)
-from .options import split_options
+from .options import backend_budget, split_options
 
 MISSING_MASS = ("bucket", "renormalize")
 
@@ -69,7 +69,7 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
         vs, hs = ws.shape
         n_all = xs.shape[0]
         compute_grad = run_opts.compute_grad
-        budget = backend.default_memory_budget if run_opts.memory_budget is None else run_opts.memory_budget
+        budget = run_opts.budget(backend)
         k = ids.shape[1]
         own = backend.topk_own_product(opts, xs, ws, k, compute_grad)  # (no logits: topk_own_logits, from x)
         per_row = backend.topk_bytes_per_row(vs, ws.dtype, compute_grad, own, k)
@@ -233,7 +233,7 @@ def teacher_topk(teacher_input, teacher_weight, k, temperature=1.0, teacher_bias
     with backend.on_device(device):
         xt, wt = xp.ascontiguousarray(teacher_input), xp.ascontiguousarray(teacher_weight)
         n = xt.shape[0]
-        budget = backend.default_memory_budget if memory_budget is None else memory_budget
+        budget = backend_budget(memory_budget, backend)
         chunk = chunk_size or max(1, budget // backend.topk_bytes_per_row(v, wt.dtype, False)[0])
         work = backend.topk_prepare(wt, teacher_bias, min(chunk, n))
         ids = xp.empty((n, k), np.int32)
