@@ -65,7 +65,9 @@ class Backend(Protocol):
     """The steps of the chunk loop on one kind of array (NumPy or CuPy). opts is a LossOptions;
     target the rows' int32 labels (-1 where the label is on another rank); ce, jsd and
     label_terms per-row float32 outputs; G the rows' gradient w.r.t. the student logits, without
-    the 1/N of the mean, or None for the loss alone; inv_n 1/N, a float or a 0-d device array."""
+    the 1/N of the mean, or None for the loss alone; inv_n 1/N, a float or a 0-d device array.
+    Both backends implement every method with these parameters, and no other public one
+    (tests/test_backend.py); a step a backend never takes raises NotImplementedError there."""
     xp: Any                     # the array module
     default_memory_budget: int  # bytes of per-chunk buffers where the caller gives none
     # whether a default call's first products run ahead of its selection, while the host waits
