@@ -143,7 +143,6 @@ def _forward(arrays, opts, run_opts):
     device = xs.device.id if kind == "cupy" else None
     with backend.on_device(device):
         xs, ws, xt, wt = (xp.ascontiguousarray(a) for a in (xs, ws, xt, wt))
-        budget = run_opts.budget(backend)
         # the shard sizes cross the ranks first: the targets index the whole vocabulary
         shard = None if comm is None else parallel.shard_layout(comm, xp, ws.shape[0], wt.shape[0])
         vocab = ws.shape[0] if shard is None else shard.vs_total
@@ -152,10 +151,8 @@ def _forward(arrays, opts, run_opts):
                                        run_opts.num_valid_tokens)
         else:  # the valid rows, gathered: the call's one wait for the GPU
             select = functools.partial(backend.select_rows, arrays["target"], vocab, opts.ignore_index)
-        hard, soft, grads, rows = run(backend, xs, ws, xt, wt, bs, bt, opts, select=select, capturable=capturable,
-                                      normalizer=run_opts.normalizer, chunk_size=run_opts.chunk_size,
-                                      memory_budget=budget, compute_grad=run_opts.compute_grad, shard=shard,
-                                      first=first)
+        hard, soft, grads, rows = run(backend, xs, ws, xt, wt, bs, bt, opts, run_opts, select=select,
+                                      capturable=capturable, shard=shard, first=first)
         loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend,
                   run_opts.grad_weight_float32, device, None if rows.status is None else rows.status[1])

@@ -170,15 +170,14 @@ class FirstProduct:
         _last_rows.first = self.tag, backend, key, most
 
 
-def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer, chunk_size, memory_budget,
-        compute_grad, shard=None, first=None):
-    """Compute the per-row losses and, with compute_grad, the gradient sums.
+def run(backend, xs, ws, xt, wt, bs, bt, opts, run_opts, *, select, capturable, shard=None, first=None):
+    """Compute the per-row losses and, with run_opts.compute_grad, the gradient sums (opts: the
+    LossOptions, run_opts: the RunOptions, whole; capturable: run_opts.capturable as resolved).
 
     select: the rows, called once the first products are queued: in a default call select(after),
     the backend's select_rows (the valid rows, known once waited for; after: a backend.mark()
     from before those products), in a capturable one select(), the Rows of its mark_rows (every
-    row computed, the ignored ones masked). normalizer(count): N, the divisor of the summed row
-    losses. shard: under vocab parallelism, this rank's parallel.Shard (its weights and biases
+    row computed, the ignored ones masked). shard: under vocab parallelism, this rank's parallel.Shard (its weights and biases
     are then its shards of the vocabulary), else None. first: the call's FirstProduct, or None.
     Returns (hard_loss, soft_loss, Gradients or None, Rows); the losses are 0-d float32 backend
     arrays.
@@ -192,6 +191,8 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, *, select, capturable, normalizer
     chunks cut once their count is known.
     """
     xp = backend.xp
+    compute_grad, chunk_size, memory_budget = run_opts.compute_grad, run_opts.chunk_size, run_opts.budget(backend)
+    normalizer = run_opts.normalizer
     comm = None if shard is None else shard.comm
     vs, vt = ws.shape[0], wt.shape[0]
     n_all, hs = xs.shape
