@@ -32,20 +32,37 @@ def _xlogy_diff(xp, w, a, b):
 
 
 def reference(student_input, student_weight, teacher_input, teacher_weight, target,
-              student_bias=None, teacher_bias=None, **options):
+              student_bias=None, teacher_bias=None, *, student_logit_scale=1.0, teacher_logit_scale=1.0,
+              student_logit_softcap=None, teacher_logit_softcap=None, token_weights=None, reduction="mean",
+              grad_output=None, **options):
     """Return (loss, hard_loss, soft_loss, grad_input, grad_weight, grad_bias), all float64.
 
     options: those of jsdgpu.LossOptions. grad_bias is None when student_bias is None.
-    Gradients are those of `loss` (grad_output = 1).
+    Gradients are those of `loss`, times grad_output (None: 1; with reduction "none", an array
+    [T] or None for ones). Each model's logits are model_logits' of x @ W.T + b (its scale and
+    soft cap); token_weights and reduction as _reduced_loss's. (The scales, caps, token weights
+    and reductions are the reference's alone so far: the library's calls do not take them yet.)
     """
     xp = _array_module(student_input)
     f = lambda a: None if a is None else xp.asarray(a).astype(xp.float64)  # noqa: E731
     xs, ws, xt, wt = f(student_input), f(student_weight), f(teacher_input), f(teacher_weight)
     bs, bt = f(student_bias), f(teacher_bias)
-    s = xs @ ws.T + (0.0 if bs is None else bs)
-    t = xt @ wt.T + (0.0 if bt is None else bt)
-    loss, hard, soft, G = reference_logits(s, t, target, **options)
-    return (loss, hard, soft, *_student_gradients(G, xs, ws, bs))
+    s, ds = model_logits(xs @ ws.T + (0.0 if bs is None else bs), student_logit_scale, student_logit_softcap)
+    t, _ = model_logits(xt @ wt.T + (0.0 if bt is None else bt), teacher_logit_scale, teacher_logit_softcap)
+    loss, hard, soft, G = reference_logits(s, t, target, token_weights=token_weights, reduction=reduction,
+                                           grad_output=grad_output, **options)
+    return (loss, hard, soft, *_student_gradients(G * ds, xs, ws, bs))
+
+
+def model_logits(raw, scale=1.0, softcap=None):
+    """(z, dz / draw): a model's logits z = scale * raw, then c tanh(z / c) where a soft cap c is
+    given (Gemma's final_logit_softcapping), and their derivative in raw, elementwise."""
+    xp = _array_module(raw)
+    z = scale * raw
+    if softcap is None:
+        return z, scale
+    th = xp.tanh(z / softcap)
+    return softcap * th, scale * (1.0 - th * th)
 
 
 def _student_gradients(G, xs, ws, bs):
@@ -53,15 +70,38 @@ def _student_gradients(G, xs, ws, bs):
     return G @ ws, G.T @ xs, None if bs is None else G.sum(axis=0)
 
 
-def _mean_loss(xp, opts, valid, n, ce, soft, d_hard, dz):
-    """(loss, hard_loss, soft_loss, G): the valid rows' means and the gradient in the student's
-    logits, from the rows' CE and soft part and their gradients in s (hard) and z = s / T (soft)."""
-    hard = float(xp.where(valid, ce, 0.0).sum()) / n
-    soft = float(xp.where(valid, soft, 0.0).sum()) / n
-    loss = opts.weight_hard_loss * hard + opts.weight_soft_loss * soft
-    G = (opts.weight_hard_loss * d_hard + (opts.weight_soft_loss / opts.temperature) * dz) / n
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _reduced_loss(xp, opts, valid, n, ce, soft, d_hard, dz, token_weights=None, reduction="mean",
+                  grad_output=None):
+    """(loss, hard_loss, soft_loss, G) from the rows' CE and soft part and their gradients in s
+    (hard) and z = s / T (soft); G the gradient in the student's logits, times grad_output.
+
+    Each valid row's hard and soft parts are times its token weight (token_weights [T], finite
+    and >= 0; None for ones); ignored rows count for nothing. reduction "mean": their sums over
+    N (the valid rows' count, at least 1); "sum": the sums; "none": the rows' own, as arrays [T]
+    (0 where ignored), the loss each row's w_hard hard + w_soft soft, and grad_output an array
+    [T] (None: ones)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+    T = len(ce)
+    w = xp.ones(T) if token_weights is None else xp.asarray(token_weights).astype(xp.float64)
+    if w.shape != (T,) or not bool(xp.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError(f"token_weights must be a finite array of shape ({T},) >= 0")
+    w = xp.where(valid, w, 0.0)
+    hard_rows, soft_rows = xp.where(valid, w * ce, 0.0), xp.where(valid, w * soft, 0.0)
+    G = w[:, None] * (opts.weight_hard_loss * d_hard + (opts.weight_soft_loss / opts.temperature) * dz)
+    if reduction == "none":
+        go = xp.ones(T) if grad_output is None else xp.asarray(grad_output).astype(xp.float64)
+        G = go[:, None] * G
+        G[~valid] = 0.0
+        return opts.weight_hard_loss * hard_rows + opts.weight_soft_loss * soft_rows, hard_rows, soft_rows, G
+    divisor = n if reduction == "mean" else 1.0
+    hard, soft = float(hard_rows.sum()) / divisor, float(soft_rows.sum()) / divisor
+    G = G * ((1.0 if grad_output is None else float(grad_output)) / divisor)
     G[~valid] = 0.0
-    return loss, hard, soft, G
+    return opts.weight_hard_loss * hard + opts.weight_soft_loss * soft, hard, soft, G
 
 
 def _array_module(a):
@@ -81,9 +121,10 @@ def _hard_part(xp, s, target, ignore_index):
     return valid, max(1, int(valid.sum())), ce, xp.exp(log_sm) - onehot
 
 
-def reference_logits(s, t, target, **options):
+def reference_logits(s, t, target, token_weights=None, reduction="mean", grad_output=None, **options):
     """The loss from the logits: (loss, hard_loss, soft_loss, G), G [T, Vs] the gradient of the
-    loss with respect to the student logits s [T, Vs]; t [T, Vt] the teacher's; float64."""
+    loss with respect to the student logits s [T, Vs]; t [T, Vt] the teacher's; float64
+    (token_weights, reduction, grad_output: _reduced_loss's)."""
     opts = LossOptions(**options)
     beta, temperature = opts.beta, opts.temperature
     xp = _array_module(s)
@@ -113,22 +154,26 @@ def reference_logits(s, t, target, **options):
         dz = p * (g - (1 - beta) * kl_pm[:, None])
     dz = dz[:, :Vs]  # the pad columns are constants: no gradient
 
-    return _mean_loss(xp, opts, valid, n, ce, jsd, d_hard, dz)
+    return _reduced_loss(xp, opts, valid, n, ce, jsd, d_hard, dz, token_weights, reduction, grad_output)
 
 
 # ---- offline distillation: the teacher as stored top-k log-probabilities ----
 
 def reference_topk(student_input, student_weight, teacher_indices, teacher_logprobs, target,
-                   student_bias=None, missing_mass="bucket", **options):
+                   student_bias=None, missing_mass="bucket", *, student_logit_scale=1.0, student_logit_softcap=None,
+                   token_weights=None, reduction="mean", grad_output=None, **options):
     """The top-k loss of docs/contract.md ("Offline distillation"): (loss, hard_loss, soft_loss,
-    grad_input, grad_weight, grad_bias), all float64, the gradients those of `loss`."""
+    grad_input, grad_weight, grad_bias), all float64, the gradients those of `loss` (times
+    grad_output). The student's scale and soft cap, token_weights and reduction as reference's
+    (the stored log-probabilities are the teacher's already)."""
     xp = _array_module(student_input)
     f = lambda a: None if a is None else xp.asarray(a).astype(xp.float64)  # noqa: E731
     xs, ws, bs = f(student_input), f(student_weight), f(student_bias)
-    s = xs @ ws.T + (0.0 if bs is None else bs)
+    s, ds = model_logits(xs @ ws.T + (0.0 if bs is None else bs), student_logit_scale, student_logit_softcap)
     loss, hard, soft, G = reference_topk_logits(s, teacher_indices, teacher_logprobs, target, missing_mass,
-                                                **options)
-    return (loss, hard, soft, *_student_gradients(G, xs, ws, bs))
+                                                token_weights=token_weights, reduction=reduction,
+                                                grad_output=grad_output, **options)
+    return (loss, hard, soft, *_student_gradients(G * ds, xs, ws, bs))
 
 
 def topk_categories(logp, teacher_indices, teacher_logprobs, missing_mass):
@@ -160,7 +205,8 @@ def topk_categories(logp, teacher_indices, teacher_logprobs, missing_mass):
             xp.concatenate([used, xp.ones((T, 1), bool)], axis=1), rest)
 
 
-def reference_topk_logits(s, teacher_indices, teacher_logprobs, target, missing_mass="bucket", **options):
+def reference_topk_logits(s, teacher_indices, teacher_logprobs, target, missing_mass="bucket", token_weights=None,
+                          reduction="mean", grad_output=None, **options):
     """The top-k loss from the student's logits s [T, Vs]: (loss, hard_loss, soft_loss, G), G the
     gradient of the loss with respect to s; float64. The gradient is the chain rule written out:
     dD/dP per category, times dP/dz, the Jacobian of the categories' probabilities in the
@@ -213,4 +259,4 @@ def reference_topk_logits(s, teacher_indices, teacher_logprobs, target, missing_
             dz += xp.where(rest, PdD[:, k:] * xp.exp(logp - LP[:, k:]), 0.0)
             dz -= (w.sum(axis=1, keepdims=True) + PdD[:, k:]) * p
 
-    return _mean_loss(xp, opts, valid, n, ce, soft, d_hard, dz)
+    return _reduced_loss(xp, opts, valid, n, ce, soft, d_hard, dz, token_weights, reduction, grad_output)
