@@ -177,10 +177,10 @@ def run(backend, xs, ws, xt, wt, bs, bt, opts, run_opts, *, select, capturable, 
     select: the rows, called once the first products are queued: in a default call select(after),
     the backend's select_rows (the valid rows, known once waited for; after: a backend.mark()
     from before those products), in a capturable one select(), the Rows of its mark_rows (every
-    row computed, the ignored ones masked). shard: under vocab parallelism, this rank's parallel.Shard (its weights and biases
-    are then its shards of the vocabulary), else None. first: the call's FirstProduct, or None.
-    Returns (hard_loss, soft_loss, Gradients or None, Rows); the losses are 0-d float32 backend
-    arrays.
+    row computed, the ignored ones masked). shard: under vocab parallelism, this rank's
+    parallel.Shard (its weights and biases are then its shards of the vocabulary), else None.
+    first: the call's FirstProduct, or None. Returns (hard_loss, soft_loss, Gradients or None,
+    Rows); the losses are 0-d float32 backend arrays.
 
     Nothing here waits for the GPU but the selection (and a torch process group's all-reduces,
     parallel.py, and the first product of each shape class in a process, jsdgpu.cuda.products).

@@ -235,7 +235,8 @@ def test_first_row_work_queued_before_the_wait_where_the_rows_are_guessed_valid(
     bad = {name: a.copy() if a is not None else None for name, a in valid.items()}
     bad["teacher_indices"][5, 3] = 523  # in the first chunk, whose row kernel is queued before the checks are read
     arrays = to_xp(bad, cupy)
-    for _ in range(HEAD_HISTORY):  # so that the bad call's rows are guessed valid: its first chunk queued before its checks
+    # so that the bad call's rows are guessed valid: its first chunk queued before its checks
+    for _ in range(HEAD_HISTORY):
         call(valid)
     with pytest.raises(ValueError, match="outside"):
         jsdgpu.forward_topk(**arrays, beta=0.3, chunk_size=chunk_size)

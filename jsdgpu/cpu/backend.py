@@ -23,7 +23,7 @@ class CpuWork:
     s: object
     t: object
     fused: bool = False  # the fused row kernel (where no communicator combines ranks), else the three phases
-    part: object = None  # a chunk's part of grad_weight, made at the second chunk (grad_products)
+    part: object = None  # a block of a chunk's part of grad_weight, made at the second chunk (grad_products)
 
 
 def _f32(a):
@@ -76,6 +76,11 @@ class Selection:
         count = len(valid)
         return Rows(None if count == n else valid, self._target[valid].astype(np.int32), 1.0 / normalizer(count),
                     count)
+
+
+# rows of the vocabulary a block of a chunk's part of grad_weight takes (CpuBackend.grad_products):
+# 16 MiB at H = 256
+PART_ROWS = 16384
 
 
 class CpuBackend:
@@ -258,9 +263,10 @@ class CpuBackend:
     @staticmethod
     def grad_products(work, G, xs, inv_n, grads, start, stop, input_made=False):
         """The chunk's rows of grad_input, and its parts of grad_weight (where G is not held) and
-        grad_bias, 1/N applied. Into buffers made once a call: a fresh [V, H] product a chunk
-        (its pages faulted in anew) and its scaled copy took 0.5 s of a 1.4 s step at T = 512,
-        V = 128256 (docs/design.md, "The CPU backend")."""
+        grad_bias, 1/N applied, into the sums and one block buffer made once a call: a fresh
+        [V, H] product a chunk (its pages faulted in anew) and its scaled copy took 0.5 s of a
+        1.4 s step at T = 512, V = 128256, and held the sum's memory twice (docs/design.md, "The
+        CPU backend")."""
         inv_n = np.float32(inv_n)
         grad_input = grads.grad_input[start:stop]
         if not input_made:
@@ -268,15 +274,18 @@ class CpuBackend:
         grad_input *= inv_n
         if grads.grad_weight is not None:  # else weight_product makes it
             # 1/N on the chunk's inputs, which are small ([rows, H]): the first chunk writes, the
-            # others add their product
+            # others add their product, PART_ROWS rows of the vocabulary at a time (a [V, H]
+            # product would hold the sum's memory twice)
             xs_n = xs.astype(np.float32) * inv_n
             if start == 0:
                 np.matmul(G.T, xs_n, out=grads.grad_weight)
             else:
                 if work.part is None:
-                    work.part = np.empty_like(grads.grad_weight)
-                np.matmul(G.T, xs_n, out=work.part)
-                grads.grad_weight += work.part
+                    work.part = np.empty((min(PART_ROWS, G.shape[1]), xs.shape[1]), np.float32)
+                for v0 in range(0, G.shape[1], PART_ROWS):
+                    part = work.part[:min(PART_ROWS, G.shape[1] - v0)]
+                    np.matmul(G[:, v0:v0 + len(part)].T, xs_n, out=part)
+                    grads.grad_weight[v0:v0 + len(part)] += part
         if grads.grad_bias is not None:
             if start == 0:
                 np.multiply(G.sum(axis=0), inv_n, out=grads.grad_bias)
