@@ -24,6 +24,7 @@ own dtype (a float32 master weight's in float32, as accumulated).
 
 import contextlib
 import functools
+import inspect
 
 import ml_dtypes
 import numpy as np
@@ -155,9 +156,9 @@ def _caster(compute_dtype):
 
 
 @_fused_linear_jsd.register_fake
-def _(student_input, student_weight, teacher_input, teacher_weight, target, student_bias, teacher_bias,
-      weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens,
-      compute_grad, compute_dtype):
+def _fake_online(student_input, student_weight, teacher_input, teacher_weight, target, student_bias, teacher_bias,
+                 weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens,
+                 compute_grad, compute_dtype):
     return _fake_outputs(student_input, student_weight, student_bias, compute_grad)
 
 
@@ -171,8 +172,24 @@ def _fake_outputs(student_input, student_weight, student_bias, compute_grad):
             empty() if student_bias is None else torch.empty_like(student_bias))
 
 
+# The two loss operators' inputs, by position (their signatures share it: the student's
+# tensors, then compute_grad's place; checked below, as each is registered)
+_N_INPUTS, _COMPUTE_GRAD = 16, 14
+# the differentiable inputs' positions: the student's input, weight and bias
+_STUDENT_INPUT, _STUDENT_WEIGHT, _STUDENT_BIAS = 0, 1, 5
+
+
+def _check_positions(fake):
+    """The positions above are those of the operator's parameters (its fake function's, which
+    are the operator's own)."""
+    names = list(inspect.signature(fake).parameters)
+    assert len(names) == _N_INPUTS and names[_COMPUTE_GRAD] == "compute_grad", names
+    assert [names[i] for i in (_STUDENT_INPUT, _STUDENT_WEIGHT, _STUDENT_BIAS)] == [
+        "student_input", "student_weight", "student_bias"], names
+
+
 def _setup_context(ctx, inputs, output):
-    ctx.has_grads = inputs[14]  # compute_grad
+    ctx.has_grads = inputs[_COMPUTE_GRAD]
     ctx.mark_non_differentiable(*output[3:])  # the gradients: no graph of their own
     ctx.save_for_backward(*output[3:])
 
@@ -180,17 +197,20 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, grad_soft, grad_hard, *unused):
     """The gradients computed in forward, times the loss's grad_output (the parts' own
     gradients, where they are wanted, come from calls of their own: _operator_loss)."""
+    grads = [None] * _N_INPUTS
     if not ctx.has_grads:  # the wrapper asks for none only where no student tensor requires one
-        return (None,) * 16
+        return tuple(grads)
     gi, gw, gb = ctx.saved_tensors
     # eagerly in place: the gradients are this operator's alone (the callers keep only its loss
     # parts), and a copy of grad_weight would cost its size again in memory; a traced backward
     # (compile, opcheck) stays functional, and its compiler frees what it can
     traced = isinstance(gw, FunctionalTensor) or torch.compiler.is_compiling()
     scale = lambda g: (g * grad_loss.to(g.dtype) if traced else g.mul_(grad_loss.to(g.dtype))) if g.numel() else None  # noqa: E731
-    return scale(gi), scale(gw), None, None, None, scale(gb), *[None] * 10
+    grads[_STUDENT_INPUT], grads[_STUDENT_WEIGHT], grads[_STUDENT_BIAS] = scale(gi), scale(gw), scale(gb)
+    return tuple(grads)
 
 
+_check_positions(_fake_online)
 _fused_linear_jsd.register_autograd(_backward, setup_context=_setup_context)
 
 
@@ -371,12 +391,13 @@ def _topk(xs, ws, ids, lq, target, bs, missing_mass, options, chunk_size, num_va
 
 
 @_fused_linear_topk_jsd.register_fake
-def _(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias, missing_mass,
-      weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens, compute_grad,
-      compute_dtype):
+def _fake_topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias, missing_mass,
+               weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens,
+               compute_grad, compute_dtype):
     return _fake_outputs(student_input, student_weight, student_bias, compute_grad)
 
 
+_check_positions(_fake_topk)
 _fused_linear_topk_jsd.register_autograd(_backward, setup_context=_setup_context)
 
 
