@@ -102,6 +102,17 @@ def topk_step(sets, mode, k):
     return fn
 
 
+def print_kernels(title, events):
+    """The title, then the events' kernels by total time (ms), with how many times each ran."""
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        total[e["name"][:90]] += e["dur"] / 1e3
+        count[e["name"][:90]] += 1
+    print(title)
+    for name, t in total.most_common():
+        print(f"    {t:8.3f} ms  x{count[name]:<3d} {name}")
+
+
 def idle_gaps(events, shortest_us):
     """[(µs from the step's first event, gap µs, the event before, the event after)] for each time
     the GPU ran nothing for at least shortest_us."""
@@ -146,13 +157,7 @@ def main():
                     for start_us, gap, prev, nxt in idle_gaps(events, a.gaps):
                         print(f"    at {start_us:8.1f} µs: {gap:6.1f} µs  after {prev[:60]}  before {nxt[:60]}")
                 if a.kernels:
-                    total, count = collections.Counter(), collections.Counter()
-                    for e in events:
-                        total[e["name"][:80]] += e["dur"] / 1e3
-                        count[e["name"][:80]] += 1
-                    print(f"T = {T}, {valid:.0%} valid, {mode}:")
-                    for name, t in total.most_common():
-                        print(f"    {t:8.3f} ms  x{count[name]:<3d} {name}")
+                    print_kernels(f"T = {T}, {valid:.0%} valid, {mode}:", events)
     print("| T | valid rows | mode | step ms (events) | products | row kernels | other | GPU idle from the first "
           "product | selection to first product |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

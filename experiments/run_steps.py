@@ -39,11 +39,10 @@ def main():
     a = p.parse_args()
     import cupy  # needs the GPU: after --help
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     import bench_run
     import harness
-    from profile_step import kind
+    from profile_step import kind, print_kernels, profile_one
 
     marker = cupy.RawKernel('extern "C" __global__ void step_marker() {}', "step_marker")
     ws, wn = bench_run.heads(cupy, 4.0, 1)
@@ -57,15 +56,12 @@ def main():
         fns = [bench_run.implementation("jsdgpu", s) for s in steps]
         ours = bench_run.timed_turns(fns, a.repeats, 1.0)
         floor = bench_run.timed_turns([bench_run.implementation("gemm_floor", s) for s in steps], a.repeats, 1.0)
-        for _ in range(2):  # the first profile also times CUPTI's start-up
-            cupy.cuda.Device().synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for fn in fns:
-                    marker((1,), (1,), ())
-                    fn()
-                cupy.cuda.Device().synchronize()
-        events = sorted((e for e in prof_events(prof) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                        key=lambda e: e["ts"])
+
+        def turn(_, fns=fns):  # the ten steps, each after a marker kernel
+            for fn in fns:
+                marker((1,), (1,), ())
+                fn()
+        events = profile_one(turn)
         markers = [e["ts"] for e in events if e["name"] == "step_marker"]
         for i, step_events in enumerate(split_steps(events, markers)):
             step_events = [e for e in step_events if e["name"] != "step_marker"]
@@ -77,13 +73,7 @@ def main():
             valid = int((steps[i][4] != -100).sum())
             table.append((T, i, valid, ours[i], floor[i], busy, span, n_products))
             if a.kernels:
-                total, count = collections.Counter(), collections.Counter()
-                for e in step_events:
-                    total[e["name"][:90]] += e["dur"] / 1e3
-                    count[e["name"][:90]] += 1
-                print(f"T = {T}, step {i}, {valid} valid rows:")
-                for name, t in total.most_common():
-                    print(f"    {t:8.3f} ms  x{count[name]:<3d} {name}")
+                print_kernels(f"T = {T}, step {i}, {valid} valid rows:", step_events)
         del steps, fns
         cupy.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
@@ -94,15 +84,6 @@ def main():
         idle = span - sum(busy.values())
         print(f"| {T} | {i} | {valid} | {ms:.3f} | {fl:.3f} | {ms / fl:.3f} | {busy.get('products', 0):.3f} | "
               f"{busy.get('rows', 0):.3f} | {busy.get('other', 0):.3f} | {idle:.3f} | {span:.3f} | {n} |")
-
-
-def prof_events(prof):
-    import json
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        path = pathlib.Path(d) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        return json.loads(path.read_text())["traceEvents"]
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ def _categories(logp, ids, lq, bucket, LP, LQ, used):
     n, k = ids.shape
     vs = logp.shape[1]
     for i in numba.prange(n):
-        lse_q = -np.inf
         for c in range(k):
             used[i, c] = lq[i, c] != -np.inf
             LP[i, c] = logp[i, ids[i, c]] if used[i, c] else -np.inf
