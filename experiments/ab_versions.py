@@ -1,6 +1,6 @@
 """Is one version of the library faster than another, step for step?
 
-Answer (one H200, 2026-12-01; docs/design.md, "Open: the step's speed since the capturable
+Answer (one H200, 2026-12-01; docs/design.md, "The step's speed since the capturable
 mode"): the code after the capturable mode took 4.85-4.89 ms at T = 1024 where the layout's code
 (commit 682ba3f) took 4.18-4.34, and 2.72-2.79 against 2.41-2.51 with half the rows ignored.
 On 2026-12-02 (docs/design.md, "The step's speed since the capturable mode"), c658ff5 against

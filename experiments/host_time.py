@@ -4,7 +4,7 @@ step?
 The GPU idles from the moment it has run what was queued until the first product is queued, so
 the host time before that product is time the step loses. Answer (H200, 2026-12-02;
 docs/design.md, "The host before the first product"): at T = 1024 with every row valid, where
-the call is like the last (chunks.FirstProduct), 0.031-0.050 ms before the first product's
+the call is like the last (ahead.FirstProduct), 0.031-0.050 ms before the first product's
 launch with each step queued behind the last and 0.037-0.086 after cudaDeviceSynchronize (three
 machines), and 0.061-0.181 until it is queued (the launch itself: jsdgpu's gemm and
 cublasLtMatmul's call through ctypes; --parts times pieces of it); with half the rows ignored,
@@ -125,8 +125,9 @@ def time_parts(args, repeats=200):
     benchmark starts."""
     import cupy
 
-    from jsdgpu import api, checks, options
-    from jsdgpu.chunks import HEAD_ROWS, plan_chunks
+    from jsdgpu import call, checks, options
+    from jsdgpu.ahead import HEAD_ROWS
+    from jsdgpu.chunks import plan_chunks
     from jsdgpu.cuda import products
     from jsdgpu.cuda.backend import CudaBackend as B
     xs, ws, xt, wt, target = args
@@ -139,9 +140,9 @@ def time_parts(args, repeats=200):
     head = min(HEAD_ROWS, most)
     pieces = {
         "split_options": lambda: options.split_options({}),
-        "bridge (none)": lambda: api._bridge_for(arrays),
+        "bridge (none)": lambda: call._bridge_for(arrays),
         "check_arrays": lambda: checks.check_arrays(arrays),
-        "runs_capturable": lambda: api.runs_capturable(run_opts, "cupy"),
+        "runs_capturable": lambda: call.runs_capturable(run_opts, "cupy"),
         "ascontiguousarray x4": lambda: [cupy.ascontiguousarray(a) for a in (xs, ws, xt, wt)],
         "chunk plan": lambda: plan_chunks(len(xs), None, *B.bytes_per_row(ws.shape[0], wt.shape[0], ws.dtype,
                                                                            True, True), B.default_memory_budget),

@@ -9,7 +9,7 @@ bf16 rounding (at most 4.2e-3 of the chunk's largest |G|, 5.5e-3 of a row's norm
 
     python experiments/topk_row_kernel.py
 
-Each kernel runs as the library launches it (jsdgpu.cuda.kernels.topk_rows) on random logits
+Each kernel runs as the library launches it (jsdgpu.cuda.topk_kernels.topk_rows) on random logits
 (std 2) and a random teacher's top-k (90% of its mass in the slots); medians of five rounds of
 three launches, the two ways in turns.
 """
@@ -33,7 +33,7 @@ def main():
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     import cupy  # here, not above: --help runs without a GPU
 
-    from jsdgpu.cuda import kernels
+    from jsdgpu.cuda import topk_kernels
     from jsdgpu.options import split_options
 
     rng = cupy.random.default_rng(0)
@@ -58,7 +58,7 @@ def main():
 
         def run(once):
             ce, soft, G, label_terms, scale = outs[once]
-            kernels.topk_rows(logits, None, target, V, ids, lq, opts, missing_mass == "bucket", ce, soft, G,
+            topk_kernels.topk_rows(logits, None, target, V, ids, lq, opts, missing_mass == "bucket", ce, soft, G,
                               label_terms, scale)
 
         times = {False: [], True: []}

@@ -1,4 +1,4 @@
-"""The contract between the chunk loop (jsdgpu.chunks) and a backend (jsdgpu.cpu, jsdgpu.cuda),
+"""The contract between the chunk engine (jsdgpu.engine, its losses) and a backend (jsdgpu.cpu, jsdgpu.cuda),
 and the gradient sums that pass from forward to backward."""
 
 import dataclasses
@@ -71,7 +71,7 @@ class Backend(Protocol):
     xp: Any                     # the array module
     default_memory_budget: int  # bytes of per-chunk buffers where the caller gives none
     # whether a default call's first products run ahead of its selection, while the host waits
-    # for it (chunks.queue_head): where the work is done as it is called, there is no wait to fill
+    # for it (ahead.queue_head): where the work is done as it is called, there is no wait to fill
     queues_ahead: bool
 
     def on_device(self, device) -> ContextManager: ...
@@ -81,7 +81,7 @@ class Backend(Protocol):
 
     def ahead_key(self, xs, ws):
         """Where the backend queues ahead: what a product of xs @ ws.T queued ahead of a call's
-        checks depends on (chunks.FirstProduct), None where none may be queued now."""
+        checks depends on (ahead.FirstProduct), None where none may be queued now."""
 
     def logits_ahead(self, xs, ws, rows, head):
         """Where the backend queues ahead: a student logits' buffer for chunks of `rows` rows, with

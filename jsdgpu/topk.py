@@ -4,16 +4,16 @@ made chunk by chunk (teacher_topk). The math is docs/contract.md's, "Offline dis
 
 Per chunk of valid rows: the student's logits (float32), one row kernel (the row's statistics
 over the whole vocabulary, the gather at the k ids, the divergence over the k + 1 or k categories
-and the gradient row), then the gradient products, as in the online loop (jsdgpu.chunks): three
-products where the online loss has four.
+and the gradient row), then the gradient products: TopKLoss, a loss of the chunk engine
+(jsdgpu.engine) as the online loss is; three products where the online loss has four.
 """
 
 import numpy as np
 
 from . import checks
-from .api import Context, backend_for, backward, bridged, runs_capturable, weighted_loss
-from .chunks import (FirstProduct, chunk_g, cut_chunks, expects_all_valid, finish_gradients, plan_chunks, queue_head,
-                     row_means, row_outputs)
+from .ahead import FirstProduct, expects_all_valid
+from .call import Context, backend_for, backward, bridged, runs_capturable, weighted_loss
+from .engine import ChunkLoss, chunk_g, run
 from .options import backend_budget, split_options
 
 MISSING_MASS = ("bucket", "renormalize")
@@ -51,7 +51,7 @@ def forward_topk_with(student_input, student_weight, teacher_indices, teacher_lo
 
 
 def _forward_topk(arrays, opts, run_opts, missing_mass):
-    # first of all, where this call is like the last: its first product (chunks.FirstProduct)
+    # first of all, where this call is like the last: its first product (ahead.FirstProduct)
     first = FirstProduct(("topk", run_opts), arrays["student_input"], arrays["student_weight"])
     kind = checks.check_topk_arrays(arrays)
     if run_opts.vocab_parallel is not None:
@@ -60,139 +60,131 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
     capturable = runs_capturable(run_opts, kind)
     backend = backend_for(kind)
     xp = backend.xp
-    xs, ws, bs = arrays["student_input"], arrays["student_weight"], arrays["student_bias"]
+    xs = arrays["student_input"]
     device = xs.device.id if kind == "cupy" else None
     with backend.on_device(device):
-        xs, ws = xp.ascontiguousarray(xs), xp.ascontiguousarray(ws)
+        xs = xp.ascontiguousarray(xs)
         ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) below
-        lq = xp.ascontiguousarray(arrays["teacher_logprobs"], dtype=np.float32)
-        vs, hs = ws.shape
-        n_all = xs.shape[0]
-        compute_grad = run_opts.compute_grad
-        budget = run_opts.budget(backend)
-        k = ids.shape[1]
-        own = backend.topk_own_product(opts, xs, ws, k, compute_grad)  # (no logits: topk_own_logits, from x)
-        per_row = backend.topk_bytes_per_row(vs, ws.dtype, compute_grad, own, k)
-        most_rows = backend.topk_chunk_rows(own)
-
-        def plan(n_rows):  # (rows per chunk, hold_g)
-            return plan_chunks(n_rows, run_opts.chunk_size, *per_row, budget, most_rows)
-        most = min(plan(n_all)[0], n_all) if n_all else 0
-        if own:  # no logits for FirstProduct to queue ahead, in this call or the next (the own product is
-            # queued below, once the call's buffers are made)
-            first.remember(backend, 0)
-            first = None
-        # the buffers for the most rows the call can have
-        work = backend.topk_prepare(ws, bs, most, **(first.buffers(most) if first else {}), own=own, k=k)
-        launched = []
-
-        def select(after=None):  # the top-k's checks, then the rows (a default call reads both at one wait)
-            launched.append(backend.topk_check(arrays["teacher_indices"], lq, vs, missing_mass == "bucket",
-                                               capturable, after))
-            if capturable:  # every row computed, the ignored ones masked
-                return backend.mark_rows(arrays["target"], vs, opts.ignore_index, run_opts.num_valid_tokens)
-            return backend.select_rows(arrays["target"], vs, opts.ignore_index, after)
-
-        def products(x, _ids, at=0, student=True):  # the student's logits (the ids go with the rows, for queue_head)
-            if student:
-                backend.head_logits(work, x, at)
-
-        def gradient_rows(n_rows, chunk, hold_g):  # G: of all n_rows rows where held, else of a chunk
-            return backend.topk_gradient_rows(work, n_rows if hold_g else chunk) if compute_grad and n_rows else None
-
-        def outputs(n_rows, chunk, hold_g, G_all=None):  # (G_all, ce, soft, Gradients, label_terms) for n_rows rows
-            G_all = gradient_rows(n_rows, chunk, hold_g) if G_all is None else G_all
-            ce, soft, grads, label_terms = row_outputs(xp, n_rows, hs, vs, hold_g, bs is not None, compute_grad)
-            if G_all is not None and backend.topk_scales_g(opts, ws.dtype):  # G's rows stored scaled: read once
-                grads.g_scale = xp.empty(n_rows, np.float32)
-            return G_all, ce, soft, grads, label_terms
-
-        def row_work(out, hold_g, start, stop, x, ids, lq, target, product=True):
-            """The rows' kernels (x, ids, lq, target: theirs); with the own product, that product
-            first where `product`."""
-            G_all, ce, soft, grads, label_terms = out
-            G = chunk_g(G_all, hold_g, start, stop)
-            if own and product:
-                backend.topk_own_logits(work, x, ids, lq, G)
-            backend.topk_rows(work, ids, lq, target, opts, missing_mass, ce[start:stop], soft[start:stop], G,
-                              None if label_terms is None else label_terms[start:stop],
-                              None if grads is None or grads.g_scale is None else grads.g_scale[start:stop], x)
-
-        ahead = None  # (chunk, hold_g, outputs): the first chunk's row work, queued before the host's wait
-        if own and not capturable and n_all and expects_all_valid(n_all):
-            # the guess below, made here: the own product, which is the call's first chunk's logits
-            # and most of its row work, queued as the call's first GPU work (before the checks and
-            # the selection, where the GPU would idle while the host queues them). Its ids are not
-            # checked yet: one outside the vocabulary is left out (the call then raises)
-            hold_g = plan(n_all)[1]
-            G_all = gradient_rows(n_all, most, hold_g)  # the product's output first, the call's others after it
-            backend.topk_own_logits(work, xs[:most], ids[:most], lq[:most], chunk_g(G_all, hold_g, 0, most))
-            ahead = most, hold_g, outputs(n_all, most, hold_g, G_all)
-
-        def before_wait(selection, head):
-            """A default call whose head is its whole first chunk, its rows all valid by the last
-            call's guess: that chunk's row kernel and G @ Ws, queued before the host reads the
-            selection, so that the GPU runs them while the host reads it and queues what follows
-            (where it idled 0.2-0.5 ms a step: docs/design.md, "Top-k"). Kept where the guess was
-            right; the ids are clipped into the vocabulary, as a bad one (the call then raises)
-            reads nothing outside its row. (The head's product is queued: cuBLAS's by queue_head,
-            the own one above, which this then always finishes, so that its buffers are clean
-            again.)"""
-            nonlocal ahead
-            chunk, hold_g = plan(n_all)
-            if ahead is None and expects_all_valid(n_all) and min(chunk, most) == head:
-                ahead = head, hold_g, outputs(n_all, head, hold_g)
-            if ahead is not None:
-                rows = ahead[0]
-                row_work(ahead[2], ahead[1], 0, rows, xs[:rows], xp.clip(ids[:rows], 0, vs - 1), lq[:rows],
-                         selection.row_target[:rows], product=False)
-                input_product(ahead[2], ahead[1], 0, rows)
-
-        def input_product(out, hold_g, start, stop):
-            """G @ Ws of the rows, unscaled (1/N is known after the wait: grad_products scales it),
-            so that the first chunk's can be queued before the wait too: the GPU then has that
-            product to run while the host reads the selection and queues what follows."""
-            G_all, grads = out[0], out[3]
-            if grads is not None:
-                backend.input_product(work, chunk_g(G_all, hold_g, start, stop), grads.grad_input[start:stop])
-
-        head, rows = queue_head(backend, products, xs, ids, most, select, capturable, run_opts.normalizer, first,
-                                before_wait)
-        check, bad_topk_row = launched[0], None
-        if capturable:  # a bad row makes 1/N NaN
-            rows.inv_n, bad_topk_row = check.poisoned(rows.inv_n, n_all)
-            ids = xp.clip(ids, 0, vs - 1)  # a bad id (its row's results NaN) is read nowhere outside the row
-        else:
-            check.wait()
-        if rows.valid_rows is not None:
-            xs, ids = backend.take_rows(rows.valid_rows, xs, ids)
-            lq = lq[rows.valid_rows]
-        target, inv_n = rows.target, rows.inv_n
-        n_rows = len(target)
-        chunk, hold_g = cut_chunks(products, xs, ids, head, most, per_row, budget)
-        if ahead is not None and (rows.valid_rows is not None or ahead[:2] != (chunk, hold_g)):
-            ahead = None  # the guess was wrong: the rows or their chunks are others
-        out = outputs(n_rows, chunk, hold_g) if ahead is None else ahead[2]
-        G_all, ce, soft, grads, label_terms = out
-        for start in range(0, n_rows, chunk or 1):
-            stop = min(start + chunk, n_rows)
-            if start:  # the first chunk's logits are queued above
-                products(xs[start:stop], ids[start:stop])
-            if start or ahead is None:  # (the first chunk's row work and G @ Ws may be queued above)
-                row_work(out, hold_g, start, stop, xs[start:stop], ids[start:stop], lq[start:stop], target[start:stop])
-                if rows.masked and G_all is not None:
-                    backend.zero_masked_rows(chunk_g(G_all, hold_g, start, stop), target[start:stop])
-                input_product(out, hold_g, start, stop)
-            if compute_grad:
-                backend.grad_products(work, chunk_g(G_all, hold_g, start, stop), xs[start:stop], inv_n, grads,
-                                      start, stop, input_made=True)
-        finish_gradients(backend, work, grads, G_all, hold_g, label_terms, target, xs, inv_n)
-        hard, soft = row_means(xp, ce, soft, inv_n, target if rows.masked else None)
+        loss_rows = TopKLoss(backend, xs, arrays, opts, run_opts, capturable, missing_mass)
+        hard, soft, grads, rows = run(loss_rows, xs, ids, first)
         loss = weighted_loss(xp, opts, hard, soft)
-    ctx = Context(hard, soft, grads, rows.valid_rows, arrays["student_input"].shape[0], xs.dtype, backend,
-                  run_opts.grad_weight_float32, device, None if rows.status is None else rows.status[1])
-    ctx.bad_topk_row = bad_topk_row
+    ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend, run_opts.grad_weight_float32,
+                  device, None if rows.status is None else rows.status[1])
+    ctx.bad_topk_row = loss_rows.bad_topk_row
     return loss, ctx
+
+
+class TopKLoss(ChunkLoss):
+    """The top-k loss of one call as a chunk loss (jsdgpu.engine): the student's head against the
+    teacher's top-k (arrays: the call's, checked), whose ids go with the rows as the engine's
+    `other`. Three products where the online loss has four; with the backend's own logits
+    product (topk_own_product), that product does most of the row work in its epilogue."""
+
+    def __init__(self, backend, xs, arrays, opts, run_opts, capturable, missing_mass):
+        xp = backend.xp
+        self.backend, self.opts, self.run_opts, self.capturable = backend, opts, run_opts, capturable
+        self.missing_mass, self.arrays, self.target = missing_mass, arrays, arrays["target"]
+        self.ws = xp.ascontiguousarray(arrays["student_weight"])
+        self.bs = arrays["student_bias"]
+        self.lq = xp.ascontiguousarray(arrays["teacher_logprobs"], dtype=np.float32)
+        self.vs, self.hs = self.ws.shape
+        self.vocab, self.has_bias, self.n_all = self.vs, self.bs is not None, xs.shape[0]
+        self.k = self.lq.shape[1]
+        compute_grad = run_opts.compute_grad
+        self.own = backend.topk_own_product(opts, xs, self.ws, self.k, compute_grad)  # (no logits: topk_own_logits)
+        self.takes_first_product = not self.own  # no student logits to queue ahead: the own product is
+        # queued in queue_first, once the call's buffers are made
+        self.per_row = backend.topk_bytes_per_row(self.vs, self.ws.dtype, compute_grad, self.own, self.k)
+        self.most_rows = backend.topk_chunk_rows(self.own)
+        self.scales_g = backend.topk_scales_g(opts, self.ws.dtype)
+        self.check = self.bad_topk_row = None
+
+    def prepare(self, most, buffers):
+        self.work = self.backend.topk_prepare(self.ws, self.bs, most, **buffers, own=self.own, k=self.k)
+
+    def select(self, after=None):
+        """The top-k's checks, then the rows (a default call reads both at one wait)."""
+        self.check = self.backend.topk_check(self.arrays["teacher_indices"], self.lq, self.vs,
+                                             self.missing_mass == "bucket", self.capturable, after)
+        return super().select(after)
+
+    def products(self, xs, _ids, at=0, student=True):
+        """The student's logits (the ids go with the rows, for queue_head)."""
+        if student:
+            self.backend.head_logits(self.work, xs, at)
+
+    def gradient_rows(self, g_rows, hold_g):
+        return self.backend.topk_gradient_rows(self.work, g_rows)
+
+    def queue_first(self, xs, ids, most):
+        """The own product of the first chunk, where the rows are guessed all valid (the guess
+        queue_head then makes): it is the chunk's logits and most of its row work, queued as the
+        call's first GPU work (before the checks and the selection, where the GPU would idle while
+        the host queues them). Its ids are not checked yet: one outside the vocabulary is left out
+        (the call then raises)."""
+        n_all = self.n_all
+        if not self.own or self.capturable or not expects_all_valid(n_all):
+            return
+        hold_g = self.plan(n_all)[1]
+        G_all = self.gradient_rows(n_all if hold_g else most, hold_g) if self.run_opts.compute_grad else None
+        G = chunk_g(G_all, hold_g, 0, most)  # the product's output first, the call's others after it
+        self.backend.topk_own_logits(self.work, xs[:most], ids[:most], self.lq[:most], G)
+        self.ahead = most, hold_g, self.outputs(n_all, most, hold_g, G_all)
+
+    def before_wait(self, selection, head, xs, ids, most):
+        """A default call whose head is its whole first chunk, its rows all valid by the last
+        calls' guess: that chunk's row kernel and G @ Ws, queued before the host reads the
+        selection, so that the GPU runs them while the host reads it and queues what follows
+        (where it idled 0.2-0.5 ms a step: docs/design.md, "Top-k"). Kept where the guess was
+        right; the ids are clipped into the vocabulary, as a bad one (the call then raises)
+        reads nothing outside its row. (The head's product is queued: cuBLAS's by queue_head,
+        the own one by queue_first, which this then always finishes, so that its buffers are
+        clean again.)"""
+        n_all = self.n_all
+        hold_g = self.plan(n_all)[1]
+        if self.ahead is None and expects_all_valid(n_all) and most == head:
+            self.ahead = head, hold_g, self.outputs(n_all, head, hold_g)
+        if self.ahead is not None:
+            rows, hold_g, out = self.ahead
+            G = chunk_g(out[0], hold_g, 0, rows)
+            self.row_work(out, G, 0, rows, xs[:rows], self.backend.xp.clip(ids[:rows], 0, self.vs - 1),
+                          selection.row_target[:rows], product=False)
+            self.input_product(out, G, 0, rows)
+
+    def selected(self, rows, ids):
+        if self.capturable:  # a bad row makes 1/N NaN
+            rows.inv_n, self.bad_topk_row = self.check.poisoned(rows.inv_n, self.n_all)
+            return self.backend.xp.clip(ids, 0, self.vs - 1)  # a bad id (its row's results NaN) is read nowhere
+        self.check.wait()
+        return ids
+
+    def take_rows(self, valid_rows, xs, ids):
+        self.lq = self.lq[valid_rows]
+        return self.backend.take_rows(valid_rows, xs, ids)
+
+    def row_work(self, out, G, start, stop, x, ids, target, product=True):
+        """The rows' kernels (x, ids, target: theirs); with the own product, that product first
+        where `product`."""
+        _, ce, soft, grads, label_terms = out
+        backend, lq = self.backend, self.lq[start:stop]
+        if self.own and product:
+            backend.topk_own_logits(self.work, x, ids, lq, G)
+        backend.topk_rows(self.work, ids, lq, target, self.opts, self.missing_mass, ce[start:stop], soft[start:stop],
+                          G, None if label_terms is None else label_terms[start:stop],
+                          None if grads is None or grads.g_scale is None else grads.g_scale[start:stop], x)
+
+    def input_product(self, out, G, start, stop):
+        """G @ Ws of the rows, unscaled (1/N is known after the wait: grad_products scales it),
+        so that the first chunk's can be queued before the wait too: the GPU then has that
+        product to run while the host reads the selection and queues what follows."""
+        grads = out[3]
+        if grads is not None:
+            self.backend.input_product(self.work, G, grads.grad_input[start:stop])
+
+    def gradient_products(self, out, G, xs, inv_n, start, stop, made_ahead):
+        if not made_ahead:
+            self.input_product(out, G, start, stop)
+        self.backend.grad_products(self.work, G, xs, inv_n, out[3], start, stop, input_made=True)
 
 
 class TopKDistillLoss:

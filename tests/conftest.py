@@ -39,7 +39,7 @@ def rng():
 @pytest.fixture
 def queued_ahead(monkeypatch):
     """A list of (rows a chunk, head rows) of each student logits' product queued ahead of a call's
-    checks (CudaBackend.logits_ahead, chunks.FirstProduct), for the test's duration."""
+    checks (CudaBackend.logits_ahead, ahead.FirstProduct), for the test's duration."""
     from jsdgpu.cuda.backend import CudaBackend
     queued, queue_ahead = [], CudaBackend.logits_ahead
     monkeypatch.setattr(CudaBackend, "logits_ahead", staticmethod(
@@ -185,13 +185,13 @@ def assert_near_float64(case, dtype, opts, loss, hard, soft, grads):
 
 def head_path_ignored(T):
     """The ignored rows of a run of default calls of T rows (T >= 16) that takes every path of
-    chunks.queue_head, each call's head sized by the last HEAD_HISTORY calls (the first five
+    ahead.queue_head, each call's head sized by the last HEAD_HISTORY calls (the first five
     calls leave none of the calls before the run among them): the whole first chunk as it is,
     kept; a prefix of it kept (the rest computed again); the first selected rows, fewer than the
     call has (the rest of the chunk queued after the read); none of the first chunk kept (row 0
     ignored); the first selected rows, as many as the call has, and more (the rows past its count
     computed for nothing)."""
-    from jsdgpu.chunks import HEAD_HISTORY
+    from jsdgpu.ahead import HEAD_HISTORY
     some = lambda first: [first, 12, 15]  # noqa: E731
     all_valid = [[]] * HEAD_HISTORY
     return all_valid + [[], some(2)] + all_valid + [some(0), some(9), list(range(1, T, 2)), []]

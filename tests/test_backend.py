@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import to_numpy
-from jsdgpu.api import backend_for
+from jsdgpu.call import backend_for
 
 
 def _parameters(method, skip_self):

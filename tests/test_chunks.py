@@ -1,11 +1,12 @@
-"""The chunk loop (jsdgpu.chunks): every chunk size, with G held for all rows or per chunk, gives
+"""The chunk engine (jsdgpu.engine, its plan jsdgpu.chunks, its head jsdgpu.ahead): every chunk size, with G held for all rows or per chunk, gives
 the reference's answer on both backends; and the chunk plan itself."""
 
 import numpy as np
 import pytest
 
 import jsdgpu
-from jsdgpu.chunks import HEAD_HISTORY, HEAD_ROWS, HELD_MIN_ROWS, ROW_ALIGN, cut_chunks, plan_chunks
+from jsdgpu.ahead import HEAD_HISTORY, HEAD_ROWS
+from jsdgpu.chunks import HELD_MIN_ROWS, ROW_ALIGN, cut_chunks, plan_chunks
 from conftest import head_path_ignored, make_case, rel_err, to_numpy, to_xp
 
 
@@ -79,23 +80,23 @@ def test_plan_chunks():
 
 
 def test_head_sized_by_the_last_calls(monkeypatch):
-    """A default call's head (chunks.planned_head) follows the least share of leading valid rows
+    """A default call's head (ahead.planned_head) follows the least share of leading valid rows
     and of valid rows among the thread's last HEAD_HISTORY default calls, whatever their sizes: one
     step with rows ignored among steps with none is enough to gather the selected rows."""
-    from jsdgpu import chunks
-    monkeypatch.setattr(chunks._last_rows, "seen", (), raising=False)
-    assert chunks.planned_head(1024, 1024) == (True, 1024) and chunks.expects_all_valid(1024)
+    from jsdgpu import ahead
+    monkeypatch.setattr(ahead._last_rows, "seen", (), raising=False)
+    assert ahead.planned_head(1024, 1024) == (True, 1024) and ahead.expects_all_valid(1024)
     # (leading valid rows, valid rows, rows) of each call, the last one last
-    chunks._last_rows.seen = ((1024, 1024, 1024),) * (HEAD_HISTORY - 1) + ((1, 614, 1024),)
-    assert chunks.planned_head(1024, 1024) == (False, 4 * ROW_ALIGN)  # 614 valid: whole tiles of them
-    assert not chunks.expects_all_valid(1024)
-    chunks._last_rows.seen = ((2048, 2048, 2048),) * HEAD_HISTORY
-    assert chunks.planned_head(2048, 4096) == (True, 2048) and chunks.expects_all_valid(4096)
-    chunks._last_rows.seen = ((300, 750, 1000),) * HEAD_HISTORY  # as shares of a call of 2000 rows: 600, 1500
-    assert chunks.planned_head(2048, 2000) == (True, 4 * ROW_ALIGN)
-    chunks._last_rows.seen = ((100, 750, 1000),) * HEAD_HISTORY
-    assert chunks.planned_head(2048, 2000) == (False, 11 * ROW_ALIGN)
-    assert chunks.planned_head(1024, 2000) == (False, 1024)  # at most the first chunk
+    ahead._last_rows.seen = ((1024, 1024, 1024),) * (HEAD_HISTORY - 1) + ((1, 614, 1024),)
+    assert ahead.planned_head(1024, 1024) == (False, 4 * ROW_ALIGN)  # 614 valid: whole tiles of them
+    assert not ahead.expects_all_valid(1024)
+    ahead._last_rows.seen = ((2048, 2048, 2048),) * HEAD_HISTORY
+    assert ahead.planned_head(2048, 4096) == (True, 2048) and ahead.expects_all_valid(4096)
+    ahead._last_rows.seen = ((300, 750, 1000),) * HEAD_HISTORY  # as shares of a call of 2000 rows: 600, 1500
+    assert ahead.planned_head(2048, 2000) == (True, 4 * ROW_ALIGN)
+    ahead._last_rows.seen = ((100, 750, 1000),) * HEAD_HISTORY
+    assert ahead.planned_head(2048, 2000) == (False, 11 * ROW_ALIGN)
+    assert ahead.planned_head(1024, 2000) == (False, 1024)  # at most the first chunk
 
 
 def test_chunks_of_the_planned_rows_whatever_the_valid_rows():
@@ -119,7 +120,7 @@ def test_chunks_of_the_planned_rows_whatever_the_valid_rows():
 @pytest.mark.parametrize("T,chunk", [(17, 5), (HEAD_ROWS + 44, None)])  # the head a chunk, or part of one
 def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
     """A default call's first chunk products come from its first rows as they are where the last
-    calls' leading rows were valid, else from its first selected rows (chunks.queue_head): a run
+    calls' leading rows were valid, else from its first selected rows (ahead.queue_head): a run
     of calls that takes every path (conftest.head_path_ignored; on the GPU, which queues products
     ahead of the selection) gives the reference's answer at each call."""
     for ignored in head_path_ignored(T):
@@ -136,7 +137,7 @@ def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
 def test_a_call_gives_the_same_bits_whatever_came_before(xp, rng):
     """Two runs of a call on the same inputs give the same bits (docs/design.md, "Numerics"),
     whichever calls came before it, though a default call's head on the GPU is sized by the last
-    call (chunks.queue_head): after calls that take each of its paths."""
+    call (ahead.queue_head): after calls that take each of its paths."""
     T = HEAD_ROWS + 44
     case = to_xp(make_case(rng, T=T, bias=True, ignored=0.3), xp)
     runs = []
@@ -154,7 +155,7 @@ def test_a_call_gives_the_same_bits_whatever_came_before(xp, rng):
 @pytest.mark.gpu
 def test_a_call_like_the_last_queues_its_first_product_ahead(rng, queued_ahead):
     """A default call like the thread's last one (the same options, student arrays of the same
-    types, shapes and strides) queues its first product before its checks (chunks.FirstProduct).
+    types, shapes and strides) queues its first product before its checks (ahead.FirstProduct).
     It gives the bits of the same call after one that is not like it (whose first product is
     queued after the checks, the same head); it drops that product where its own plan differs
     (another teacher vocabulary, under a budget that binds); it raises the checks' error where
@@ -179,7 +180,7 @@ def test_a_call_like_the_last_queues_its_first_product_ahead(rng, queued_ahead):
         c["target"][HEAD_ROWS + 20::3] = -100  # the leading rows valid: a head of its rows as they are
         return c
 
-    for _ in range(HEAD_HISTORY):  # the thread's last calls' leading rows valid (chunks.planned_head)
+    for _ in range(HEAD_HISTORY):  # the thread's last calls' leading rows valid (ahead.planned_head)
         call(case())
     for options, vt in ((dict(), vs), (dict(memory_budget=budget), vt_wide)):
         this = case(vt)

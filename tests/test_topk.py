@@ -10,7 +10,7 @@ import pytest
 import jsdgpu
 from conftest import (DTYPES, assert_grads_near, assert_part_near, float32_logits, head_logits, head_path_ignored,
                       rel_err, to_numpy, to_xp)
-from jsdgpu.chunks import HEAD_HISTORY, HEAD_ROWS
+from jsdgpu.ahead import HEAD_HISTORY, HEAD_ROWS
 from jsdgpu.options import DEFAULTS
 from jsdgpu.reference import reference_logits, reference_topk, reference_topk_logits
 
@@ -147,7 +147,7 @@ def test_against_float64(xp, rng, dtype, missing_mass, beta):
 @pytest.mark.parametrize("T,chunk", [(17, 5), (HEAD_ROWS + 44, None)])  # the head a chunk, or part of one
 def test_head_as_the_rows_are_or_selected(xp, rng, T, chunk):
     """The first chunk's products come from the first rows as they are, where the last calls'
-    leading rows were valid, else from the first selected rows (chunks.queue_head, as the online
+    leading rows were valid, else from the first selected rows (ahead.queue_head, as the online
     loss's: test_chunks): a run of calls that takes every path (conftest.head_path_ignored) gives
     the reference's answer at each call."""
     for ignored in head_path_ignored(T):
@@ -194,12 +194,12 @@ def test_first_row_work_queued_before_the_wait_where_the_rows_are_guessed_valid(
     import cupy
 
     import jsdgpu.topk
-    from jsdgpu.cuda import backend, kernels
+    from jsdgpu.cuda import backend, topk_kernels
     monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", own)
     guess, guesses, order = jsdgpu.topk.expects_all_valid, [], []
     monkeypatch.setattr(jsdgpu.topk, "expects_all_valid", lambda n: guesses.append(guess(n)) or guesses[-1])
-    product, check = kernels.topk_logits, backend.PendingTopKCheck
-    monkeypatch.setattr(kernels, "topk_logits", lambda *a: order.append("product") or product(*a))
+    product, check = topk_kernels.topk_logits, backend.PendingTopKCheck
+    monkeypatch.setattr(topk_kernels, "topk_logits", lambda *a: order.append("product") or product(*a))
     monkeypatch.setattr(backend, "PendingTopKCheck", lambda *a: order.append("check") or check(*a))
     T, dtype = 300, DTYPES["bfloat16"] if own else np.float32
 
@@ -219,7 +219,7 @@ def test_first_row_work_queued_before_the_wait_where_the_rows_are_guessed_valid(
     plain = call(valid)
     assert not any(guesses)
     assert order[:2] == (["check", "product"] if own else ["check"])
-    for _ in range(HEAD_HISTORY - 1):  # the thread's last HEAD_HISTORY calls all valid (chunks.planned_head)
+    for _ in range(HEAD_HISTORY - 1):  # the thread's last HEAD_HISTORY calls all valid (ahead.planned_head)
         call(valid)
     guesses.clear()
     order.clear()
@@ -277,11 +277,11 @@ def test_rows_read_once_or_twice(rng, dtype, missing_mass, temperature, weight_h
 
 @pytest.fixture
 def launched(monkeypatch):
-    """A list that grows by one at each launch of the own logits product (kernels.topk_logits),
+    """A list that grows by one at each launch of the own logits product (topk_kernels.topk_logits),
     for the test's duration."""
-    from jsdgpu.cuda import kernels
-    launches, launch = [], kernels.topk_logits
-    monkeypatch.setattr(kernels, "topk_logits", lambda *a: launches.append(1) or launch(*a))
+    from jsdgpu.cuda import topk_kernels
+    launches, launch = [], topk_kernels.topk_logits
+    monkeypatch.setattr(topk_kernels, "topk_logits", lambda *a: launches.append(1) or launch(*a))
     return launches
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import checks
 from ..backend import HeldG, Rows
-from . import kernels, products, sources
+from . import kernels, products, sources, topk_kernels
 from .sources import FUSED
 
 FUSED_MAX_VOCAB = FUSED.max_vocab  # 131072 columns; wider rows take the phase kernels
@@ -83,7 +83,7 @@ class TopKWork:
 # kernel's streaming work, where it can run: by default for calls of OWN_TOPK_MIN_ROWS rows or
 # more, else cuBLAS's product and the row kernel. Per chunk the own one is faster, but its call
 # starts later (its product waits for the call's checks and setup, where cuBLAS's is queued ahead
-# of them: chunks.FirstProduct): in turns in one process, whole steps were 2-5% faster with it at
+# of them: ahead.FirstProduct): in turns in one process, whole steps were 2-5% faster with it at
 # T = 4096 and 8192, 0-3% at 2048, 1-2% at 1024 and the same at 512 (docs/design.md, "Top-k: the
 # logits product of our own").
 # JSDGPU_TOPK_PRODUCT=own (or =cublas) in the environment takes it (or not) at every T:
@@ -115,7 +115,7 @@ class OwnProduct:
         self.ref = cupy.empty(rows, np.float32)
         self.partials = cupy.empty((rows, n_tiles, 4), np.float32)
         self.slot_logits = cupy.empty((rows, k), np.float32)
-        self.map_w = kernels.topk_head_map(ws)
+        self.map_w = topk_kernels.topk_head_map(ws)
 
     @staticmethod
     def column_tiles(vs):
@@ -135,7 +135,7 @@ class PendingTopKCheck:
 
     def __init__(self, ids, lq, vocab, bucket, capturable, after):
         self._vocab = vocab
-        self._pending = kernels.PendingTopKCheck(ids, lq, vocab, bucket, checks.TOPK_SUM_SLACK, not capturable, after)
+        self._pending = topk_kernels.PendingTopKCheck(ids, lq, vocab, bucket, checks.TOPK_SUM_SLACK, not capturable, after)
 
     def wait(self):
         problem = self._pending.result()
@@ -213,7 +213,7 @@ class CudaBackend:
 
     @staticmethod
     def ahead_key(xs, ws):
-        """What queueing xs @ ws.T ahead of a call's checks depends on (chunks.FirstProduct): both
+        """What queueing xs @ ws.T ahead of a call's checks depends on (ahead.FirstProduct): both
         CuPy arrays, C-contiguous (the product reads them as they are), their shapes, dtypes and
         strides, on the current device, with the current stream not capturing (a capture takes
         the capturable path, which queues nothing ahead); None where that is not so."""
@@ -343,27 +343,27 @@ class CudaBackend:
     @staticmethod
     def topk_own_logits(work, x, ids, lq, G):
         own, vs = work.own, work.ws.shape[0]
-        kernels.topk_slot_bits(ids, lq, vs, own.bitmap[:len(x)], own.slots_before[:len(x)])
-        kernels.topk_logits(x, own.map_w, G, vs, work.bias_s, own.bitmap, own.ref, own.ready, own.partials,
+        topk_kernels.topk_slot_bits(ids, lq, vs, own.bitmap[:len(x)], own.slots_before[:len(x)])
+        topk_kernels.topk_logits(x, own.map_w, G, vs, work.bias_s, own.bitmap, own.ref, own.ready, own.partials,
                             own.slot_logits, own.slots_before)
 
     @staticmethod
     def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None, x=None):
         vs, own = work.ws.shape[0], work.own
         if own is None:
-            kernels.topk_rows(work.logits_s, work.bias_s, target, vs, ids, lq, opts, missing_mass == "bucket",
+            topk_kernels.topk_rows(work.logits_s, work.bias_s, target, vs, ids, lq, opts, missing_mass == "bucket",
                               ce, soft, G, label_terms, g_scale)
             return
-        kernels.topk_finish(target, vs, ids, lq, opts, missing_mass == "bucket", ce, soft, G, label_terms, g_scale,
+        topk_kernels.topk_finish(target, vs, ids, lq, opts, missing_mass == "bucket", ce, soft, G, label_terms, g_scale,
                             own.partials, own.ref, own.slot_logits, x, work.ws, work.bias_s, own.bitmap, own.ready,
                             own.slots_before)
 
     @staticmethod
     def teacher_topk_rows(work, rows, k, temperature, ids, logprobs):
-        if k > kernels.TEACHER_TOPK_MAX_K:
+        if k > topk_kernels.TEACHER_TOPK_MAX_K:
             raise ValueError(f"k = {k}: on the GPU, teacher_topk sorts each row's k in shared memory, which holds "
-                             f"at most {kernels.TEACHER_TOPK_MAX_K}")
-        kernels.teacher_topk(work.logits_s[:rows], work.bias_s, work.ws.shape[0], k, temperature, ids, logprobs)
+                             f"at most {topk_kernels.TEACHER_TOPK_MAX_K}")
+        topk_kernels.teacher_topk(work.logits_s[:rows], work.bias_s, work.ws.shape[0], k, temperature, ids, logprobs)
 
     @staticmethod
     def row_stats(work, target, opts):

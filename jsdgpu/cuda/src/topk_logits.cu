@@ -4,7 +4,7 @@
 // 2^(S scale2 - ref) in bf16 (the rest's gradient up to a factor of the row), the sums of those
 // terms over the tile's columns and over the columns that are no slot's id, and the float32
 // logits of the row's slots (packed, k a row); topk_rows' finishing kernel (topk_finish) takes
-// it from there. sm_90a (wgmma, setmaxnreg); compiled apart from the other families (kernels.py).
+// it from there. sm_90a (wgmma, setmaxnreg); compiled apart from the other families (topk_kernels.py).
 //
 // The product: persistent (a CTA per SM, tiles handed out in turn, rows fastest, so that a tile
 // of Ws is read from HBM once and from L2 by the CTAs beside it); K in steps of 64 through a ring

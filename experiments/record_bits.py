@@ -1,0 +1,93 @@
+"""Does a change that should move code, not math, keep every output's bits?
+
+A pytest plugin: with JSDGPU_RECORD_BITS=<file>, every call of jsdgpu.forward, forward_topk,
+backward and teacher_topk that a test makes has its outputs hashed (SHA-256 of their bytes, in
+call order within the test), and the hashes are written to <file> as JSON, by test. Run the
+tests of two versions with the same JSDGPU_SEED (the fixture `rng` then draws the same inputs),
+then compare the two files:
+
+    mkdir -p /tmp/old && git archive REV jsdgpu tests | tar -x -C /tmp/old
+    export PYTHONPATH=experiments JSDGPU_SEED=7
+    (cd /tmp/old && JSDGPU_RECORD_BITS=/tmp/old.json PYTHONPATH=.:$OLDPWD/experiments \\
+        python -m pytest -p record_bits -m gpu tests/test_chunks.py tests/test_topk.py)
+    JSDGPU_RECORD_BITS=/tmp/new.json PYTHONPATH=.:experiments \\
+        python -m pytest -p record_bits -m gpu tests/test_chunks.py tests/test_topk.py
+    python experiments/record_bits.py /tmp/old.json /tmp/new.json
+
+Calls inside a CUDA-graph capture are recorded as such, not hashed (nothing may be read then);
+a call that raises is recorded by its exception's type. Answer: docs/design.md, "The chunk
+engine" (the layout's change, outputs compared over the GPU tests of the engine and both losses).
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+_calls = {}  # test id -> [hash or note, ...]
+_test = [None]
+
+
+def _digest(value):
+    if value is None or isinstance(value, (int, float, str)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_digest(v) for v in value) + ")"
+    if hasattr(value, "hard_loss"):  # a Context: its loss parts
+        return _digest((value.hard_loss, value.soft_loss))
+    import numpy as np
+    array = value.get() if hasattr(value, "get") else np.asarray(value)
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()[:16] + str(array.dtype)
+
+
+def _capturing():
+    try:
+        import cupy
+        return cupy.cuda.get_current_stream().is_capturing()
+    except Exception:
+        return False
+
+
+def _recorded(name, function):
+    def call(*args, **kwargs):
+        record = _calls.setdefault(_test[0], [])
+        try:
+            out = function(*args, **kwargs)
+        except Exception as error:
+            record.append(f"{name} raised {type(error).__name__}")
+            raise
+        record.append(f"{name} in a capture" if _capturing() else f"{name} {_digest(out)}")
+        return out
+    return call
+
+
+def pytest_configure(config):
+    if os.environ.get("JSDGPU_RECORD_BITS"):
+        import jsdgpu
+        for name in ("forward", "forward_topk", "backward", "teacher_topk"):
+            setattr(jsdgpu, name, _recorded(name, getattr(jsdgpu, name)))
+
+
+def pytest_runtest_setup(item):
+    _test[0] = item.nodeid
+
+
+def pytest_unconfigure(config):
+    path = os.environ.get("JSDGPU_RECORD_BITS")
+    if path:
+        with open(path, "w") as f:
+            json.dump(_calls, f, indent=0, sort_keys=True)
+
+
+def compare(old_path, new_path):
+    old, new = (json.load(open(p)) for p in (old_path, new_path))
+    differ = [t for t in sorted(set(old) | set(new)) if old.get(t) != new.get(t)]
+    calls = sum(len(v) for v in new.values())
+    print(f"{len(new)} tests, {calls} calls recorded; {len(differ)} tests differ")
+    for t in differ:
+        print(" ", t, old.get(t), new.get(t))
+    return not differ
+
+
+if __name__ == "__main__":
+    sys.exit(0 if compare(*sys.argv[1:3]) else 1)

@@ -1,0 +1,159 @@
+"""What every loss call shares (jsdgpu.api's online loss, jsdgpu.topk's): the backend by the
+arrays' kind, the framework bridge, the Context forward hands to backward, and backward, which
+turns the gradient sums the chunk engine left into the gradients (docs/contract.md, "API")."""
+
+import functools
+import importlib
+
+import numpy as np
+
+from . import checks
+
+# Modules of the DLPack producers the bridges take, and the bridge module of each.
+_BRIDGES = {"torch": "jsdgpu.torch", "jax": "jsdgpu.jax", "jaxlib": "jsdgpu.jax"}
+
+
+def _bridge_for(arrays):
+    """The bridge module (jsdgpu.torch or jsdgpu.jax) for framework tensors, or None."""
+    return _bridge_for_types(tuple(map(type, arrays.values())))
+
+
+@functools.lru_cache(maxsize=64)
+def _bridge_for_types(types):
+    for t in types:
+        if t is not type(None) and checks.array_kind_of_type(t) is None:
+            root = t.__module__.split(".")[0]
+            if root in _BRIDGES:
+                return importlib.import_module(_BRIDGES[root])
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def backend_for(kind):
+    """The backend for arrays of kind 'cupy' or 'numpy' (stateless: one of each)."""
+    if kind == "cupy":
+        from .cuda.backend import CudaBackend
+        return CudaBackend()
+    from .cpu.backend import CpuBackend
+    return CpuBackend()
+
+
+class Context:
+    """What forward hands to backward: the loss parts (hard_loss, soft_loss), and the float32
+    gradient sums (or G held for grad_weight's product). bad_target_row, in a capturable call:
+    a 0-d int32 array of the first row whose target is neither ignore_index nor in [0, Vs), T
+    where there is none (the loss and gradients are NaN where there is one); None in a default
+    call, which raises ValueError for a bad target instead. bad_topk_row: likewise for the rows
+    of a top-k call's teacher (jsdgpu.forward_topk), None elsewhere."""
+
+    def __init__(self, hard_loss, soft_loss, grads, valid_rows, n_rows, dtype, backend,
+                 grad_weight_float32, device, bad_target_row=None):
+        self.hard_loss = hard_loss
+        self.soft_loss = soft_loss
+        self.bad_target_row = bad_target_row
+        self.bad_topk_row = None
+        self._grads = grads
+        self._valid_rows = valid_rows
+        self._n_rows = n_rows
+        self._dtype = dtype
+        self._backend = backend
+        self._grad_weight_float32 = grad_weight_float32
+        self._device = device
+        self._bridge = None  # set for framework tensors: the bridge, and an input tensor
+        self._like = None
+        self._done = False
+
+
+def bridged(arrays, compute):
+    """compute(arrays) -> (loss, ctx), with framework tensors (torch, JAX) among the arrays
+    viewed zero-copy as CuPy or NumPy arrays, the work queued on the framework's current stream,
+    and the loss and its parts returned as the framework's tensors."""
+    bridge = _bridge_for(arrays)
+    if bridge is None:
+        return compute(arrays)
+    like = next(a for a in arrays.values() if a is not None)
+    with bridge.current_stream(like):
+        loss, ctx = compute({k: None if v is None else bridge.to_native(v) for k, v in arrays.items()})
+        ctx._bridge, ctx._like = bridge, like
+        ctx.hard_loss, ctx.soft_loss = bridge.from_native(ctx.hard_loss), bridge.from_native(ctx.soft_loss)
+        return bridge.from_native(loss), ctx
+
+
+def runs_capturable(run_opts, kind):
+    """Whether the call runs capturable: as asked, else while CuPy's current stream is capturing.
+    During a capture the memory must come from an allocator of the caller's (a pool of its own,
+    or torch's through jsdgpu.torch), not CuPy's default pool, whose blocks freed during the
+    capture would be handed to other work that the graph's replays then overwrite."""
+    if kind != "cupy":
+        return bool(run_opts.capturable)  # on the CPU: the GPU's masked rows, on request
+    import cupy
+    capturing = cupy.cuda.get_current_stream().is_capturing()
+    if capturing and cupy.cuda.get_allocator() == cupy.get_default_memory_pool().malloc:
+        raise RuntimeError(
+            "jsdgpu.forward inside a CUDA-graph capture needs memory that outlives the capture and "
+            "is not reused by other work: capture under cupy.cuda.using_allocator(pool.malloc) with "
+            "a cupy.cuda.MemoryPool() of the graph's own (kept as long as the graph), or through "
+            "jsdgpu.torch, whose memory comes from torch's graph pool")
+    return capturing if run_opts.capturable is None else run_opts.capturable
+
+
+def weighted_loss(xp, opts, hard, soft):
+    """weight_hard_loss * hard + weight_soft_loss * soft, formed in float64, as a 0-d float32 array."""
+    loss = opts.weight_hard_loss * hard.astype(np.float64) + opts.weight_soft_loss * soft.astype(np.float64)
+    return xp.asarray(loss.astype(np.float32), dtype=np.float32)
+
+
+def backward(ctx, grad_output=1.0, out=None):
+    """Return (grad_input, grad_weight, grad_bias) of the student, times grad_output.
+
+    grad_bias is None without a student bias. May be called once per ctx. out: where given,
+    arrays of the gradients' shapes and dtypes (the bias's None without a bias) that they are
+    written into and returned, with no copy (how jsdgpu.jax writes into XLA's buffers).
+    """
+    if not isinstance(ctx, Context):
+        raise TypeError(f"ctx must be the Context that forward returned, got {type(ctx).__name__}")
+    if ctx._done:
+        raise RuntimeError("backward was already called on this ctx; call forward again")
+    if ctx._grads is None:
+        raise ValueError("this ctx holds no gradients: forward ran with compute_grad=False")
+    ctx._done = True
+    bridge = ctx._bridge
+    if bridge is None:
+        return _backward(ctx, grad_output, out or (None, None, None))
+    with bridge.current_stream(ctx._like):
+        if not isinstance(grad_output, (int, float)):
+            grad_output = bridge.to_native(grad_output)
+        out = tuple(None if a is None else bridge.to_native(a) for a in out or (None, None, None))
+        return tuple(None if a is None else bridge.from_native(a) for a in _backward(ctx, grad_output, out))
+
+
+def _backward(ctx, grad_output, out):
+    g, ctx._grads = ctx._grads, None  # the sums (or G) are freed with the ctx's last use
+    backend = ctx._backend
+    xp = backend.xp
+    with backend.on_device(ctx._device):
+        if isinstance(grad_output, (int, float)):
+            # a fill, not a copy from the host: a capture may not copy
+            scale = None if grad_output == 1 else xp.full((), grad_output, np.float32)
+        else:
+            scale = xp.asarray(grad_output, dtype=np.float32)
+            if scale.ndim != 0:
+                raise ValueError(f"grad_output must be a scalar, got shape {tuple(scale.shape)}")
+        weight_dtype = np.float32 if ctx._grad_weight_float32 else ctx._dtype
+        out_input, out_weight, out_bias = out
+        if g.held is not None:  # G was held for all rows: one product, straight into the dtype
+            grad_weight = backend.weight_product(g.held, scale, weight_dtype, out_weight)
+        else:
+            grad_weight = backend.scale_cast(g.grad_weight, scale, weight_dtype, out_weight)
+        grad_bias = None if g.grad_bias is None else backend.scale_cast(g.grad_bias, scale, weight_dtype, out_bias)
+        if ctx._valid_rows is None:
+            grad_input = backend.scale_cast(g.grad_input, scale, ctx._dtype, out_input)
+        else:  # the valid rows' among zeros
+            valid_rows_grad = backend.scale_cast(g.grad_input, scale, ctx._dtype)
+            if out_input is None:
+                grad_input = xp.zeros((ctx._n_rows, valid_rows_grad.shape[1]), ctx._dtype)
+            else:
+                grad_input = out_input
+                grad_input[...] = 0
+            grad_input[ctx._valid_rows] = valid_rows_grad
+    return grad_input, grad_weight, grad_bias

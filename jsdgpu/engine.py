@@ -1,0 +1,198 @@
+"""The chunk engine: the one loop that every loss (jsdgpu.online's JSD against a teacher's head,
+jsdgpu.topk's against stored top-k log-probabilities) runs on every backend (the steps it takes
+of one: jsdgpu.backend).
+
+Per chunk of valid token rows: the loss's logits products, its row work (the per-row CE and soft
+values, and the gradient rows G w.r.t. the student's logits), then the gradient products
+(grad_input = G @ Ws, and grad_weight's and grad_bias's parts). Ignored rows are dropped before
+the loop, so every matrix product shrinks with them; in a capturable call (no host
+synchronization) every row is computed, and the ignored ones are masked: their G rows zeroed,
+their values counted for nothing.
+
+grad_weight = G.T @ Xs: where the memory budget holds G for all rows (jsdgpu.chunks), it is one
+product over all of them, run by backward (which knows grad_output) straight into the output
+dtype; else G lives per chunk (with the fused kernel, written over the chunk's student logits)
+and each chunk adds its product to a float32 sum, which backward converts. The float32 sum
+costs a write and read of [Vs, Hs] float32 per chunk and a conversion (at the benchmark shape
+0.47 ms at T <= 2048, 0.85 ms at 8192: docs/design.md, "Chunks and G"). After the loop, the
+label terms the row kernel kept out of G (where the one-hot dominates a 16-bit G entry) are
+added exactly.
+
+G is written without the 1/N of the mean: it stays O(1), which keeps float16 G clear of
+underflow, and 1/N goes into the matrix products' alpha.
+
+A loss is a ChunkLoss: its buffers, a chunk's products, a chunk's row work and gradient products,
+and what it queues ahead of the host's wait of its own. The engine plans the chunks
+(jsdgpu.chunks), queues the first products and selects the rows (jsdgpu.ahead), and runs the loop.
+"""
+
+import numpy as np
+
+from .ahead import queue_head
+from .backend import Gradients
+from .chunks import cut_chunks, plan_chunks
+
+
+class ChunkLoss:
+    """What the engine asks of a loss, with the defaults of one that queues nothing ahead of its
+    own. Set by the loss: backend; opts (LossOptions) and run_opts (RunOptions); capturable (as
+    resolved: api.runs_capturable); target (the call's labels, as given) and vocab (their range);
+    vs, hs and has_bias (the student head's); per_row ((logits, G held for all rows, G per chunk)
+    bytes a row); work (the buffers, from prepare).
+
+    ahead: (rows, hold_g, outputs) where the loss queued the first chunk's row work before the
+    host's wait (queue_first, before_wait): the engine keeps it where the call's rows and chunks
+    are the ones guessed, else computes that chunk again."""
+    most_rows = None        # a chunk's most rows (None: as the budget allows)
+    takes_first_product = True  # whether its student logits may be queued ahead (ahead.FirstProduct)
+    scales_g = False        # whether its G is stored with row scales (Gradients.g_scale)
+    ahead = None
+    work = None
+
+    def plan(self, n_rows):
+        """(rows per chunk, hold_g) for n_rows > 0 rows (chunks.plan_chunks)."""
+        run_opts = self.run_opts
+        return plan_chunks(n_rows, run_opts.chunk_size, *self.per_row, run_opts.budget(self.backend), self.most_rows)
+
+    def select(self, after=None):
+        """The rows: in a default call the backend's select_rows (the valid rows, known once
+        waited for; after: a backend.mark() from before the head's products), in a capturable
+        one the Rows of its mark_rows (every row computed, the ignored ones masked)."""
+        backend, ignore_index = self.backend, self.opts.ignore_index
+        if self.capturable:
+            return backend.mark_rows(self.target, self.vocab, ignore_index, self.run_opts.num_valid_tokens)
+        return backend.select_rows(self.target, self.vocab, ignore_index, after)
+
+    def queue_first(self, xs, other, most):
+        """Where the loss has work of its own to queue before the selection: queue it (setting
+        ahead)."""
+
+    def before_wait(self, selection, head, xs, other, most):
+        """Called in a default call whose head is its first rows as they are, before the host's
+        wait for the selection: row work of the loss's own to queue there (setting ahead)."""
+
+    def selected(self, rows, other):
+        """other (the rows that go with xs) once the rows are known; the loss's own checks."""
+        return other
+
+    def take_rows(self, valid_rows, xs, other):
+        """The valid rows of xs and other."""
+        return self.backend.take_rows(valid_rows, xs, other)
+
+    def local_target(self, target):
+        """The rows' labels as the row work takes them."""
+        return target
+
+    def finished(self, grads):
+        """After the loop and the label terms: what the loss's gradient sums still need."""
+
+    def outputs(self, n_rows, chunk, hold_g, G_all=None):
+        """(G_all, ce, soft, Gradients, label_terms) for n_rows rows in chunks of `chunk` rows: G of
+        all of them where hold_g, else of a chunk (None without gradients), the per-row results,
+        and with gradients their sums and the label terms (row_outputs)."""
+        xp, compute_grad = self.backend.xp, self.run_opts.compute_grad
+        if G_all is None and compute_grad and n_rows:
+            G_all = self.gradient_rows(n_rows if hold_g else chunk, hold_g)
+        ce, soft, grads, label_terms = row_outputs(xp, n_rows, self.hs, self.vs, hold_g, self.has_bias, compute_grad)
+        if G_all is not None and self.scales_g:  # G's rows stored scaled: read once
+            grads.g_scale = xp.empty(n_rows, np.float32)
+        return G_all, ce, soft, grads, label_terms
+
+
+def run(loss, xs, other, first=None):
+    """Compute the loss's per-row values and, with run_opts.compute_grad, the gradient sums: xs
+    the call's student inputs, other the rows that go with them (the teacher's inputs, the
+    top-k's ids), first the call's ahead.FirstProduct or None. Returns (hard_loss, soft_loss,
+    Gradients or None, Rows); the losses are 0-d float32 backend arrays.
+
+    Nothing here waits for the GPU but the selection (and a torch process group's all-reduces,
+    parallel.py, and the first product of each shape class in a process, jsdgpu.cuda.products).
+    So that the GPU does not idle while the host sets the call up and reads the selection, the
+    first products are the call's first GPU work, queued with as little host work before them as
+    there can be (ahead.queue_head; in a call like the last, the student's before the checks:
+    ahead.FirstProduct). The buffers are made for the most rows the call can have, the chunks cut
+    once their count is known.
+    """
+    backend = loss.backend
+    n_all = xs.shape[0]
+    most = min(loss.plan(n_all)[0], n_all) if n_all else 0
+    if first is not None and not loss.takes_first_product:  # none to queue, in this call or the next
+        first.remember(backend, 0)
+        first = None
+    if n_all:
+        loss.prepare(most, {} if first is None else first.buffers(most))
+        loss.queue_first(xs, other, most)
+    head, rows = queue_head(loss, xs, other, most, first)
+    other = loss.selected(rows, other)
+    if rows.valid_rows is not None:
+        xs, other = loss.take_rows(rows.valid_rows, xs, other)
+    inv_n, n_rows = rows.inv_n, xs.shape[0]
+    chunk, hold_g = cut_chunks(loss.products, xs, other, head, most, loss.per_row, loss.run_opts.budget(backend))
+    ahead = loss.ahead
+    if ahead is not None and (rows.valid_rows is not None or ahead[:2] != (chunk, hold_g)):
+        ahead = None  # the guess was wrong: the rows or their chunks are others
+    out = loss.outputs(n_rows, chunk, hold_g) if ahead is None else ahead[2]
+    G_all, ce, soft, grads, label_terms = out
+    target = loss.local_target(rows.target)
+    for start in range(0, n_rows, chunk or 1):
+        stop = min(start + chunk, n_rows)
+        x, x_other, x_target = xs[start:stop], other[start:stop], target[start:stop]
+        if start:  # the first chunk's products are queued above
+            loss.products(x, x_other)
+        G = chunk_g(G_all, hold_g, start, stop)
+        made_ahead = not start and ahead is not None  # the first chunk's row work, queued by the loss
+        if not made_ahead:
+            loss.row_work(out, G, start, stop, x, x_other, x_target)
+            if rows.masked and G is not None:
+                backend.zero_masked_rows(G, x_target)
+        if grads is not None:
+            loss.gradient_products(out, G, x, inv_n, start, stop, made_ahead)
+    finish_gradients(backend, loss.work, grads, G_all, hold_g, label_terms, target, xs, inv_n)
+    loss.finished(grads)
+    hard, soft = row_means(backend.xp, ce, soft, inv_n, target if rows.masked else None)
+    return hard, soft, grads, rows
+
+
+def row_outputs(xp, n_rows, hs, vs, hold_g, has_bias, compute_grad):
+    """(ce, soft, Gradients, label_terms) for n_rows rows: the per-row losses, and with
+    compute_grad the float32 sums (grad_weight's only where G is not held for all rows) and the
+    per-row label terms the row kernel writes (else None, None)."""
+    ce, soft = xp.zeros(n_rows, dtype=np.float32), xp.zeros(n_rows, dtype=np.float32)
+    if not compute_grad:
+        return ce, soft, None, None
+    # the first chunk writes the sums, the others add to them; with no chunk, they are zero
+    new = xp.empty if n_rows else xp.zeros
+    grads = Gradients(new((n_rows, hs), np.float32), None if hold_g else new((vs, hs), np.float32),
+                      new(vs, np.float32) if has_bias else None)
+    return ce, soft, grads, xp.zeros(n_rows, dtype=np.float32)
+
+
+def chunk_g(G_all, hold_g, start, stop):
+    """The chunk's rows of G: its own rows of G held for all rows, else the per-chunk buffer's
+    first ones; None without gradients."""
+    if G_all is None:
+        return None
+    return G_all[start:stop] if hold_g else G_all[:stop - start]
+
+
+def finish_gradients(backend, work, grads, G_all, hold_g, label_terms, target, xs, inv_n):
+    """After the chunks: the label terms the row kernel kept out of G added exactly, and where G
+    is held for all rows, what backward's one grad_weight product needs of it."""
+    if grads is None:
+        return
+    if len(target):
+        backend.add_label_terms(work, label_terms, target, xs, inv_n, grads)
+    if hold_g:  # work (the logits buffers) is not kept: only what the product needs
+        grads.held = backend.hold_g(work, G_all, xs, inv_n, label_terms, target, grads.g_scale)
+
+
+def row_means(xp, ce, jsd, inv_n, masked_target=None):
+    """(hard_loss, soft_loss): the rows' sums times 1/N, as 0-d float32 arrays, in a fixed order
+    (two runs on the same inputs give the same bits). masked_target: in a capturable call, the
+    rows' targets; the ignored rows' (-1) results are whatever their rows gave, and count for
+    nothing."""
+    if masked_target is not None:
+        ce, jsd = xp.where(masked_target >= 0, ce, 0.0), xp.where(masked_target >= 0, jsd, 0.0)
+    hard = xp.asarray(ce.sum(dtype=np.float64) * inv_n, dtype=np.float32)
+    soft = xp.asarray(jsd.sum(dtype=np.float64) * inv_n, dtype=np.float32)
+    return hard, soft

@@ -1,0 +1,89 @@
+"""The online loss as a chunk loss (jsdgpu.engine): the JSD between the student's head and a
+teacher's head, both applied to their hidden states chunk by chunk (the four products: the two
+logits, grad_input and grad_weight; docs/contract.md, "Forward").
+
+The row work is one fused kernel where the backend has one for the vocabulary and the whole
+vocabulary is here; otherwise three phases (statistics, KL sums, results and G). Under vocab
+parallelism each rank holds a shard of the vocabulary, and the phases' per-row vectors are
+combined across ranks between the phases; grad_input is summed across ranks at the end.
+"""
+
+import numpy as np
+
+from .engine import ChunkLoss
+
+
+class OnlineLoss(ChunkLoss):
+    """The online loss of one call: ws, wt, bs, bt the heads (under vocab parallelism this rank's
+    shards of the vocabulary, shard its parallel.Shard, else None), target the call's labels."""
+
+    def __init__(self, backend, ws, wt, bs, bt, target, opts, run_opts, capturable, shard=None):
+        self.backend, self.opts, self.run_opts, self.capturable = backend, opts, run_opts, capturable
+        self.ws, self.wt, self.bs, self.bt, self.target, self.shard = ws, wt, bs, bt, target, shard
+        self.comm = None if shard is None else shard.comm
+        self.vs, self.hs = ws.shape
+        self.has_bias = bs is not None
+        self.vocab = self.vs if shard is None else shard.vs_total
+        # every rank must cut the same chunks: size them by the largest shard
+        widest = (self.vs, wt.shape[0]) if shard is None else (shard.max_vs, shard.max_vt)
+        self.per_row = backend.bytes_per_row(*widest, ws.dtype, run_opts.compute_grad, fused=self.comm is None)
+
+    def prepare(self, most, buffers):
+        self.work = self.backend.prepare(self.ws, self.wt, self.bs, self.bt, most, fused=self.comm is None, **buffers)
+
+    def products(self, xs, xt, at=0, student=True):
+        self.backend.logits(self.work, xs, xt, at, student)
+
+    def local_target(self, target):
+        shard = self.shard
+        if shard is None:
+            return target
+        # the labels as columns of this rank's shard, -1 where not owned
+        xp = self.backend.xp
+        owned = (target >= shard.v0) & (target < shard.v0 + self.vs)
+        return xp.where(owned, target - shard.v0, -1).astype(np.int32)
+
+    def gradient_rows(self, g_rows, hold_g):
+        return self.backend.gradient_rows(self.work, g_rows, own_g=hold_g)
+
+    def row_work(self, out, G, start, stop, xs, xt, target):
+        """The rows' results and, where G is not None, the gradient rows written into G."""
+        _, ce, jsd, _, label_terms = out
+        backend, work, comm, opts = self.backend, self.work, self.comm, self.opts
+        ce, jsd = ce[start:stop], jsd[start:stop]
+        label_terms = None if label_terms is None else label_terms[start:stop]
+        if work.fused:  # prepare gave the fused kernel only where there is no communicator
+            backend.fused_rows(work, target, opts, ce, jsd, G, label_terms)
+            return
+        stats = backend.row_stats(work, target, opts)
+        if comm is not None:
+            combine_stats(backend.xp, comm, stats)
+        kl = backend.row_kl(work, target, stats, opts)
+        if comm is not None:
+            comm.allreduce(kl, "sum")
+        backend.row_finish(work, target, stats, kl, opts, ce, jsd, G, label_terms)
+
+    def gradient_products(self, out, G, xs, inv_n, start, stop, made_ahead):
+        self.backend.grad_products(self.work, G, xs, inv_n, out[3], start, stop)
+
+    def finished(self, grads):
+        if grads is not None and self.comm is not None:
+            self.comm.allreduce(grads.grad_input, "sum")
+
+
+def combine_stats(xp, comm, stats):
+    """The row statistics of every rank's shard merged in place: stats [7 or 8, rows] as the row
+    kernels write them (maxima of s, z, t; sums of exp(x - max); the target logit; on the GPU,
+    the t of the column of the largest s, which becomes the t of the rank that holds the row's
+    largest s; the CPU's float64 sums need no reference column)."""
+    maxima, sums = stats[:3], stats[3:6]
+    local = maxima.copy()
+    comm.allreduce(maxima, "max")
+    # each rank's sums rescaled to the global max (every rank holds columns of s, z and t, so
+    # no part is empty: its max is finite unless its logits are not)
+    sums *= xp.exp(local - maxima)
+    comm.allreduce(stats[3:7], "sum")
+    if len(stats) > 7:  # the reference column's t: the largest of those of the ranks that hold
+        # the largest s (the kernels' own choice among columns that tie)
+        stats[7] = xp.where(local[0] == maxima[0], stats[7], -np.inf)
+        comm.allreduce(stats[7], "max")
