@@ -15,7 +15,10 @@ then compare the two files:
     python experiments/record_bits.py /tmp/old.json /tmp/new.json
 
 Calls inside a CUDA-graph capture are recorded as such, not hashed (nothing may be read then);
-a call that raises is recorded by its exception's type. Answer: docs/design.md, "The chunk
+a call that raises is recorded by its exception's type; every matrix product on the GPU is
+recorded by its shape. With the products' tuning (jsdgpu.cuda.products), two processes may pick
+different algorithms: compare bits with JSDGPU_GEMM_TUNING=0, or only the products' shapes (the
+path each call took) with --shapes. Answer: docs/design.md, "The chunk
 engine" (the layout's change, outputs compared over the GPU tests of the engine and both losses).
 """
 
@@ -61,11 +64,23 @@ def _recorded(name, function):
     return call
 
 
+def _recorded_gemm(gemm):
+    def call(trans_a, trans_b, m, n, k, *args, **kwargs):
+        _calls.setdefault(_test[0], []).append(f"gemm {trans_a}{trans_b} {m}x{n}x{k}")
+        return gemm(trans_a, trans_b, m, n, k, *args, **kwargs)
+    return call
+
+
 def pytest_configure(config):
     if os.environ.get("JSDGPU_RECORD_BITS"):
         import jsdgpu
         for name in ("forward", "forward_topk", "backward", "teacher_topk"):
             setattr(jsdgpu, name, _recorded(name, getattr(jsdgpu, name)))
+        try:  # the GPU's products, by shape: the path a call took, whatever algorithms the tuning chose
+            from jsdgpu.cuda import products
+        except Exception:  # no CUDA here
+            return
+        products.gemm = _recorded_gemm(products.gemm)
 
 
 def pytest_runtest_setup(item):
@@ -79,8 +94,12 @@ def pytest_unconfigure(config):
             json.dump(_calls, f, indent=0, sort_keys=True)
 
 
-def compare(old_path, new_path):
+def compare(old_path, new_path, shapes_only=False):
     old, new = (json.load(open(p)) for p in (old_path, new_path))
+    if shapes_only:  # the products' shapes and the raised calls: what does not depend on the tuning
+        old, new = ({t: [c for c in calls if c.startswith("gemm") or "raised" in c] for t, calls in d.items()}
+                    for d in (old, new))
+        new = {t: calls for t, calls in new.items() if t in old}
     differ = [t for t in sorted(set(old) | set(new)) if old.get(t) != new.get(t)]
     calls = sum(len(v) for v in new.values())
     print(f"{len(new)} tests, {calls} calls recorded; {len(differ)} tests differ")
@@ -90,4 +109,4 @@ def compare(old_path, new_path):
 
 
 if __name__ == "__main__":
-    sys.exit(0 if compare(*sys.argv[1:3]) else 1)
+    sys.exit(0 if compare(*sys.argv[1:3], shapes_only="--shapes" in sys.argv) else 1)
