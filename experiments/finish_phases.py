@@ -24,7 +24,6 @@ import argparse
 import os
 import pathlib
 import sys
-from unittest import mock
 
 import numpy as np
 
@@ -91,7 +90,6 @@ def main():
     modules = {label: cupy.RawModule(code=stamped(text), options=sources.OPTIONS, name_expressions=[name])
                for label, text in texts.items()}
     finish = {label: module.get_function(name) for label, module in modules.items()}
-    library_function = topk_kernels.function
 
     rng = np.random.default_rng(0)
     bf16 = ml_dtypes.bfloat16
@@ -113,14 +111,12 @@ def main():
                 B.topk_own_logits(work, x, ids, lq, G)
                 start, stop = cupy.cuda.Event(), cupy.cuda.Event()
                 start.record()
-                # CudaBackend.topk_rows's call of the finishing kernel, the variant's kernel in the library's
-                # place (the one name looked up through topk_kernels.function)
+                # CudaBackend.topk_rows's call of the finishing kernel, with the variant's kernel
                 own = work.own
-                with mock.patch.object(topk_kernels, "function", lambda family, n: finish[label] if n == name
-                                       else library_function(family, n)):
-                    topk_kernels.topk_finish(target, v, ids, lq, opts, True, *out[:2], G, *out[2:], own.partials,
-                                             own.ref, own.slot_logits, x, work.ws, work.bias_s, own.bitmap, own.ready,
-                                             own.slots_before)
+                grid, block, arguments, shared = topk_kernels.topk_finish_launch(
+                    target, v, ids, lq, opts, True, *out[:2], G, *out[2:], own.partials, own.ref, own.slot_logits, x,
+                    work.ws, work.bias_s, own.bitmap, own.ready, own.slots_before)
+                finish[label](grid, block, arguments, shared_mem=shared)
                 stop.record()
                 stop.synchronize()
                 return cupy.cuda.get_elapsed_time(start, stop)

@@ -148,21 +148,30 @@ def topk_logits(x, map_w, G, vs, bias, bitmap, ref, ready, partials, slot_logits
              ctypes.c_longlong(slot_logits.shape[1]), _ptr(slots_before)))
 
 
-def topk_finish(target, vs, ids, lq, opts, bucket, ce, soft, G, label_terms, row_scale, partials, ref, slot_logits,
-                xs, ws, bias, bitmap, ready, slots_before):
-    """The rows' results after topk_logits (topk_rows.cu, FUSED): ce, soft, label_terms, and G
-    (G~ kept or rescaled, the slots' and label's columns written over) with its row scales."""
+def topk_finish_launch(target, vs, ids, lq, opts, bucket, ce, soft, G, label_terms, row_scale, partials, ref,
+                       slot_logits, xs, ws, bias, bitmap, ready, slots_before):
+    """(grid, block, arguments, dynamic shared bytes) of topk_finish's kernel over the chunk's rows,
+    None where it has none (how experiments/finish_phases.py launches a variant of the kernel)."""
     rows, k = ids.shape
-    if rows:
-        shared = 12 * k  # per slot its logit, id and log-probability
-        _with_shared(function("topk_rows", sources.topk_finish()), shared)(
-            (rows,), (sources.TOPK_FINISH_THREADS,),
+    if not rows:
+        return None
+    return ((rows,), (sources.TOPK_FINISH_THREADS,),
             (slot_logits, np.int64(slot_logits.shape[1]), target, np.int32(vs), ids, lq, np.int32(k),
              np.int32(opts.divergence), np.int32(bucket), np.float64(opts.beta), np.float64(opts.one_minus_beta),
              np.float32(opts.weight_hard_loss), np.float32(opts.w_soft_over_t), ce, soft, G, np.int64(G.shape[1]),
              label_terms, row_scale, partials, np.int32(partials.shape[1]), ref, xs, ws, np.int32(ws.shape[1]),
              _pointer(bias), bitmap, np.int32(bitmap.shape[1]), ready, slots_before),
-            shared_mem=shared)
+            12 * k)  # per slot its logit, id and log-probability
+
+
+def topk_finish(*args):
+    """The rows' results after topk_logits (topk_rows.cu, FUSED): ce, soft, label_terms, and G
+    (G~ kept or rescaled, the slots' and label's columns written over) with its row scales
+    (arguments: topk_finish_launch's)."""
+    launch = topk_finish_launch(*args)
+    if launch is not None:
+        grid, block, arguments, shared = launch
+        _with_shared(function("topk_rows", sources.topk_finish()), shared)(grid, block, arguments, shared_mem=shared)
 
 
 class PendingTopKCheck:

@@ -6,13 +6,13 @@ call order within the test), and the hashes are written to <file> as JSON, by te
 tests of two versions with the same JSDGPU_SEED (the fixture `rng` then draws the same inputs),
 then compare the two files:
 
-    mkdir -p /tmp/old && git archive REV jsdgpu tests | tar -x -C /tmp/old
-    export PYTHONPATH=experiments JSDGPU_SEED=7
-    (cd /tmp/old && JSDGPU_RECORD_BITS=/tmp/old.json PYTHONPATH=.:$OLDPWD/experiments \\
+    mkdir -p /tmp/old && git archive REV jsdgpu tests pytest.ini | tar -x -C /tmp/old
+    export JSDGPU_SEED=7
+    (cd /tmp/old && JSDGPU_RECORD_BITS=/tmp/old.json PYTHONPATH=.:$OLDPWD/tests \\
         python -m pytest -p record_bits -m gpu tests/test_chunks.py tests/test_topk.py)
-    JSDGPU_RECORD_BITS=/tmp/new.json PYTHONPATH=.:experiments \\
+    JSDGPU_RECORD_BITS=/tmp/new.json PYTHONPATH=.:tests \\
         python -m pytest -p record_bits -m gpu tests/test_chunks.py tests/test_topk.py
-    python experiments/record_bits.py /tmp/old.json /tmp/new.json
+    python tests/record_bits.py /tmp/old.json /tmp/new.json [--shapes]
 
 Calls inside a CUDA-graph capture are recorded as such, not hashed (nothing may be read then);
 a call that raises is recorded by its exception's type; every matrix product on the GPU is
@@ -64,11 +64,11 @@ def _recorded(name, function):
     return call
 
 
-def _recorded_gemm(gemm):
-    def call(trans_a, trans_b, m, n, k, *args, **kwargs):
-        _calls.setdefault(_test[0], []).append(f"gemm {trans_a}{trans_b} {m}x{n}x{k}")
-        return gemm(trans_a, trans_b, m, n, k, *args, **kwargs)
-    return call
+def _product(m, n, k):
+    _calls.setdefault(_test[0], []).append(f"gemm {m}x{n}x{k}")
+
+
+_observing = []  # the products' observer, entered for the session
 
 
 def pytest_configure(config):
@@ -80,7 +80,8 @@ def pytest_configure(config):
             from jsdgpu.cuda import products
         except Exception:  # no CUDA here
             return
-        products.gemm = _recorded_gemm(products.gemm)
+        _observing.append(products.observing(_product))
+        _observing[0].__enter__()
 
 
 def pytest_runtest_setup(item):
@@ -88,6 +89,8 @@ def pytest_runtest_setup(item):
 
 
 def pytest_unconfigure(config):
+    for observer in _observing:
+        observer.__exit__(None, None, None)
     path = os.environ.get("JSDGPU_RECORD_BITS")
     if path:
         with open(path, "w") as f:
@@ -103,10 +106,18 @@ def compare(old_path, new_path, shapes_only=False):
     differ = [t for t in sorted(set(old) | set(new)) if old.get(t) != new.get(t)]
     calls = sum(len(v) for v in new.values())
     print(f"{len(new)} tests, {calls} calls recorded; {len(differ)} tests differ")
-    for t in differ:
-        print(" ", t, old.get(t), new.get(t))
+    for t in differ:  # each test's first call that differs
+        a, b = old.get(t, []), new.get(t, [])
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        print(f"  {t}, call {i}: {a[i] if i < len(a) else None} | {b[i] if i < len(b) else None}")
     return not differ
 
 
 if __name__ == "__main__":
-    sys.exit(0 if compare(*sys.argv[1:3], shapes_only="--shapes" in sys.argv) else 1)
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("old")
+    p.add_argument("new")
+    p.add_argument("--shapes", action="store_true", help="compare only the products' shapes and the raised calls")
+    args = p.parse_args()
+    sys.exit(0 if compare(args.old, args.new, args.shapes) else 1)
