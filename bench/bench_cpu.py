@@ -2,9 +2,11 @@
 
     python bench/bench_cpu.py                       # writes bench/results/cpu_<cores>cores.{json,md}
     python bench/bench_cpu.py --tokens 512 --vocab 32000 --impls jsdgpu
+    python bench/bench_cpu.py --tokens 512 --vocab 128256 --impls jsdgpu --budget 64 --name cpu_budget64
 
 Forward + backward (the gradients of both inputs of the student), float32, hidden 256 / 256,
-student and teacher logits of std 4, every row valid, default options; the median of --repeats
+student and teacher logits of std 4, every row valid, default options (--budget: jsdgpu's
+memory_budget in MiB instead of the backend's default); the median of --repeats
 steps after one untimed step (torch.compile's compilation). Each implementation and shape runs
 in a process of its own, and its peak memory is the process's peak resident memory during one
 step beyond what it held before (the inputs), from Linux's VmHWM (reset through clear_refs).
@@ -40,14 +42,15 @@ def inputs(T, V, seed=0):
     return xs, ws, xt, wt, rng.integers(0, V, T)
 
 
-def step_fn(impl, T, V):
+def step_fn(impl, T, V, budget_mib=None):
     """fn() running one forward + backward of impl on the shape's inputs."""
     xs, ws, xt, wt, target = inputs(T, V)
     if impl == "jsdgpu":
         import jsdgpu
+        budget = None if budget_mib is None else budget_mib << 20
 
         def fn():
-            loss, ctx = jsdgpu.forward(xs, ws, xt, wt, target)
+            loss, ctx = jsdgpu.forward(xs, ws, xt, wt, target, memory_budget=budget)
             jsdgpu.backward(ctx)
         return fn
     import torch
@@ -72,10 +75,10 @@ def _status_kib(field):
     return None
 
 
-def measure(impl, T, V, repeats):
+def measure(impl, T, V, repeats, budget_mib=None):
     """(median seconds, peak MiB beyond the inputs) of one implementation at one shape, in this
     process."""
-    fn = step_fn(impl, T, V)
+    fn = step_fn(impl, T, V, budget_mib)
     fn()  # compilation (Numba's from its cache, torch.compile's), first allocations
     times = []
     for _ in range(repeats):
@@ -128,16 +131,18 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
     p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--budget", type=int, metavar="MIB", help="jsdgpu's memory_budget (default: the backend's)")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
+    p.add_argument("--name", help="result file name (default: cpu_<cores>cores)")
     p.add_argument("--one", nargs=3, metavar=("IMPL", "T", "V"), help=argparse.SUPPRESS)  # a child process
     a = p.parse_args(argv)
     if a.one:
-        print(json.dumps(measure(a.one[0], int(a.one[1]), int(a.one[2]), a.repeats)))
+        print(json.dumps(measure(a.one[0], int(a.one[1]), int(a.one[2]), a.repeats, a.budget)))
         return
     cores = os.cpu_count()
     result = dict(cores=cores, date=time.strftime("%Y-%m-%d"), hidden=HIDDEN,
                   command="python bench/bench_cpu.py " + " ".join(argv or sys.argv[1:]), rows=[])
-    name = f"cpu_{cores}cores"
+    name = a.name or f"cpu_{cores}cores"
     a.out.mkdir(parents=True, exist_ok=True)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for V in a.vocab:
@@ -148,8 +153,9 @@ def main(argv=None):
                 if impl != "jsdgpu" and 8 * 4 * T * V > 0.8 * total:
                     row["seconds"][impl] = row["peak_mib"][impl] = None
                     continue
+                budget = [] if a.budget is None else ["--budget", str(a.budget)]
                 out = subprocess.run([sys.executable, __file__, "--one", impl, str(T), str(V),
-                                      "--repeats", str(a.repeats)], capture_output=True, text=True)
+                                      "--repeats", str(a.repeats), *budget], capture_output=True, text=True)
                 if out.returncode:
                     print(out.stderr[-2000:], file=sys.stderr)
                     row["seconds"][impl] = row["peak_mib"][impl] = None

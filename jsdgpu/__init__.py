@@ -10,10 +10,10 @@ another loss of the same engine, and the teacher's top-k made chunk by chunk.
 """
 
 from .api import JSDDistillLoss, backward, forward
-from .options import Divergence, LossOptions, RunOptions
+from .options import Divergence, LossOptions, RunOptions, TopKOptions
 from .reference import reference, reference_topk
 from .topk import TopKDistillLoss, forward_topk, teacher_topk
 
 __all__ = ["forward", "backward", "JSDDistillLoss", "LossOptions", "RunOptions", "Divergence",
-           "reference", "forward_topk", "TopKDistillLoss", "teacher_topk", "reference_topk"]
+           "reference", "forward_topk", "TopKDistillLoss", "TopKOptions", "teacher_topk", "reference_topk"]
 __version__ = "0.1.0"

@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import api, topk
-from .options import LOSS_FIELDS, LossOptions, RunOptions
+from .options import LOSS_FIELDS, TOPK_FIELDS, LossOptions, RunOptions, TopKOptions
 
 _RUN_FIELDS = ("chunk_size", "num_valid_tokens")
 
@@ -75,11 +75,12 @@ def _native(buffer, gpu):
 
 
 @functools.lru_cache(maxsize=64)
-def _options(options, with_grads, gpu):
-    """(LossOptions, RunOptions) of a callback's static options, made once per set (a call's
-    host work before its first product runs with the GPU idle); on the GPU capturable: nothing
-    waits on the host, nothing blocks XLA's stream."""
-    loss_opts = LossOptions(**{k: v for k, v in options if k in LOSS_FIELDS})
+def _options(options, with_grads, gpu, loss=LossOptions):
+    """(loss's options: LossOptions or TopKOptions, RunOptions) of a callback's static options,
+    made once per set (a call's host work before its first product runs with the GPU idle); on the
+    GPU capturable: nothing waits on the host, nothing blocks XLA's stream."""
+    fields = TOPK_FIELDS if loss is TopKOptions else LOSS_FIELDS
+    loss_opts = loss(**{k: v for k, v in options if k in fields})
     run = {k: v for k, v in options if k in _RUN_FIELDS}
     return loss_opts, RunOptions(compute_grad=with_grads, capturable=gpu or None, **run)
 
@@ -94,8 +95,7 @@ def _topk(arrays, options, with_grads, gpu):
     """jsdgpu.forward_topk on the callback's arrays (xs, ws, bs, target, then the teacher's ids and
     logprobs); a bad row of the top-k, like a bad target, makes the loss NaN on the GPU."""
     xs, ws, bs, target, ids, lq = arrays
-    return topk.forward_topk_with(xs, ws, ids, lq, target, bs, *_options(options, with_grads, gpu),
-                                  dict(options).get("missing_mass", "bucket"))
+    return topk.forward_topk_with(xs, ws, ids, lq, target, bs, *_options(options, with_grads, gpu, TopKOptions))
 
 
 def _callback(forward, options, with_grads, present):
@@ -137,11 +137,12 @@ def _call(forward, options, with_grads, arrays, student):
     return run(*(a for a in arrays if a is not None))
 
 
-def _check_options(options, extra=()):
-    unknown = set(options) - set(LOSS_FIELDS) - set(_RUN_FIELDS) - set(extra)
+def _check_options(options, loss=LossOptions):
+    fields = TOPK_FIELDS if loss is TopKOptions else LOSS_FIELDS
+    unknown = set(options) - set(fields) - set(_RUN_FIELDS)
     if unknown:
         raise TypeError(f"unknown options: {sorted(unknown)}")
-    LossOptions(**{k: v for k, v in options.items() if k in LOSS_FIELDS})  # its checks, at trace time
+    loss(**{k: v for k, v in options.items() if k in fields})  # its checks, at trace time
     return tuple(sorted(options.items()))
 
 
@@ -162,10 +163,8 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
     log-probabilities; differentiable with respect to the student input, weight and bias.
     options: those of fused_linear_jsd_loss and missing_mass; static under jit. On the GPU it runs
     capturable on XLA's stream, as fused_linear_jsd_loss does."""
-    if "missing_mass" in options:
-        topk._check_missing_mass(options["missing_mass"])
     return _loss(_topk, (teacher_indices, teacher_logprobs), student_input, student_weight, student_bias, target,
-                 _check_options(options, ("missing_mass",)))
+                 _check_options(options, TopKOptions))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))

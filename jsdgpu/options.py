@@ -93,6 +93,23 @@ class LossOptions:
         return self.weight_soft_loss / self.temperature
 
 
+MISSING_MASS = ("bucket", "renormalize")
+
+
+@dataclasses.dataclass(frozen=True)
+class TopKOptions(LossOptions):
+    """The top-k loss's LossOptions (jsdgpu.forward_topk), and missing_mass: "bucket" (the
+    teacher's and the student's mass outside the k ids as one more category) or "renormalize"
+    (both renormalized over the k ids)."""
+    missing_mass: str = "bucket"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.missing_mass not in MISSING_MASS:
+            raise ValueError(f"missing_mass must be one of {', '.join(map(repr, MISSING_MASS))}, "
+                             f"got {self.missing_mass!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
     """How a call runs.
@@ -151,29 +168,31 @@ def divisor(num_valid_tokens, n_valid):
 
 
 LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossOptions))
+TOPK_FIELDS = tuple(f.name for f in dataclasses.fields(TopKOptions))
 RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunOptions))
 DEFAULTS = LossOptions()  # the defaults, for signatures that must spell them out (Liger's)
 
 
-def split_options(options):
-    """(LossOptions, RunOptions) from keyword options; TypeError for an unknown one. The same
-    options (values of the same types) give the same, checked once: the checks took a tenth of a
-    call's host time before its first product (docs/design.md, "The host before the first
-    product")."""
+def split_options(options, loss=LossOptions):
+    """(loss's options, RunOptions) from keyword options, loss LossOptions or TopKOptions;
+    TypeError for an unknown one. The same options (values of the same types) give the same,
+    checked once: the checks took a tenth of a call's host time before its first product
+    (docs/design.md, "The host before the first product")."""
     try:
-        return _split_once(tuple((k, type(v), v) for k, v in options.items()))
+        return _split_once(tuple((k, type(v), v) for k, v in options.items()), loss)
     except TypeError:  # an unhashable value (or a bad one: raised again below)
-        return _split(options)
+        return _split(options, loss)
 
 
 @functools.lru_cache(maxsize=64)
-def _split_once(items):
-    return _split({k: v for k, _, v in items})
+def _split_once(items, loss):
+    return _split({k: v for k, _, v in items}, loss)
 
 
-def _split(options):
-    unknown = set(options) - set(LOSS_FIELDS) - set(RUN_FIELDS)
+def _split(options, loss):
+    fields = TOPK_FIELDS if loss is TopKOptions else LOSS_FIELDS
+    unknown = set(options) - set(fields) - set(RUN_FIELDS)
     if unknown:
         raise TypeError(f"unknown options: {', '.join(sorted(unknown))}")
-    return (LossOptions(**{k: v for k, v in options.items() if k in LOSS_FIELDS}),
+    return (loss(**{k: v for k, v in options.items() if k in fields}),
             RunOptions(**{k: v for k, v in options.items() if k in RUN_FIELDS}))

@@ -14,15 +14,7 @@ from . import checks
 from .ahead import FirstProduct, expects_all_valid
 from .call import Context, backend_for, backward, bridged, runs_capturable, weighted_loss
 from .engine import ChunkLoss, chunk_g, run
-from .options import backend_budget, split_options
-
-MISSING_MASS = ("bucket", "renormalize")
-
-
-def _check_missing_mass(missing_mass):
-    if missing_mass not in MISSING_MASS:
-        raise ValueError(f"missing_mass must be one of {', '.join(map(repr, MISSING_MASS))}, got {missing_mass!r}")
-    return missing_mass
+from .options import TopKOptions, backend_budget, split_options
 
 
 def forward_topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias=None,
@@ -36,21 +28,20 @@ def forward_topk(student_input, student_weight, teacher_indices, teacher_logprob
     top-k, like a bad target, cannot raise: the loss and gradients are NaN, and ctx.bad_topk_row
     (a 0-d int32 device array) is the first such row, T where there is none (None in a default
     call). jsdgpu.backward(ctx) gives the student's gradients."""
-    loss_opts, run_opts = split_options(options)
-    _check_missing_mass(missing_mass)
+    loss_opts, run_opts = split_options(dict(options, missing_mass=missing_mass), TopKOptions)
     return forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target,
-                             student_bias, loss_opts, run_opts, missing_mass)
+                             student_bias, loss_opts, run_opts)
 
 
 def forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias,
-                      loss_opts, run_opts, missing_mass):
-    """forward_topk with its options as a LossOptions and a RunOptions."""
+                      loss_opts, run_opts):
+    """forward_topk with its options as a TopKOptions and a RunOptions."""
     arrays = dict(student_input=student_input, student_weight=student_weight, teacher_indices=teacher_indices,
                   teacher_logprobs=teacher_logprobs, target=target, student_bias=student_bias)
-    return bridged(arrays, lambda native: _forward_topk(native, loss_opts, run_opts, missing_mass))
+    return bridged(arrays, lambda native: _forward_topk(native, loss_opts, run_opts))
 
 
-def _forward_topk(arrays, opts, run_opts, missing_mass):
+def _forward_topk(arrays, opts, run_opts):
     # first of all, where this call is like the last: its first product (ahead.FirstProduct)
     first = FirstProduct(("topk", run_opts), arrays["student_input"], arrays["student_weight"])
     kind = checks.check_topk_arrays(arrays)
@@ -65,7 +56,7 @@ def _forward_topk(arrays, opts, run_opts, missing_mass):
     with backend.on_device(device):
         xs = xp.ascontiguousarray(xs)
         ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) below
-        loss_rows = TopKLoss(backend, xs, arrays, opts, run_opts, capturable, missing_mass)
+        loss_rows = TopKLoss(backend, xs, arrays, opts, run_opts, capturable)
         hard, soft, grads, rows = run(loss_rows, xs, ids, first)
         loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend, run_opts.grad_weight_float32,
@@ -80,10 +71,10 @@ class TopKLoss(ChunkLoss):
     `other`. Three products where the online loss has four; with the backend's own logits
     product (topk_own_product), that product does most of the row work in its epilogue."""
 
-    def __init__(self, backend, xs, arrays, opts, run_opts, capturable, missing_mass):
+    def __init__(self, backend, xs, arrays, opts, run_opts, capturable):
         xp = backend.xp
         self.backend, self.opts, self.run_opts, self.capturable = backend, opts, run_opts, capturable
-        self.missing_mass, self.arrays, self.target = missing_mass, arrays, arrays["target"]
+        self.missing_mass, self.arrays, self.target = opts.missing_mass, arrays, arrays["target"]
         self.ws = xp.ascontiguousarray(arrays["student_weight"])
         self.bs = arrays["student_bias"]
         self.lq = xp.ascontiguousarray(arrays["teacher_logprobs"], dtype=np.float32)
@@ -193,18 +184,17 @@ class TopKDistillLoss:
     jsdgpu.backward(ctx) (or loss_fn.backward(ctx)). The options are checked here."""
 
     def __init__(self, *, missing_mass="bucket", **options):
-        self.missing_mass = _check_missing_mass(missing_mass)
-        self.loss_options, self.run_options = split_options(options)
+        self.loss_options, self.run_options = split_options(dict(options, missing_mass=missing_mass), TopKOptions)
 
     def __call__(self, student_input, student_weight, teacher_indices, teacher_logprobs, target,
                  student_bias=None):
         return forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target,
-                                 student_bias, self.loss_options, self.run_options, self.missing_mass)
+                                 student_bias, self.loss_options, self.run_options)
 
     backward = staticmethod(backward)
 
     def __repr__(self):
-        return f"TopKDistillLoss(missing_mass={self.missing_mass!r}, {self.loss_options!r}, {self.run_options!r})"
+        return f"TopKDistillLoss({self.loss_options!r}, {self.run_options!r})"
 
 
 def teacher_topk(teacher_input, teacher_weight, k, temperature=1.0, teacher_bias=None, *, chunk_size=None,

@@ -36,7 +36,7 @@ except ImportError as e:
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import api, topk
-from .options import DEFAULTS, LossOptions, RunOptions
+from .options import DEFAULTS, LossOptions, RunOptions, TopKOptions
 
 
 # ---- the bridge jsdgpu.forward / backward use for torch tensors ----
@@ -130,6 +130,12 @@ def _online(xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_token
 @functools.lru_cache(maxsize=64)  # the options' checks, once per set of values
 def _loss_options(*options):
     return LossOptions(*options)
+
+
+@functools.lru_cache(maxsize=64)
+def _topk_options(*options):
+    """TopKOptions of the LossOptions' fields in order, then missing_mass."""
+    return TopKOptions(*options)
 
 
 @functools.lru_cache(maxsize=64)
@@ -386,8 +392,8 @@ def _topk(xs, ws, ids, lq, target, bs, missing_mass, options, chunk_size, num_va
           compute_dtype):
     """jsdgpu.forward_topk on the tensors, as _online."""
     cast = _caster(compute_dtype)
-    return topk.forward_topk_with(cast(xs), cast(ws), ids, lq, target, bs, _loss_options(*options),
-                                  _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype), missing_mass)
+    return topk.forward_topk_with(cast(xs), cast(ws), ids, lq, target, bs, _topk_options(*options, missing_mass),
+                                  _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype))
 
 
 @_fused_linear_topk_jsd.register_fake
@@ -416,7 +422,7 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
     _check_dtypes(compute_dtype, ("student", xs, student_weight))
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
                                           weight_soft_loss, beta, temperature, ignore_index)
-    topk._check_missing_mass(missing_mass)
+    _topk_options(*options, missing_mass)  # missing_mass's check, before any work
     eager = _runs_eagerly(xs, student_weight, ids, lq, target, student_bias)
 
     def call(w_hard, w_soft, with_grads):
@@ -445,8 +451,9 @@ class FusedLinearTopKJSDLoss(torch.nn.Module):
                  beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
                  missing_mass="bucket", chunk_size=None, return_soft_hard_loss=False):
         super().__init__()
-        LossOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index)  # checked here too
-        self.missing_mass = topk._check_missing_mass(missing_mass)
+        # checked here too
+        TopKOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, missing_mass)
+        self.missing_mass = missing_mass
         self.weight_hard_loss, self.weight_soft_loss = weight_hard_loss, weight_soft_loss
         self.beta, self.ignore_index, self.temperature = beta, ignore_index, temperature
         self.chunk_size, self.return_soft_hard_loss = chunk_size, return_soft_hard_loss

@@ -1,5 +1,6 @@
-"""The chunk engine (jsdgpu.engine, its plan jsdgpu.chunks, its head jsdgpu.ahead): every chunk size, with G held for all rows or per chunk, gives
-the reference's answer on both backends; and the chunk plan itself."""
+"""The chunk engine (jsdgpu.engine, its plan jsdgpu.chunks, its head jsdgpu.ahead): every chunk
+size, with G held for all rows or per chunk, gives the reference's answer on both backends; and
+the chunk plan itself."""
 
 import numpy as np
 import pytest

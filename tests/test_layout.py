@@ -34,7 +34,8 @@ def test_cited_design_sections_exist():
     cited = set()
     for p in [*package_files(), *ROOT.glob("tests/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("experiments/*.py")]:
         # a name may run over lines, in comments and docstrings alike
-        cited |= {re.sub(r"\s*\n\s*(#\s*|//\s*)?", " ", name) for name in re.findall(r'design\.md, "([^"]+)"', p.read_text())}
+        names = re.findall(r'design\.md, "([^"]+)"', p.read_text())
+        cited |= {re.sub(r"\s*\n\s*(#\s*|//\s*)?", " ", name) for name in names}
     assert cited  # the pattern finds the citations
     unresolved = sorted(name for name in cited if not any(h.startswith(name) for h in headings))
     assert not unresolved, unresolved

@@ -9,7 +9,7 @@ import pytest
 
 import jsdgpu
 from conftest import (DTYPES, assert_grads_near, assert_part_near, float32_logits, head_logits, head_path_ignored,
-                      rel_err, to_numpy, to_xp)
+                      make_case, rel_err, to_numpy, to_xp)
 from jsdgpu.ahead import HEAD_HISTORY, HEAD_ROWS
 from jsdgpu.options import DEFAULTS
 from jsdgpu.reference import reference_logits, reference_topk, reference_topk_logits
@@ -581,6 +581,32 @@ def test_unknown_missing_mass(rng):
         jsdgpu.forward_topk(**make_topk_case(rng), missing_mass="drop")
     with pytest.raises(ValueError, match="missing_mass"):
         jsdgpu.TopKDistillLoss(missing_mass="rest")
+    with pytest.raises(ValueError, match="missing_mass"):
+        jsdgpu.TopKOptions(beta=0.3, missing_mass="Bucket")
+    with pytest.raises(TypeError, match="missing_mass"):  # an option of the top-k loss alone
+        jsdgpu.forward(**make_case(rng), missing_mass="bucket")
+
+
+@pytest.mark.parametrize("front_end", ["torch function", "torch module", "jax"])
+def test_unknown_missing_mass_in_the_front_ends(rng, front_end):
+    """Each front end raises the options' ValueError before any work."""
+    case = make_topk_case(rng)
+    if front_end == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        from jsdgpu.jax import fused_linear_topk_jsd_loss
+        arrays = {k: None if v is None else jnp.asarray(v) for k, v in case.items()}
+        call = lambda: fused_linear_topk_jsd_loss(**arrays, missing_mass="drop")  # noqa: E731
+    else:
+        torch = pytest.importorskip("torch")
+        from jsdgpu.torch import FusedLinearTopKJSDLoss, fused_linear_topk_jsd_loss
+        t = {k: None if v is None else torch.from_numpy(v) for k, v in case.items()}
+        args = (t["student_input"], t["student_weight"], t["teacher_indices"], t["teacher_logprobs"], t["target"])
+        if front_end == "torch module":
+            call = lambda: FusedLinearTopKJSDLoss(missing_mass="drop")  # noqa: E731
+        else:
+            call = lambda: fused_linear_topk_jsd_loss(*args, missing_mass="drop")  # noqa: E731
+    with pytest.raises(ValueError, match="missing_mass"):
+        call()
 
 
 # ---- without host synchronization (capturable) ----

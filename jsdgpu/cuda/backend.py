@@ -135,7 +135,8 @@ class PendingTopKCheck:
 
     def __init__(self, ids, lq, vocab, bucket, capturable, after):
         self._vocab = vocab
-        self._pending = topk_kernels.PendingTopKCheck(ids, lq, vocab, bucket, checks.TOPK_SUM_SLACK, not capturable, after)
+        self._pending = topk_kernels.PendingTopKCheck(ids, lq, vocab, bucket, checks.TOPK_SUM_SLACK, not capturable,
+                                                      after)
 
     def wait(self):
         problem = self._pending.result()
