@@ -11,7 +11,8 @@ whole loss, the whole grad_input, and the grad_weight / grad_bias of its own sha
 comm is one of:
   - a cupy.cuda.nccl.NcclCommunicator (standalone use, CuPy arrays);
   - a torch.distributed ProcessGroup with the NCCL backend (from jsdgpu.torch, or with CuPy
-    arrays); each all-reduce then waits on the host for the GPU, before and after;
+    arrays); each all-reduce then waits on the host for the GPU, before and after; or with the
+    gloo backend, on the CPU (NumPy arrays);
   - any object with `rank`, `size` and `allreduce(array, op)` (op "sum" or "max", in place, on
     the backend's arrays), such as the tests' simulated ranks.
 """
@@ -62,10 +63,13 @@ class _TorchProcessGroup:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
     def allreduce(self, a, op):
-        import cupy
         import torch
         import torch.distributed as dist
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+        if isinstance(a, np.ndarray):  # the CPU backend's arrays (a gloo group): nothing queued
+            dist.all_reduce(torch.from_numpy(a), op=ops[op], group=self._group)
+            return
+        import cupy
         cupy.cuda.get_current_stream().synchronize()
         dist.all_reduce(torch.from_dlpack(a), op=ops[op], group=self._group)
         torch.cuda.synchronize(cupy.cuda.Device().id)

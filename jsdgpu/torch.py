@@ -277,12 +277,14 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
                           vocab_parallel=None):
     """The loss as a function (see FusedLinearJSDLoss): inputs [..., H], labels [...].
     num_valid_tokens: N for the mean (a whole batch's count of valid tokens, for data
-    parallelism); vocab_parallel: a torch.distributed process group (jsdgpu.parallel). A weight or
-    bias may be a DTensor that FSDP2 shards (jsdgpu.torch_sharding)."""
+    parallelism); vocab_parallel: a torch.distributed process group (jsdgpu.parallel), or a 1-D
+    DeviceMesh over which the heads are DTensors sharded by the vocabulary's rows (tensor
+    parallelism); else a weight or bias may be a DTensor that FSDP2 shards (jsdgpu.torch_sharding)."""
+    plain, vocab_parallel = plain_inputs(
+        vocab_parallel, student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
+        teacher_weight=teacher_weight, true_labels=true_labels, student_bias=student_bias, teacher_bias=teacher_bias)
     student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias = \
-        plain_inputs(student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
-                      teacher_weight=teacher_weight, true_labels=true_labels, student_bias=student_bias,
-                      teacher_bias=teacher_bias).values()
+        plain.values()
     hs, ht = student_input.shape[-1], teacher_input.shape[-1]
     xs, xt, target = student_input.reshape(-1, hs), teacher_input.reshape(-1, ht), true_labels.reshape(-1)
     compute_dtype = _autocast_dtype(xs.device.type)
@@ -421,9 +423,9 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
                                num_valid_tokens=None):
     """The top-k loss as a function (see FusedLinearTopKJSDLoss): inputs [..., H], the teacher's
     top-k [..., k], labels [...]. The weight and bias may be DTensors that FSDP2 shards (jsdgpu.torch_sharding)."""
-    student_input, student_weight, teacher_indices, teacher_logprobs, true_labels, student_bias = \
-        plain_inputs(student_input=student_input, student_weight=student_weight, teacher_indices=teacher_indices,
-                      teacher_logprobs=teacher_logprobs, true_labels=true_labels, student_bias=student_bias).values()
+    student_input, student_weight, teacher_indices, teacher_logprobs, true_labels, student_bias = plain_inputs(
+        student_input=student_input, student_weight=student_weight, teacher_indices=teacher_indices,
+        teacher_logprobs=teacher_logprobs, true_labels=true_labels, student_bias=student_bias)[0].values()
     hs, k = student_input.shape[-1], teacher_indices.shape[-1]
     xs, target = student_input.reshape(-1, hs), true_labels.reshape(-1)
     ids, lq = teacher_indices.reshape(-1, k), teacher_logprobs.reshape(-1, teacher_logprobs.shape[-1])

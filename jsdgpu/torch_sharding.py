@@ -32,12 +32,37 @@ def _gathered(name, t):
     return t.redistribute(t.device_mesh, [Replicate()] * n).to_local(grad_placements=[Partial("avg")] * n)
 
 
-def plain_inputs(**tensors):
-    """The call's tensors with its FSDP2-sharded heads gathered (_gathered); hidden states and labels
-    that are DTensors are not taken (tensor-parallel heads are not built)."""
+def _local_shard(name, t, mesh):
+    """A tensor-parallel head's shard on this rank: t a DTensor sharded over the vocabulary's rows
+    (Shard(0)) on the 1-D mesh; its gradient, this rank's rows, goes back as the DTensor's."""
+    from torch.distributed.tensor import Shard
+    dtensor = _dtensor_type()
+    if not isinstance(t, dtensor) or t.device_mesh != mesh or tuple(t.placements) != (Shard(0),):
+        where = (f"a DTensor placed as {tuple(t.placements)} on {t.device_mesh}" if isinstance(t, dtensor)
+                 else f"a plain {type(t).__name__}")
+        raise ValueError(f"{name} is {where}: with vocab_parallel a DeviceMesh, each head's weight and bias must be "
+                         f"a DTensor sharded over the vocabulary's rows, (Shard(dim=0),), on that mesh ({mesh})")
+    return t.to_local()
+
+
+def plain_inputs(vocab_parallel=None, **tensors):
+    """(the call's tensors as plain tensors, the process group of vocab parallelism or None).
+
+    vocab_parallel None: heads that FSDP2 shards are gathered (_gathered). vocab_parallel a 1-D
+    DeviceMesh (tensor parallelism over the vocabulary): every head's weight and bias a DTensor
+    sharded over the vocabulary's rows on that mesh, each rank computing on its own shard with no
+    gather (jsdgpu.parallel, over the mesh's process group), the hidden states the same on every
+    rank. Hidden states, labels and a stored top-k that are DTensors are not taken."""
     dtensor = _dtensor_type()
     for name in ("student_input", "teacher_input", "true_labels", "teacher_indices", "teacher_logprobs"):
         if dtensor is not None and isinstance(tensors.get(name), dtensor):
             raise NotImplementedError(f"{name} is a DTensor: the loss takes hidden states, labels and a stored "
-                                      "top-k as plain tensors (tensor-parallel heads over DTensors are not built)")
-    return {k: _gathered(k, v) if k.endswith(("weight", "bias")) else v for k, v in tensors.items()}
+                                      "top-k as plain tensors (the same on every rank of a tensor-parallel mesh)")
+    heads = [k for k, v in tensors.items() if k.endswith(("weight", "bias")) and v is not None]
+    if dtensor is not None and type(vocab_parallel).__name__ == "DeviceMesh":
+        if vocab_parallel.ndim != 1:
+            raise NotImplementedError(f"vocab_parallel is a {vocab_parallel.ndim}-D mesh: one dimension, the "
+                                      "tensor-parallel one, is taken")
+        local = {k: _local_shard(k, tensors[k], vocab_parallel) for k in heads}
+        return {**tensors, **local}, vocab_parallel.get_group()
+    return {**tensors, **{k: _gathered(k, tensors[k]) for k in heads}}, vocab_parallel

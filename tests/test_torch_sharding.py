@@ -1,8 +1,10 @@
-"""Heads that FSDP2 shards (jsdgpu.torch_sharding): two processes over gloo on the CPU, a student
-whose head is fully_shard'ed and read outside its own forward, trained one step with the fused
-loss. The loss and every gradient (the head's DTensor gradient gathered) equal those of one
-process on the whole batch, for the online and the top-k loss; a head sharded any other way
-raises, naming its placement."""
+"""Sharded heads in jsdgpu.torch (jsdgpu.torch_sharding), in two or three processes over gloo on
+the CPU. FSDP2: a student whose head is fully_shard'ed and read outside its own forward, trained
+one step with the fused loss; the loss and every gradient (the head's DTensor gradient gathered)
+equal those of one process on the whole batch, for the online and the top-k loss. Tensor
+parallelism: both heads DTensors sharded over the vocabulary on a 1-D mesh passed as
+vocab_parallel, the same hidden states on every rank; the loss and gradients equal one process's.
+A head sharded any other way raises, naming its placement."""
 
 import multiprocessing
 import traceback
@@ -93,11 +95,12 @@ def _rank(rank, world, rendezvous, seed, loss_kind, bias, compiled, results):
             dist.destroy_process_group()
 
 
-def _run(world, tmp_path, *args):
+def _run(target, world, tmp_path, *args):
+    """target(rank, world, rendezvous, *args, results) in world processes: what each put in results."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_rank, args=(r, world, rendezvous, *args, results)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, rendezvous, *args, results)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -118,7 +121,7 @@ def _run(world, tmp_path, *args):
 @pytest.mark.parametrize("world,bias,compiled", [(2, True, False), (3, False, False), (2, True, True)])
 def test_fsdp2_head_equals_one_process(tmp_path, rng, loss_kind, world, bias, compiled):
     seed = int(rng.integers(2**31))
-    out = _run(world, tmp_path, seed, loss_kind, bias, compiled)
+    out = _run(_rank, world, tmp_path, seed, loss_kind, bias, compiled)
     for rank, loss, whole_loss, errors, weight_type, grad_type in out:
         assert (weight_type, grad_type) == ("DTensor", "DTensor"), (rank, weight_type, grad_type)
         assert abs(loss - whole_loss) <= 1e-5 * abs(whole_loss), (seed, rank, loss, whole_loss)
@@ -137,11 +140,17 @@ def _placement_rank(rank, world, rendezvous, results):
         mesh = init_device_mesh("cpu", (world,))
         x, xt, labels, _, _ = _batch(0, T_RANK)
         w = distribute_tensor(torch.randn(V, H), mesh, [Shard(1)])  # along the hidden dimension
-        try:
-            FusedLinearJSDLoss()(x, w, xt, torch.randn(V, H), labels)
-            results.put((rank, "no error"))
-        except ValueError as e:
-            results.put((rank, str(e)))
+        w_rows = distribute_tensor(torch.randn(V, H), mesh, [Shard(0)])
+        messages = []
+        for call in (lambda: FusedLinearJSDLoss()(x, w, xt, torch.randn(V, H), labels),  # FSDP2's path
+                     # tensor parallel: the teacher's head a plain tensor, not a shard on the mesh
+                     lambda: FusedLinearJSDLoss(vocab_parallel=mesh)(x, w_rows, xt, torch.randn(V, H), labels)):
+            try:
+                call()
+                messages.append("no error")
+            except ValueError as e:
+                messages.append(str(e))
+        results.put((rank, messages))
     except BaseException:  # noqa: BLE001
         results.put(("error", rank, traceback.format_exc()))
     finally:
@@ -150,22 +159,64 @@ def _placement_rank(rank, world, rendezvous, results):
 
 
 def test_a_head_sharded_otherwise_raises_naming_its_placement(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_placement_rank, args=(r, 2, rendezvous, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = [results.get(timeout=120) for _ in range(2)]
-    for p in procs:
-        p.join(timeout=30)
-    for rank, message, *rest in out:
-        assert rank != "error", rest
-        assert "student_weight" in message and "Shard(dim=1)" in message, message
+    for rank, (fsdp, tensor_parallel) in _run(_placement_rank, 2, tmp_path):
+        assert "student_weight" in fsdp and "Shard(dim=1)" in fsdp, fsdp
+        assert "teacher_weight" in tensor_parallel and "plain Tensor" in tensor_parallel, tensor_parallel
+
+
+def _tp_rank(rank, world, rendezvous, seed, bias, results):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from jsdgpu.torch import FusedLinearJSDLoss
+    try:
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        options = dict(beta=0.7, temperature=1.5)
+        x, xt, labels, _, _ = _batch(seed, T_RANK)
+        labels[::5] = -100
+        torch.manual_seed(seed)
+        heads = {"ws": torch.randn(V, H) / H**0.5, "wt": torch.randn(V, H) / H**0.5}
+        if bias:
+            heads.update(bs=torch.randn(V) * 0.1, bt=torch.randn(V) * 0.1)
+
+        def step(heads, **more):
+            xs = x.clone().requires_grad_()
+            loss = FusedLinearJSDLoss(**options, **more)(xs, heads["ws"], xt, heads["wt"], labels, heads.get("bs"),
+                                                         heads.get("bt"))
+            loss.backward()
+            return loss.detach(), xs.grad
+        whole = {k: v.clone().requires_grad_(k in ("ws", "bs")) for k, v in heads.items()}
+        whole_loss, whole_gi = step(whole)
+        sharded = {k: distribute_tensor(v, mesh, [Shard(0)]).requires_grad_(k in ("ws", "bs"))
+                   for k, v in heads.items()}
+        loss, gi = step(sharded, vocab_parallel=mesh)
+        errors = {"grad_input": float((gi - whole_gi).norm() / whole_gi.norm())}
+        for k in ("ws", "bs"):
+            if k in sharded:
+                errors[k] = float((sharded[k].grad.full_tensor() - whole[k].grad).norm() / whole[k].grad.norm())
+        results.put((rank, float(loss), float(whole_loss), errors, type(sharded["ws"].grad).__name__, ""))
+    except BaseException:  # noqa: BLE001 - handed to the parent, which fails the test
+        results.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,bias", [(2, True), (3, False)])
+def test_tensor_parallel_heads_equal_one_process(tmp_path, rng, world, bias):
+    seed = int(rng.integers(2**31))
+    out = _run(_tp_rank, world, tmp_path, seed, bias)
+    for rank, loss, whole_loss, errors, grad_type, _ in out:
+        assert grad_type == "DTensor"
+        assert abs(loss - whole_loss) <= 1e-5 * abs(whole_loss), (seed, rank, loss, whole_loss)
+        for name, err in errors.items():
+            assert err <= 1e-5, (seed, rank, name, err)
 
 
 def test_gathered_leaves_plain_tensors_alone():
     from jsdgpu.torch_sharding import plain_inputs
     t = torch.ones(3)
-    assert plain_inputs(student_weight=t, student_bias=None)["student_weight"] is t
-    assert np.array_equal(plain_inputs(student_input=t)["student_input"].numpy(), np.ones(3))
+    assert plain_inputs(student_weight=t, student_bias=None)[0]["student_weight"] is t
+    assert np.array_equal(plain_inputs(student_input=t)[0]["student_input"].numpy(), np.ones(3))
