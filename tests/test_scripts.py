@@ -11,7 +11,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPTS = sorted([*ROOT.glob("bench/*.py"), *ROOT.glob("experiments/*.py")])
+SCRIPTS = sorted([*ROOT.glob("bench/*.py"), *ROOT.glob("experiments/*.py"), *ROOT.glob("examples/*.py")])
 MAINS = [p for p in SCRIPTS if "__main__" in p.read_text()]
 
 
