@@ -70,3 +70,13 @@ def test_the_readme_trainer(tmp_path):
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 2 and all(0 < x < 20 for x in losses), losses
+
+
+@pytest.mark.gpu
+def test_the_student_learns_on_the_gpu():
+    """The plain loop on the GPU (bf16 under autocast, fp32 master weights)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here")
+    losses = _example().main(TINY)
+    assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-2:]) < sum(losses[:2]) - 0.02, losses

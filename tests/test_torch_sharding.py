@@ -66,18 +66,19 @@ def _grads(student):
     return {name: full(p.grad).detach().clone() for name, p in student.named_parameters()}
 
 
-def _rank(rank, world, rendezvous, seed, loss_kind, bias, compiled, results):
+def _rank(rank, world, rendezvous, seed, loss_kind, bias, compiled, device, results):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     try:
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+        dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=rendezvous, rank=rank,
+                                world_size=world)
         options = dict(beta=0.4, temperature=2.0)
-        batch = _batch(seed, world * T_RANK)
-        whole, teacher_w = _models(seed, bias)  # one process on the whole batch
+        batch = tuple(a.to(device) for a in _batch(seed, world * T_RANK))
+        whole, teacher_w = (m.to(device) for m in _models(seed, bias))  # one process on the whole batch
         whole_loss = _step(whole, teacher_w, batch, loss_kind, **options)
-        student, _ = _models(seed, bias)
-        mesh = init_device_mesh("cpu", (world,))
+        student = _models(seed, bias)[0].to(device)
+        mesh = init_device_mesh(device, (world,))
         fully_shard(student.head, mesh=mesh)
         fully_shard(student, mesh=mesh)
         mine = tuple(a[rank * T_RANK:(rank + 1) * T_RANK] for a in batch)
@@ -121,12 +122,29 @@ def _run(target, world, tmp_path, *args):
 @pytest.mark.parametrize("world,bias,compiled", [(2, True, False), (3, False, False), (2, True, True)])
 def test_fsdp2_head_equals_one_process(tmp_path, rng, loss_kind, world, bias, compiled):
     seed = int(rng.integers(2**31))
-    out = _run(_rank, world, tmp_path, seed, loss_kind, bias, compiled)
+    out = _run(_rank, world, tmp_path, seed, loss_kind, bias, compiled, "cpu")
     for rank, loss, whole_loss, errors, weight_type, grad_type in out:
         assert (weight_type, grad_type) == ("DTensor", "DTensor"), (rank, weight_type, grad_type)
         assert abs(loss - whole_loss) <= 1e-5 * abs(whole_loss), (seed, rank, loss, whole_loss)
         for name, err in errors.items():
             assert err <= 1e-5, (seed, rank, name, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss_kind", ["online", "topk"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fsdp2_head_on_one_gpu(tmp_path, rng, loss_kind, compiled):
+    """FSDP2 over a one-rank mesh on the GPU (NCCL): its head a DTensor all the same, gathered by
+    the loss; the loss and gradients those of the unsharded model."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here")
+    seed = int(rng.integers(2**31))
+    for rank, loss, whole_loss, errors, weight_type, grad_type in _run(_rank, 1, tmp_path, seed, loss_kind, True,
+                                                                      compiled, "cuda"):
+        assert (weight_type, grad_type) == ("DTensor", "DTensor")
+        assert abs(loss - whole_loss) <= 1e-5 * abs(whole_loss), (seed, loss, whole_loss)
+        for name, err in errors.items():
+            assert err <= 1e-5, (seed, name, err)
 
 
 def _placement_rank(rank, world, rendezvous, results):
