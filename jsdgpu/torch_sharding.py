@@ -13,6 +13,14 @@ def _dtensor_type():
     return DTensor
 
 
+def _over_rows(placement):
+    """Whether a placement splits a head by the vocabulary's rows, or not at all: Shard(0),
+    Replicate, or the strided Shard(0) that FSDP2 puts over tensor parallelism's (which DTensor
+    does not count as a Shard)."""
+    return placement.is_replicate() or getattr(placement, "dim", None) == 0 and (
+        placement.is_shard() or type(placement).__name__ == "_StridedShard")
+
+
 def _gathered(name, t):
     """t as a plain tensor for the call. A DTensor (a head's weight or bias that FSDP2 shards, read
     outside the head's own forward) is gathered, as FSDP2's forward would gather it: allowed where
@@ -25,7 +33,7 @@ def _gathered(name, t):
         return t
     from torch.distributed.tensor import Partial, Replicate
     placements = tuple(t.placements)
-    if not all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in placements):
+    if not all(map(_over_rows, placements)):
         raise ValueError(f"{name} is a DTensor placed as {placements}: only Shard(0) (the vocabulary's rows, as "
                          "FSDP2 shards a head) and Replicate are gathered for the loss")
     n = t.device_mesh.ndim
@@ -34,15 +42,30 @@ def _gathered(name, t):
 
 def _local_shard(name, t, mesh):
     """A tensor-parallel head's shard on this rank: t a DTensor sharded over the vocabulary's rows
-    (Shard(0)) on the 1-D mesh; its gradient, this rank's rows, goes back as the DTensor's."""
-    from torch.distributed.tensor import Shard
+    (Shard(0)) on the 1-D mesh, or on a mesh of which that one is a named dimension (FSDP2 over
+    data parallelism beside it, its dimensions Shard(0) or Replicate). Those other dimensions are
+    gathered, their gradient averaged and scattered back as FSDP2 does (_gathered); the
+    tensor-parallel rows stay this rank's."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
     dtensor = _dtensor_type()
-    if not isinstance(t, dtensor) or t.device_mesh != mesh or tuple(t.placements) != (Shard(0),):
+    tp_dim = None
+    if isinstance(t, dtensor):
+        parent, tp = t.device_mesh, (mesh.mesh_dim_names or (None,))[0]
+        if parent == mesh:
+            tp_dim = 0
+        elif tp is not None and tp in (parent.mesh_dim_names or ()) and parent[tp] == mesh:
+            tp_dim = parent.mesh_dim_names.index(tp)
+    placements = tuple(t.placements) if tp_dim is not None else ()
+    if tp_dim is None or placements[tp_dim] != Shard(0) or not all(map(_over_rows, placements)):
         where = (f"a DTensor placed as {tuple(t.placements)} on {t.device_mesh}" if isinstance(t, dtensor)
                  else f"a plain {type(t).__name__}")
         raise ValueError(f"{name} is {where}: with vocab_parallel a DeviceMesh, each head's weight and bias must be "
-                         f"a DTensor sharded over the vocabulary's rows, (Shard(dim=0),), on that mesh ({mesh})")
-    return t.to_local()
+                         f"a DTensor sharded over the vocabulary's rows, Shard(dim=0), on that mesh ({mesh}) or on "
+                         "a mesh with it as a named dimension")
+    n = t.device_mesh.ndim
+    keep = [Shard(0) if d == tp_dim else Replicate() for d in range(n)]
+    return t.redistribute(t.device_mesh, keep).to_local(
+        grad_placements=[Shard(0) if d == tp_dim else Partial("avg") for d in range(n)])
 
 
 def plain_inputs(vocab_parallel=None, **tensors):
@@ -50,9 +73,10 @@ def plain_inputs(vocab_parallel=None, **tensors):
 
     vocab_parallel None: heads that FSDP2 shards are gathered (_gathered). vocab_parallel a 1-D
     DeviceMesh (tensor parallelism over the vocabulary): every head's weight and bias a DTensor
-    sharded over the vocabulary's rows on that mesh, each rank computing on its own shard with no
-    gather (jsdgpu.parallel, over the mesh's process group), the hidden states the same on every
-    rank. Hidden states, labels and a stored top-k that are DTensors are not taken."""
+    sharded over the vocabulary's rows on that mesh (or on a 2-D mesh of data and tensor
+    parallelism, _local_shard), each rank computing on its own shard with no gather over the
+    vocabulary (jsdgpu.parallel, over the mesh's process group), the hidden states the same on
+    every rank of the tensor-parallel mesh. Hidden states, labels and a stored top-k that are DTensors are not taken."""
     dtensor = _dtensor_type()
     for name in ("student_input", "teacher_input", "true_labels", "teacher_indices", "teacher_logprobs"):
         if dtensor is not None and isinstance(tensors.get(name), dtensor):

@@ -233,6 +233,61 @@ def test_tensor_parallel_heads_equal_one_process(tmp_path, rng, world, bias):
             assert err <= 1e-5, (seed, rank, name, err)
 
 
+def _fsdp_tp_rank(rank, world, rendezvous, seed, results):
+    """A 2 x 2 mesh (data parallel, tensor parallel): the student's head ColwiseParallel over the
+    vocabulary on the tensor-parallel dimension and fully_shard'ed over the data-parallel one, the
+    teacher's head sharded over the vocabulary; each data-parallel pair its own part of the batch."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from jsdgpu.torch import FusedLinearJSDLoss
+    try:
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp = mesh["dp"].get_local_rank()
+        x, xt, labels, _, _ = _batch(seed, 2 * T_RANK)
+        labels[::8] = -100  # three rows of each half: the halves' means, averaged, are the whole's
+        whole, teacher_w = _models(seed, True)
+        options = dict(beta=0.6, temperature=1.5)
+
+        def step(student, rows, teacher, **more):
+            h = student(x[rows])
+            loss = FusedLinearJSDLoss(**options, **more)(h, student.head.weight, xt[rows], teacher, labels[rows],
+                                                         student.head.bias)
+            loss.backward()
+            return loss.detach()
+        whole_loss = step(whole, slice(None), teacher_w)
+        student = _models(seed, True)[0]
+        parallelize_module(student.head, mesh["tp"], ColwiseParallel())
+        fully_shard(student.head, mesh=mesh["dp"])
+        fully_shard(student, mesh=mesh["dp"])
+        teacher = distribute_tensor(teacher_w, mesh["tp"], [Shard(0)])
+        loss = step(student, slice(dp * T_RANK, (dp + 1) * T_RANK), teacher, vocab_parallel=mesh["tp"])
+        mean_loss = loss.clone()
+        dist.all_reduce(mean_loss)
+        got, want = _grads(student), _grads(whole)
+        errors = {k: float((got[k] - want[k]).norm() / want[k].norm()) for k in want}
+        results.put((rank, float(mean_loss) / world, float(whole_loss), errors, str(student.head.weight.placements),
+                     type(student.head.weight.grad).__name__))
+    except BaseException:  # noqa: BLE001 - handed to the parent, which fails the test
+        results.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_fsdp2_and_tensor_parallel_on_a_2x2_mesh(tmp_path, rng):
+    seed = int(rng.integers(2**31))
+    for rank, loss, whole_loss, errors, placements, grad_type in _run(_fsdp_tp_rank, 4, tmp_path, seed):
+        assert "Shard(dim=0)" in placements and grad_type == "DTensor", (placements, grad_type)
+        assert abs(loss - whole_loss) <= 1e-5 * abs(whole_loss), (seed, rank, loss, whole_loss)
+        for name, err in errors.items():
+            assert err <= 1e-5, (seed, rank, name, err)
+
+
 def test_gathered_leaves_plain_tensors_alone():
     from jsdgpu.torch_sharding import plain_inputs
     t = torch.ones(3)
