@@ -195,3 +195,28 @@ def head_path_ignored(T):
     some = lambda first: [first, 12, 15]  # noqa: E731
     all_valid = [[]] * HEAD_HISTORY
     return all_valid + [[], some(2)] + all_valid + [some(0), some(9), list(range(1, T, 2)), []]
+
+
+def run_processes(target, world, rendezvous, *args, count=None):
+    """target(rank, world, rendezvous, *args, results) in `world` spawned processes: the `count`
+    items they put in results (default: one each); fails the test with the traceback a rank put as
+    ("error", rank, traceback), and kills a rank left waiting in a collective by its partner's end."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, rendezvous, *args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        out = []
+        for _ in range(world if count is None else count):
+            out.append(results.get(timeout=240))
+            if out[-1][0] == "error":
+                pytest.fail(f"rank {out[-1][1]} failed:\n{out[-1][2]}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs)
+    return out

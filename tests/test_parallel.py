@@ -5,14 +5,13 @@ the vocab-parallel phase kernels); on a machine with two GPUs, two processes tal
 through CuPy's bindings and through a torch.distributed process group.
 """
 
-import multiprocessing
 import threading
 
 import numpy as np
 import pytest
 
 import jsdgpu
-from conftest import BF16, DTYPES, assert_near_float64, make_case, rel_err, to_numpy, to_xp
+from conftest import BF16, DTYPES, assert_near_float64, make_case, rel_err, run_processes, to_numpy, to_xp
 from jsdgpu import parallel
 
 
@@ -212,7 +211,7 @@ def _two_gpus():
         return False
 
 
-def _worker(rank, how, rendezvous, seeds, results):
+def _worker(rank, world, rendezvous, how, seeds, results):
     """One rank: the one-GPU loss of each case on this GPU, and the sharded one; puts the
     relative differences (grad_input, grad_weight shard, grad_bias shard) in results, or the
     traceback of what failed."""
@@ -281,27 +280,6 @@ def _step(case, comm, how, **options):
     return as_np(loss), as_np(xs.grad), as_np(ws.grad), as_np(bs.grad if bs is not None else None)
 
 
-def _run_two(how, rendezvous, seeds):
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, how, rendezvous, seeds, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        out = []
-        for _ in range(2 * len(seeds)):
-            out.append(results.get(timeout=240))
-            if out[-1][0] == "error":
-                pytest.fail(f"rank {out[-1][1]} failed:\n{out[-1][2]}")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():  # its partner failed and left it waiting in a collective
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
-    return out
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
 @pytest.mark.parametrize("how", ["nccl", "torch"])
@@ -312,7 +290,7 @@ def test_two_gpus_equal_one(how, tmp_path, rng):
     else:
         rendezvous = f"file://{tmp_path / 'rendezvous'}"
     seeds = [(int(rng.integers(2**31)), dtype) for dtype in ("float32", "float32", "bfloat16")]
-    out = _run_two(how, rendezvous, seeds)
+    out = run_processes(_worker, 2, rendezvous, how, seeds, count=2 * len(seeds))
     assert len(out) == 2 * len(seeds)
     losses = {}
     for rank, seed, dtype, loss, single_loss, errors in out:

@@ -6,11 +6,11 @@ parallelism: both heads DTensors sharded over the vocabulary on a 1-D mesh passe
 vocab_parallel, the same hidden states on every rank; the loss and gradients equal one process's.
 A head sharded any other way raises, naming its placement."""
 
-import multiprocessing
 import traceback
 
 import numpy as np
 import pytest
+from conftest import run_processes
 
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():
@@ -66,6 +66,18 @@ def _grads(student):
     return {name: full(p.grad).detach().clone() for name, p in student.named_parameters()}
 
 
+def _report(results, rank, world, loss, whole_loss, student, whole, weight):
+    """Put (rank, the ranks' mean loss, the whole batch's, each gradient's relative error against
+    the whole batch's, what weight says of the head's weight, its gradient's type)."""
+    import torch.distributed as dist
+    mean_loss = loss.clone()
+    dist.all_reduce(mean_loss)
+    got, want = _grads(student), _grads(whole)
+    errors = {k: float((got[k] - want[k]).norm() / want[k].norm()) for k in want}
+    results.put((rank, float(mean_loss) / world, float(whole_loss), errors, weight,
+                 type(student.head.weight.grad).__name__))
+
+
 def _rank(rank, world, rendezvous, seed, loss_kind, bias, compiled, device, results):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -83,12 +95,7 @@ def _rank(rank, world, rendezvous, seed, loss_kind, bias, compiled, device, resu
         fully_shard(student, mesh=mesh)
         mine = tuple(a[rank * T_RANK:(rank + 1) * T_RANK] for a in batch)
         loss = _step(student, teacher_w, mine, loss_kind, compiled, **options)
-        mean_loss = loss.clone()
-        dist.all_reduce(mean_loss)
-        got, want = _grads(student), _grads(whole)
-        errors = {k: float((got[k] - want[k]).norm() / want[k].norm()) for k in want}
-        results.put((rank, float(mean_loss) / world, float(whole_loss), errors, type(student.head.weight).__name__,
-                     type(student.head.weight.grad).__name__))
+        _report(results, rank, world, loss, whole_loss, student, whole, type(student.head.weight).__name__)
     except BaseException:  # noqa: BLE001 - handed to the parent, which fails the test
         results.put(("error", rank, traceback.format_exc()))
     finally:
@@ -97,25 +104,7 @@ def _rank(rank, world, rendezvous, seed, loss_kind, bias, compiled, device, resu
 
 
 def _run(target, world, tmp_path, *args):
-    """target(rank, world, rendezvous, *args, results) in world processes: what each put in results."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=target, args=(r, world, rendezvous, *args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        out = []
-        for _ in range(world):
-            out.append(results.get(timeout=180))
-            if out[-1][0] == "error":
-                pytest.fail(f"rank {out[-1][1]} failed:\n{out[-1][2]}")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():  # its partner failed and left it waiting in a collective
-                p.kill()
-    return out
+    return run_processes(target, world, f"file://{tmp_path / 'rendezvous'}", *args)
 
 
 @pytest.mark.parametrize("loss_kind", ["online", "topk"])
@@ -266,12 +255,7 @@ def _fsdp_tp_rank(rank, world, rendezvous, seed, results):
         fully_shard(student, mesh=mesh["dp"])
         teacher = distribute_tensor(teacher_w, mesh["tp"], [Shard(0)])
         loss = step(student, slice(dp * T_RANK, (dp + 1) * T_RANK), teacher, vocab_parallel=mesh["tp"])
-        mean_loss = loss.clone()
-        dist.all_reduce(mean_loss)
-        got, want = _grads(student), _grads(whole)
-        errors = {k: float((got[k] - want[k]).norm() / want[k].norm()) for k in want}
-        results.put((rank, float(mean_loss) / world, float(whole_loss), errors, str(student.head.weight.placements),
-                     type(student.head.weight.grad).__name__))
+        _report(results, rank, world, loss, whole_loss, student, whole, str(student.head.weight.placements))
     except BaseException:  # noqa: BLE001 - handed to the parent, which fails the test
         results.put(("error", rank, traceback.format_exc()))
     finally:
