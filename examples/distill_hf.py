@@ -8,6 +8,7 @@ the full [tokens, vocabulary] logits are never made. Two ways to drive it:
 
     python examples/distill_hf.py                 # a plain training loop
     python examples/distill_hf.py --trainer       # transformers.Trainer, its compute_loss replaced
+    python examples/distill_hf.py --fsdp          # the loop, the student sharded by FSDP2 (this process's ranks)
 
 What a user changes in their own trainer: the loss of a step (distillation_loss below) in place
 of the model's own cross-entropy. Runs on the GPU where there is one (bf16 under autocast), else
@@ -51,6 +52,27 @@ def distillation_loss(loss_fn, student, teacher, input_ids, labels, attention_ma
         teacher_h = teacher.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     return loss_fn(student_h[:, :-1], student.lm_head.weight, teacher_h[:, :-1], teacher.lm_head.weight,
                    labels[:, 1:])
+
+
+def shard_student(student, device):
+    """The student under FSDP2 over a mesh of this process group's ranks (one, where there is no
+    group yet): each decoder layer, the body and the LM head sharded apart. The body and the head
+    are each FSDP2's root of their own, because the loss calls the body alone and reads the head's
+    weight without calling the head: that weight stays sharded, a DTensor, which the loss gathers
+    for its call (jsdgpu.torch_sharding)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="tcp://127.0.0.1:29531",
+                                rank=0, world_size=1)
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    for layer in student.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(student.model, mesh=mesh)
+    fully_shard(student.lm_head, mesh=mesh)
+    assert type(student.lm_head.weight).__name__ == "DTensor"  # what the loss then gathers
+    return student
 
 
 def train_loop(teacher, student, batches, lr=1e-3, device="cpu"):
@@ -105,6 +127,7 @@ def train_with_trainer(teacher, student, batches, output_dir, lr=1e-3):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trainer", action="store_true", help="drive it by transformers.Trainer")
+    p.add_argument("--fsdp", action="store_true", help="the plain loop, the student sharded by FSDP2")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
@@ -124,7 +147,10 @@ def main(argv=None):
     if a.trainer:
         losses = train_with_trainer(teacher, student, batches, a.output_dir)
     else:
-        losses = train_loop(teacher.to(device), student.to(device), batches, device=device)
+        student = student.to(device)
+        if a.fsdp:
+            student = shard_student(student, device)
+        losses = train_loop(teacher.to(device), student, batches, device=device)
     print(" ".join(f"{x:.4f}" for x in losses))
     return losses
 

@@ -2,7 +2,10 @@
 by the fused loss, in a plain loop and through transformers.Trainer, tiny configs on the CPU."""
 
 import importlib.util
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -28,6 +31,26 @@ def test_the_student_learns(tmp_path, driver):
     losses = _example().main(TINY + driver + ["--output-dir", str(tmp_path)])
     assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-2:]) < sum(losses[:2]) - 0.02, losses
+
+
+def _fsdp_losses():
+    """The --fsdp loop's losses, in a process of its own (its process group, one rank; the example
+    asserts that the student's head weight is a DTensor there)."""
+    code = ("import sys; sys.argv[1:] = {args!r}; import runpy; "
+            "ns = runpy.run_path({path!r}, run_name='distill'); "
+            "a = ns['main'](sys.argv[1:])").format(args=[*TINY, "--fsdp"],
+                                                   path=str(ROOT / "examples" / "distill_hf.py"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [float(x) for x in out.stdout.split()]
+
+
+def test_fsdp2_student_trains_as_the_plain_one():
+    """--fsdp: the student sharded by FSDP2 over one rank (its head's weight a DTensor, gathered by
+    the loss) takes the plain loop's steps."""
+    plain = _example().main(TINY)
+    assert _fsdp_losses() == pytest.approx(plain, abs=1e-4)  # (printed to four decimals)
 
 
 def test_the_loss_takes_what_the_lm_head_takes():
@@ -74,9 +97,11 @@ def test_the_readme_trainer(tmp_path):
 
 @pytest.mark.gpu
 def test_the_student_learns_on_the_gpu():
-    """The plain loop on the GPU (bf16 under autocast, fp32 master weights)."""
+    """The plain loop on the GPU (bf16 under autocast, fp32 master weights), and with the student
+    sharded by FSDP2 over one GPU."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU here")
     losses = _example().main(TINY)
     assert len(losses) == 8 and all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-2:]) < sum(losses[:2]) - 0.02, losses
+    assert _fsdp_losses() == pytest.approx(losses, abs=1e-2)  # FSDP2 over one GPU: bf16 products
