@@ -36,9 +36,12 @@ from .chunks import cut_chunks, plan_chunks
 class ChunkLoss:
     """What the engine asks of a loss, with the defaults of one that queues nothing ahead of its
     own. Set by the loss: backend; opts (LossOptions) and run_opts (RunOptions); capturable (as
-    resolved: api.runs_capturable); target (the call's labels, as given) and vocab (their range);
+    resolved: call.runs_capturable); target (the call's labels, as given) and vocab (their range);
     vs, hs and has_bias (the student head's); per_row ((logits, G held for all rows, G per chunk)
-    bytes a row); work (the buffers, from prepare).
+    bytes a row); work (the buffers, from prepare). Methods the loss supplies: prepare(most,
+    buffers), products(x, other, at=0, student=True), gradient_rows(g_rows, hold_g),
+    row_work(out, G, start, stop, x, other, target) and gradient_products(out, G, x, inv_n, start,
+    stop, made_ahead) (jsdgpu.online.OnlineLoss, jsdgpu.topk.TopKLoss).
 
     ahead: (rows, hold_g, outputs) where the loss queued the first chunk's row work before the
     host's wait (queue_first, before_wait): the engine keeps it where the call's rows and chunks
