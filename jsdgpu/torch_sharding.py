@@ -1,6 +1,7 @@
 """PyTorch's sharded heads for jsdgpu.torch: a head's weight or bias that FSDP2 shards (a DTensor,
 read outside the head's own forward) gathered for the loss's call, its gradient given back as
-FSDP2 reduces the gradients it manages (docs/design.md, "The front ends")."""
+FSDP2 reduces the gradients it manages; and heads that tensor parallelism shards over the
+vocabulary, taken as this rank's shards for vocab parallelism (docs/design.md, "The front ends")."""
 
 import torch
 
@@ -76,7 +77,8 @@ def plain_inputs(vocab_parallel=None, **tensors):
     sharded over the vocabulary's rows on that mesh (or on a 2-D mesh of data and tensor
     parallelism, _local_shard), each rank computing on its own shard with no gather over the
     vocabulary (jsdgpu.parallel, over the mesh's process group), the hidden states the same on
-    every rank of the tensor-parallel mesh. Hidden states, labels and a stored top-k that are DTensors are not taken."""
+    every rank of the tensor-parallel mesh. Hidden states, labels and a stored top-k that are
+    DTensors are not taken."""
     dtensor = _dtensor_type()
     for name in ("student_input", "teacher_input", "true_labels", "teacher_indices", "teacher_logprobs"):
         if dtensor is not None and isinstance(tensors.get(name), dtensor):
