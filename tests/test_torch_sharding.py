@@ -90,7 +90,9 @@ def _rank(rank, world, rendezvous, seed, loss_kind, bias, compiled, device, resu
         whole, teacher_w = (m.to(device) for m in _models(seed, bias))  # one process on the whole batch
         whole_loss = _step(whole, teacher_w, batch, loss_kind, **options)
         student = _models(seed, bias)[0].to(device)
-        mesh = init_device_mesh(device, (world,))
+        # world 4: HSDP, two replicas of a shard over two ranks (the head placed (Replicate, Shard(0)))
+        mesh = (init_device_mesh(device, (2, 2), mesh_dim_names=("replicate", "shard")) if world == 4
+                else init_device_mesh(device, (world,)))
         fully_shard(student.head, mesh=mesh)
         fully_shard(student, mesh=mesh)
         mine = tuple(a[rank * T_RANK:(rank + 1) * T_RANK] for a in batch)
@@ -108,7 +110,8 @@ def _run(target, world, tmp_path, *args):
 
 
 @pytest.mark.parametrize("loss_kind", ["online", "topk"])
-@pytest.mark.parametrize("world,bias,compiled", [(2, True, False), (3, False, False), (2, True, True)])
+@pytest.mark.parametrize("world,bias,compiled", [(2, True, False), (3, False, False), (2, True, True),
+                                                  (4, True, False)])
 def test_fsdp2_head_equals_one_process(tmp_path, rng, loss_kind, world, bias, compiled):
     seed = int(rng.integers(2**31))
     out = _run(_rank, world, tmp_path, seed, loss_kind, bias, compiled, "cpu")
