@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import api, topk
-from .options import LOSS_FIELDS, TOPK_FIELDS, LossOptions, RunOptions, TopKOptions
+from .options import LossOptions, RunOptions, TopKOptions, field_names
 
 _RUN_FIELDS = ("chunk_size", "num_valid_tokens")
 
@@ -79,7 +79,7 @@ def _options(options, with_grads, gpu, loss=LossOptions):
     """(loss's options: LossOptions or TopKOptions, RunOptions) of a callback's static options,
     made once per set (a call's host work before its first product runs with the GPU idle); on the
     GPU capturable: nothing waits on the host, nothing blocks XLA's stream."""
-    fields = TOPK_FIELDS if loss is TopKOptions else LOSS_FIELDS
+    fields = field_names(loss)
     loss_opts = loss(**{k: v for k, v in options if k in fields})
     run = {k: v for k, v in options if k in _RUN_FIELDS}
     return loss_opts, RunOptions(compute_grad=with_grads, capturable=gpu or None, **run)
@@ -138,7 +138,7 @@ def _call(forward, options, with_grads, arrays, student):
 
 
 def _check_options(options, loss=LossOptions):
-    fields = TOPK_FIELDS if loss is TopKOptions else LOSS_FIELDS
+    fields = field_names(loss)
     unknown = set(options) - set(fields) - set(_RUN_FIELDS)
     if unknown:
         raise TypeError(f"unknown options: {sorted(unknown)}")

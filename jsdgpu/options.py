@@ -167,9 +167,13 @@ def divisor(num_valid_tokens, n_valid):
     return float(max(1, n_valid)) if num_valid_tokens is None else float(num_valid_tokens)
 
 
-LOSS_FIELDS = tuple(f.name for f in dataclasses.fields(LossOptions))
-TOPK_FIELDS = tuple(f.name for f in dataclasses.fields(TopKOptions))
-RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunOptions))
+@functools.lru_cache(maxsize=None)
+def field_names(options_class):
+    """The option names of an options class (LossOptions, TopKOptions, RunOptions)."""
+    return tuple(f.name for f in dataclasses.fields(options_class))
+
+
+RUN_FIELDS = field_names(RunOptions)
 DEFAULTS = LossOptions()  # the defaults, for signatures that must spell them out (Liger's)
 
 
@@ -190,7 +194,7 @@ def _split_once(items, loss):
 
 
 def _split(options, loss):
-    fields = TOPK_FIELDS if loss is TopKOptions else LOSS_FIELDS
+    fields = field_names(loss)
     unknown = set(options) - set(fields) - set(RUN_FIELDS)
     if unknown:
         raise TypeError(f"unknown options: {', '.join(sorted(unknown))}")

@@ -95,11 +95,11 @@ def _reduced_loss(xp, opts, valid, n, ce, soft, d_hard, dz, token_weights=None, 
     if reduction == "none":
         go = xp.ones(T) if grad_output is None else xp.asarray(grad_output).astype(xp.float64)
         G = go[:, None] * G
-        G[~valid] = 0.0
-        return opts.weight_hard_loss * hard_rows + opts.weight_soft_loss * soft_rows, hard_rows, soft_rows, G
-    divisor = n if reduction == "mean" else 1.0
-    hard, soft = float(hard_rows.sum()) / divisor, float(soft_rows.sum()) / divisor
-    G = G * ((1.0 if grad_output is None else float(grad_output)) / divisor)
+        hard, soft = hard_rows, soft_rows
+    else:
+        divisor = n if reduction == "mean" else 1.0
+        hard, soft = float(hard_rows.sum()) / divisor, float(soft_rows.sum()) / divisor
+        G = G * ((1.0 if grad_output is None else float(grad_output)) / divisor)
     G[~valid] = 0.0
     return opts.weight_hard_loss * hard + opts.weight_soft_loss * soft, hard, soft, G
 

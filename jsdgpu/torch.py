@@ -36,8 +36,8 @@ except ImportError as e:
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import api, topk
-from .torch_sharding import plain_inputs
 from .options import DEFAULTS, LossOptions, RunOptions, TopKOptions
+from .torch_sharding import plain_inputs
 
 
 # ---- the bridge jsdgpu.forward / backward use for torch tensors ----

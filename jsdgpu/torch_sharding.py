@@ -32,13 +32,22 @@ def _gathered(name, t):
     dtensor = _dtensor_type()
     if t is None or dtensor is None or not isinstance(t, dtensor):
         return t
-    from torch.distributed.tensor import Partial, Replicate
     placements = tuple(t.placements)
     if not all(map(_over_rows, placements)):
         raise ValueError(f"{name} is a DTensor placed as {placements}: only Shard(0) (the vocabulary's rows, as "
                          "FSDP2 shards a head) and Replicate are gathered for the loss")
-    n = t.device_mesh.ndim
-    return t.redistribute(t.device_mesh, [Replicate()] * n).to_local(grad_placements=[Partial("avg")] * n)
+    return _local(t)
+
+
+def _local(t, tp_dim=None):
+    """This rank's plain tensor of the DTensor t: every mesh dimension but tp_dim gathered, its
+    gradient averaged over that dimension and scattered back to t's placement (as FSDP2 reduces
+    the gradients it manages: the local gradient taken as Partial("avg")); on tp_dim, t's rows
+    stay sharded (Shard(0)), this rank's rows' gradient its own."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    dims = range(t.device_mesh.ndim)
+    return t.redistribute(t.device_mesh, [Shard(0) if d == tp_dim else Replicate() for d in dims]).to_local(
+        grad_placements=[Shard(0) if d == tp_dim else Partial("avg") for d in dims])
 
 
 def _local_shard(name, t, mesh):
@@ -47,7 +56,7 @@ def _local_shard(name, t, mesh):
     data parallelism beside it, its dimensions Shard(0) or Replicate). Those other dimensions are
     gathered, their gradient averaged and scattered back as FSDP2 does (_gathered); the
     tensor-parallel rows stay this rank's."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor import Shard
     dtensor = _dtensor_type()
     tp_dim = None
     if isinstance(t, dtensor):
@@ -63,10 +72,7 @@ def _local_shard(name, t, mesh):
         raise ValueError(f"{name} is {where}: with vocab_parallel a DeviceMesh, each head's weight and bias must be "
                          f"a DTensor sharded over the vocabulary's rows, Shard(dim=0), on that mesh ({mesh}) or on "
                          "a mesh with it as a named dimension")
-    n = t.device_mesh.ndim
-    keep = [Shard(0) if d == tp_dim else Replicate() for d in range(n)]
-    return t.redistribute(t.device_mesh, keep).to_local(
-        grad_placements=[Shard(0) if d == tp_dim else Partial("avg") for d in range(n)])
+    return _local(t, tp_dim)
 
 
 def plain_inputs(vocab_parallel=None, **tensors):
