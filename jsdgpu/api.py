@@ -8,32 +8,35 @@ backward (jsdgpu.call) turns the gradient sums it left into the gradients.
 
 from . import checks, parallel
 from .ahead import FirstProduct
-from .call import Context, backend_for, backward, bridged, runs_capturable, weighted_loss
+from .call import Context, backend_for, backward, bridged, float32_weights, runs_capturable, weighted_loss
 from .engine import run
 from .online import OnlineLoss
 from .options import LossOptions, RunOptions, split_options
 
 
 def forward(student_input, student_weight, teacher_input, teacher_weight, target,
-            student_bias=None, teacher_bias=None, **options):
+            student_bias=None, teacher_bias=None, *, token_weights=None, **options):
     """Return (loss, ctx): loss is a 0-d float32 array of the inputs' kind; ctx.hard_loss and
     ctx.soft_loss are the unweighted, normalized parts.
 
+    token_weights: None, or [T] floats, finite and >= 0: each row's hard and soft parts times its
+    weight (N unchanged: a weighted mean takes num_valid_tokens = the weights' sum).
     options: the fields of jsdgpu.LossOptions (weight_hard_loss, weight_soft_loss, beta,
     temperature, ignore_index) and of jsdgpu.RunOptions (chunk_size, memory_budget, compute_grad,
-    grad_weight_float32, num_valid_tokens, vocab_parallel), with their defaults and meanings.
+    grad_weight_float32, num_valid_tokens, reduction, vocab_parallel), with their defaults and
+    meanings.
     """
     loss_opts, run_opts = split_options(options)
     return forward_with(student_input, student_weight, teacher_input, teacher_weight, target,
-                        student_bias, teacher_bias, loss_opts, run_opts)
+                        student_bias, teacher_bias, loss_opts, run_opts, token_weights)
 
 
 def forward_with(student_input, student_weight, teacher_input, teacher_weight, target,
-                 student_bias, teacher_bias, loss_opts, run_opts):
+                 student_bias, teacher_bias, loss_opts, run_opts, token_weights=None):
     """forward with its options as a LossOptions and a RunOptions."""
     arrays = dict(student_input=student_input, student_weight=student_weight,
                   teacher_input=teacher_input, teacher_weight=teacher_weight, target=target,
-                  student_bias=student_bias, teacher_bias=teacher_bias)
+                  student_bias=student_bias, teacher_bias=teacher_bias, token_weights=token_weights)
     return bridged(arrays, lambda native: _forward(native, loss_opts, run_opts))
 
 
@@ -57,6 +60,7 @@ def _forward(arrays, opts, run_opts):
         # the shard sizes cross the ranks first: the targets index the whole vocabulary
         shard = None if comm is None else parallel.shard_layout(comm, xp, ws.shape[0], wt.shape[0])
         loss_rows = OnlineLoss(backend, ws, wt, bs, bt, arrays["target"], opts, run_opts, capturable, shard)
+        loss_rows.token_weights = float32_weights(xp, arrays["token_weights"])
         hard, soft, grads, rows = run(loss_rows, xs, xt, first)
         loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend,
@@ -73,9 +77,9 @@ class JSDDistillLoss:
         self.loss_options, self.run_options = split_options(options)
 
     def __call__(self, student_input, student_weight, teacher_input, teacher_weight, target,
-                 student_bias=None, teacher_bias=None):
+                 student_bias=None, teacher_bias=None, *, token_weights=None):
         return forward_with(student_input, student_weight, teacher_input, teacher_weight, target,
-                            student_bias, teacher_bias, self.loss_options, self.run_options)
+                            student_bias, teacher_bias, self.loss_options, self.run_options, token_weights)
 
     backward = staticmethod(backward)
 

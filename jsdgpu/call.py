@@ -97,6 +97,12 @@ def runs_capturable(run_opts, kind):
     return capturing if run_opts.capturable is None else run_opts.capturable
 
 
+def float32_weights(xp, token_weights):
+    """A call's token weights (checked: checks._check_token_weights) as the engine takes them:
+    float32, contiguous; None stays None."""
+    return None if token_weights is None else xp.ascontiguousarray(token_weights, dtype=np.float32)
+
+
 def weighted_loss(xp, opts, hard, soft):
     """weight_hard_loss * hard + weight_soft_loss * soft, formed in float64, as a 0-d float32 array."""
     loss = opts.weight_hard_loss * hard.astype(np.float64) + opts.weight_soft_loss * soft.astype(np.float64)

@@ -8,7 +8,8 @@ import numpy as np
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 ARRAY_NAMES = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target",
-               "student_bias", "teacher_bias")
+               "student_bias", "teacher_bias", "token_weights")
+WEIGHT_DTYPES = SUPPORTED_DTYPES + (np.dtype(np.float64),)  # token_weights' (taken as float32)
 
 
 def array_kind(a):
@@ -91,7 +92,20 @@ def check_arrays(arrays):
     _check_same_dtype(arrays, "teacher")
     if target.dtype.kind not in "iu":
         raise TypeError(f"target must have an integer dtype, got {target.dtype}")
+    _check_token_weights(arrays)
     return kind
+
+
+def _check_token_weights(arrays):
+    """token_weights, where given: [T] of a float dtype (its values: engine.row_weights)."""
+    w = arrays.get("token_weights")
+    if w is None:
+        return
+    if w.ndim != 1 or w.shape[0] != arrays["target"].shape[0]:
+        raise ValueError(f"token_weights must have shape ({arrays['target'].shape[0]},) (target's), "
+                         f"got {tuple(w.shape)}")
+    if w.dtype not in WEIGHT_DTYPES:
+        raise TypeError(f"token_weights must have a float dtype, got {w.dtype}")
 
 
 def _kind(arrays):
@@ -181,6 +195,7 @@ def check_topk_arrays(arrays):
     for name in ("teacher_indices", "target"):
         if arrays[name].dtype.kind not in "iu":
             raise TypeError(f"{name} must have an integer dtype, got {arrays[name].dtype}")
+    _check_token_weights(arrays)
     return kind
 
 

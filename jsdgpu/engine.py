@@ -19,7 +19,10 @@ label terms the row kernel kept out of G (where the one-hot dominates a 16-bit G
 added exactly.
 
 G is written without the 1/N of the mean: it stays O(1), which keeps float16 G clear of
-underflow, and 1/N goes into the matrix products' alpha.
+underflow, and 1/N goes into the matrix products' alpha. Nor does it hold the rows' token weights:
+those scale the rows of the products' small operands (grad_input's rows, Xs's rows in
+grad_weight's product, grad_bias's ones), as a G stored with row scales does (Gradients.g_scale),
+and the rows' values before their sums.
 
 A loss is a ChunkLoss: its buffers, a chunk's products, a chunk's row work and gradient products,
 and what it queues ahead of the host's wait of its own. The engine plans the chunks
@@ -47,6 +50,7 @@ class ChunkLoss:
     host's wait (queue_first, before_wait): the engine keeps it where the call's rows and chunks
     are the ones guessed, else computes that chunk again."""
     most_rows = None        # a chunk's most rows (None: as the budget allows)
+    token_weights = None    # the call's rows' weights, float32 [rows] (None: ones)
     takes_first_product = True  # whether its student logits may be queued ahead (ahead.FirstProduct)
     scales_g = False        # whether its G is stored with row scales (Gradients.g_scale)
     ahead = None
@@ -63,7 +67,7 @@ class ChunkLoss:
         one the Rows of its mark_rows (every row computed, the ignored ones masked)."""
         backend, ignore_index = self.backend, self.opts.ignore_index
         if self.capturable:
-            return backend.mark_rows(self.target, self.vocab, ignore_index, self.run_opts.num_valid_tokens)
+            return backend.mark_rows(self.target, self.vocab, ignore_index, self.run_opts.given_divisor)
         return backend.select_rows(self.target, self.vocab, ignore_index, after)
 
     def queue_first(self, xs, other, most):
@@ -129,6 +133,7 @@ def run(loss, xs, other, first=None):
     other = loss.selected(rows, other)
     if rows.valid_rows is not None:
         xs, other = loss.take_rows(rows.valid_rows, xs, other)
+    weights = row_weights(backend.xp, loss.token_weights, rows)
     inv_n, n_rows = rows.inv_n, xs.shape[0]
     chunk, hold_g = cut_chunks(loss.products, xs, other, head, most, loss.per_row, loss.run_opts.budget(backend))
     ahead = loss.ahead
@@ -136,6 +141,8 @@ def run(loss, xs, other, first=None):
         ahead = None  # the guess was wrong: the rows or their chunks are others
     out = loss.outputs(n_rows, chunk, hold_g) if ahead is None else ahead[2]
     G_all, ce, soft, grads, label_terms = out
+    if weights is not None and grads is not None and not loss.scales_g:
+        grads.g_scale = weights  # the rows' scales of the gradient products
     target = loss.local_target(rows.target)
     for start in range(0, n_rows, chunk or 1):
         stop = min(start + chunk, n_rows)
@@ -148,12 +155,35 @@ def run(loss, xs, other, first=None):
             loss.row_work(out, G, start, stop, x, x_other, x_target)
             if rows.masked and G is not None:
                 backend.zero_masked_rows(G, x_target)
+        if weights is not None and grads is not None and loss.scales_g:  # G's own row scales, and the weights
+            grads.g_scale[start:stop] *= weights[start:stop]
         if grads is not None:
             loss.gradient_products(out, G, x, inv_n, start, stop, made_ahead)
+    if weights is not None:
+        ce, soft = ce * weights, soft * weights
+        if label_terms is not None:
+            label_terms *= weights
     finish_gradients(backend, loss.work, grads, G_all, hold_g, label_terms, target, xs, inv_n)
     loss.finished(grads)
     hard, soft = row_means(backend.xp, ce, soft, inv_n, target if rows.masked else None)
     return hard, soft, grads, rows
+
+
+def row_weights(xp, token_weights, rows):
+    """The computed rows' token weights (float32), or None for ones. A weight not finite or below
+    0 raises ValueError in a default call; in a capturable one (no host wait) it makes 1/N, and so
+    the loss and gradients, NaN."""
+    if token_weights is None:
+        return None
+    good = xp.isfinite(token_weights) & (token_weights >= 0)
+    if rows.masked:
+        rows.inv_n = xp.where(good.all(), rows.inv_n, np.nan).astype(np.float32)
+        return token_weights
+    if not bool(good.all()):  # (a wait for the GPU, after the selection's: only with token weights)
+        bad = int(xp.argmin(good))
+        raise ValueError(f"token_weights must be finite and >= 0, got token_weights[{bad}] = "
+                         f"{float(token_weights[bad])}")
+    return token_weights if rows.valid_rows is None else token_weights[rows.valid_rows]
 
 
 def row_outputs(xp, n_rows, hs, vs, hold_g, has_bias, compute_grad):

@@ -94,6 +94,7 @@ class LossOptions:
 
 
 MISSING_MASS = ("bucket", "renormalize")
+REDUCTIONS = ("mean", "sum")  # "none" (the rows' own losses, issue 51) is not built yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +121,8 @@ class RunOptions:
     (and grad_bias) in float32, as accumulated, instead of the student's dtype.
     num_valid_tokens: the N that the summed row losses are divided by, in place of this call's
     count of valid rows (give every part of a batch the whole batch's count, and the parts add
-    up to the whole). vocab_parallel: a communicator over ranks that each hold a shard of the
+    up to the whole). reduction: "mean" (the summed row losses over N) or "sum" (not divided:
+    N = 1, with no num_valid_tokens). vocab_parallel: a communicator over ranks that each hold a shard of the
     vocabulary (jsdgpu.parallel). capturable: no host synchronization anywhere in forward and
     backward, so that a CUDA graph can capture them (every row computed, the ignored ones masked;
     a bad target gives a NaN loss and ctx.bad_target_row, not ValueError); None: while the
@@ -133,6 +135,7 @@ class RunOptions:
     num_valid_tokens: float = None
     vocab_parallel: object = None
     capturable: bool = None
+    reduction: str = "mean"
 
     def __post_init__(self):
         object.__setattr__(self, "chunk_size", _positive_integer_or_none("chunk_size", self.chunk_size))
@@ -146,10 +149,23 @@ class RunOptions:
         object.__setattr__(self, "compute_grad", _flag("compute_grad", self.compute_grad))
         object.__setattr__(self, "grad_weight_float32", _flag("grad_weight_float32", self.grad_weight_float32))
         object.__setattr__(self, "capturable", _flag("capturable", self.capturable, none_allowed=True))
+        if self.reduction == "none":
+            raise NotImplementedError("reduction='none' (the rows' own losses) is not built yet: use 'mean' or "
+                                      "'sum' (docs/contract.md, \"Options\")")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {self.reduction!r}")
+        if self.reduction == "sum" and self.num_valid_tokens is not None:
+            raise ValueError("num_valid_tokens divides a mean: it has no meaning with reduction='sum'")
+
+    @property
+    def given_divisor(self):
+        """N where the call does not count it: num_valid_tokens, 1 for a sum; None (the valid rows'
+        count)."""
+        return 1.0 if self.reduction == "sum" else self.num_valid_tokens
 
     def normalizer(self, n_valid):
         """N, the divisor of the summed row losses (divisor)."""
-        return divisor(self.num_valid_tokens, n_valid)
+        return divisor(self.given_divisor, n_valid)
 
     def budget(self, backend):
         """The bytes of per-chunk buffers: memory_budget, or the backend's default."""

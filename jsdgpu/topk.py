@@ -12,32 +12,34 @@ import numpy as np
 
 from . import checks
 from .ahead import FirstProduct, expects_all_valid
-from .call import Context, backend_for, backward, bridged, runs_capturable, weighted_loss
+from .call import Context, backend_for, backward, bridged, float32_weights, runs_capturable, weighted_loss
 from .engine import ChunkLoss, chunk_g, run
 from .options import TopKOptions, backend_budget, split_options
 
 
 def forward_topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias=None,
-                 *, missing_mass="bucket", **options):
+                 *, missing_mass="bucket", token_weights=None, **options):
     """Return (loss, ctx) of the student against the teacher's top-k: teacher_indices [T, k]
     (integer ids in [0, Vs), distinct within a row), teacher_logprobs [T, k] (float32, bf16 or
     fp16: the teacher's log-probabilities of those ids, used as given; -inf marks an unused slot).
     missing_mass: "bucket" (the teacher's and the student's mass outside the k ids as one more
-    category) or "renormalize" (both renormalized over the k ids). options: as forward's, but
+    category) or "renormalize" (both renormalized over the k ids). token_weights: as forward's.
+    options: as forward's, but
     vocab_parallel, which the top-k loss does not take. In a capturable call a bad row of the
     top-k, like a bad target, cannot raise: the loss and gradients are NaN, and ctx.bad_topk_row
     (a 0-d int32 device array) is the first such row, T where there is none (None in a default
     call). jsdgpu.backward(ctx) gives the student's gradients."""
     loss_opts, run_opts = split_options(dict(options, missing_mass=missing_mass), TopKOptions)
     return forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target,
-                             student_bias, loss_opts, run_opts)
+                             student_bias, loss_opts, run_opts, token_weights)
 
 
 def forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias,
-                      loss_opts, run_opts):
+                      loss_opts, run_opts, token_weights=None):
     """forward_topk with its options as a TopKOptions and a RunOptions."""
     arrays = dict(student_input=student_input, student_weight=student_weight, teacher_indices=teacher_indices,
-                  teacher_logprobs=teacher_logprobs, target=target, student_bias=student_bias)
+                  teacher_logprobs=teacher_logprobs, target=target, student_bias=student_bias,
+                  token_weights=token_weights)
     return bridged(arrays, lambda native: _forward_topk(native, loss_opts, run_opts))
 
 
@@ -57,6 +59,7 @@ def _forward_topk(arrays, opts, run_opts):
         xs = xp.ascontiguousarray(xs)
         ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) below
         loss_rows = TopKLoss(backend, xs, arrays, opts, run_opts, capturable)
+        loss_rows.token_weights = float32_weights(xp, arrays["token_weights"])
         hard, soft, grads, rows = run(loss_rows, xs, ids, first)
         loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend, run_opts.grad_weight_float32,
@@ -187,9 +190,9 @@ class TopKDistillLoss:
         self.loss_options, self.run_options = split_options(dict(options, missing_mass=missing_mass), TopKOptions)
 
     def __call__(self, student_input, student_weight, teacher_indices, teacher_logprobs, target,
-                 student_bias=None):
+                 student_bias=None, *, token_weights=None):
         return forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target,
-                                 student_bias, self.loss_options, self.run_options)
+                                 student_bias, self.loss_options, self.run_options, token_weights)
 
     backward = staticmethod(backward)
 

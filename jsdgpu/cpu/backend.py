@@ -271,12 +271,14 @@ class CpuBackend:
         grad_input = grads.grad_input[start:stop]
         if not input_made:
             np.matmul(G, work.ws, out=grad_input)
-        grad_input *= inv_n
+        # G's row scales (the token weights) go with the rows of grad_input and of Xs
+        rows = inv_n if grads.g_scale is None else grads.g_scale[start:stop, None] * inv_n
+        grad_input *= rows
         if grads.grad_weight is not None:  # else weight_product makes it
             # 1/N on the chunk's inputs, which are small ([rows, H]): the first chunk writes, the
             # others add their product, PART_ROWS rows of the vocabulary at a time (a [V, H]
             # product would hold the sum's memory twice)
-            xs_n = xs.astype(np.float32) * inv_n
+            xs_n = xs.astype(np.float32) * rows
             if start == 0:
                 np.matmul(G.T, xs_n, out=grads.grad_weight)
             else:
@@ -287,10 +289,11 @@ class CpuBackend:
                     np.matmul(G[:, v0:v0 + len(part)].T, xs_n, out=part)
                     grads.grad_weight[v0:v0 + len(part)] += part
         if grads.grad_bias is not None:
+            part = G.sum(axis=0) if grads.g_scale is None else grads.g_scale[start:stop] @ G
             if start == 0:
-                np.multiply(G.sum(axis=0), inv_n, out=grads.grad_bias)
+                np.multiply(part, inv_n, out=grads.grad_bias)
             else:
-                grads.grad_bias += G.sum(axis=0) * inv_n
+                grads.grad_bias += part * inv_n
 
     @staticmethod
     def input_product(work, G, out):
@@ -309,14 +312,15 @@ class CpuBackend:
 
     @staticmethod
     def hold_g(work, G, xs, inv_n, label_terms, target, g_scale=None):
-        return HeldG(G, work.ws.shape[0], xs, inv_n, label_terms, target)
+        return HeldG(G, work.ws.shape[0], xs, inv_n, label_terms, target, g_scale)
 
     @staticmethod
     def weight_product(held, scale, dtype, out=None):
         """grad_weight = inv_n scale (G.T @ Xs + the label terms) in dtype, from G over all rows
         (scale None for 1): summed in float32, rounded once."""
         xs = held.xs
-        product = held.G.T @ xs.astype(np.float32)
+        xs_g = xs.astype(np.float32) if held.g_scale is None else xs.astype(np.float32) * held.g_scale[:, None]
+        product = held.G.T @ xs_g
         _add_label_rows(product, *_owned_label_terms(held.label_terms, held.target, np.float32(1.0)), xs)
         product *= np.float32(held.inv_n) if scale is None else np.float32(held.inv_n) * scale
         if out is None:

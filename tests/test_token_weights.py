@@ -1,0 +1,148 @@
+"""Per-token weights (token_weights) and the "sum" reduction (docs/contract.md, "Token weights and
+reductions"), for the online loss and the top-k loss, on both backends, against the float64
+reference: weights zero, large and mixed, ignored rows, G held for all rows or per chunk, chunks
+that end inside a call, the capturable mode, and the bad inputs."""
+
+import numpy as np
+import pytest
+
+import jsdgpu
+from conftest import BF16, DTYPES, make_case, rel_err, to_numpy, to_xp
+from test_api import check_against_reference
+from test_topk import make_topk_case
+
+WEIGHTS = ("mixed", "zeros", "large")
+
+
+def token_weights(rng, T, kind):
+    """[T] float32 weights: uniform in [0, 3) with some exact zeros (mixed), all zero but one
+    (zeros), or up to 1e4 (large)."""
+    w = rng.uniform(0.0, 3.0, T)
+    if kind == "zeros":
+        w = np.zeros(T)
+        w[rng.integers(T)] = 1.5
+    elif kind == "large":
+        w = 10.0 ** rng.uniform(0, 4, T)
+    w[rng.random(T) < 0.2] = 0.0
+    return w.astype(np.float32)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk_size,memory_budget", [(None, None), (5, None), (4, 1)])  # G held; per chunk
+def test_online_against_float64(xp, rng, weights, reduction, chunk_size, memory_budget):
+    T = int(rng.integers(1, 30))
+    case = make_case(rng, T=T, vs=int(rng.integers(200, 1100)), vt=1103, bias=bool(rng.integers(2)), ignored=0.3)
+    case["token_weights"] = token_weights(rng, T, weights)
+    check_against_reference(case, xp, np.dtype(np.float32), chunk_size=chunk_size, memory_budget=memory_budget,
+                            grad_output=0.7, reduction=reduction, beta=float(rng.choice([0.0, 0.4, 1.0])),
+                            temperature=float(rng.choice([0.5, 1.0, 3.0])))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("memory_budget", [None, 1])
+def test_online_16bit_gpu(rng, dtype, reduction, memory_budget):
+    import cupy
+    T = int(rng.integers(20, 300))
+    case = make_case(rng, T=T, vs=1031, vt=1040, dtype=DTYPES[dtype], bias=True, ignored=0.3)
+    case["token_weights"] = token_weights(rng, T, "mixed")
+    check_against_reference(case, cupy, DTYPES[dtype], memory_budget=memory_budget, reduction=reduction)
+
+
+def check_topk(xp, case, dtype, chunk_size=None, memory_budget=None, **options):
+    loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp), chunk_size=chunk_size, memory_budget=memory_budget,
+                                    **options)
+    grads = jsdgpu.backward(ctx, 0.7)
+    ref = jsdgpu.reference_topk(**case, grad_output=0.7, **options)
+    for got, want in ((loss, ref[0]), (ctx.hard_loss, ref[1]), (ctx.soft_loss, ref[2])):
+        assert abs(float(got) - want) <= 2e-5 * max(1.0, abs(want)), (float(got), want)
+    eps = 1e-4 if dtype == np.float32 else 2 * 2.0**-8
+    for got, want in zip(grads, ref[3:]):
+        if want is not None:
+            assert np.isfinite(to_numpy(got).astype(np.float64)).all()
+            assert rel_err(got, want) <= eps, rel_err(got, want)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("missing_mass", ["bucket", "renormalize"])
+@pytest.mark.parametrize("chunk_size,memory_budget", [(None, None), (4, 1)])
+def test_topk_against_float64(xp, rng, weights, reduction, missing_mass, chunk_size, memory_budget):
+    T = int(rng.integers(1, 30))
+    case = make_topk_case(rng, T=T, vs=int(rng.integers(100, 600)), k=int(rng.integers(1, 40)))
+    case["token_weights"] = token_weights(rng, T, weights)
+    check_topk(xp, case, np.float32, missing_mass=missing_mass, reduction=reduction, chunk_size=chunk_size,
+               memory_budget=memory_budget, temperature=float(rng.choice([1.0, 2.0])))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_topk_bf16_queued_ahead(rng, monkeypatch, own, temperature):
+    """bf16: G stored with row scales (at temperature 1), the logits product of our own, and the
+    first chunk's row work queued before the wait (the second and third calls, like the first):
+    the weights times G's own row scales."""
+    import cupy
+
+    from jsdgpu.cuda import backend
+    monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", own)
+    T = 300
+    case = make_topk_case(rng, T=T, vs=5003, hs=256, k=40, dtype=BF16, ignored=0.0)
+    for _ in range(3):
+        case["token_weights"] = token_weights(rng, T, "mixed")
+        check_topk(cupy, case, BF16, temperature=temperature, reduction="sum")
+
+
+@pytest.mark.parametrize("loss", ["online", "topk"])
+def test_capturable_weights_and_a_bad_weight(xp, rng, loss):
+    """The capturable mode gives the default mode's results; a bad weight there (no host wait:
+    nothing can raise) makes the loss NaN."""
+    T = 9
+    if loss == "online":
+        case, call = make_case(rng, T=T, bias=True, ignored=0.3), jsdgpu.forward
+    else:
+        case, call = make_topk_case(rng, T=T), jsdgpu.forward_topk
+    case["token_weights"] = token_weights(rng, T, "mixed")
+    default, _ = call(**to_xp(case, xp))
+    captured, ctx = call(**to_xp(case, xp), capturable=True)
+    np.testing.assert_allclose(float(captured), float(default), rtol=1e-6)
+    case["token_weights"][4] = np.nan
+    bad, _ = call(**to_xp(case, xp), capturable=True)
+    assert np.isnan(float(bad))
+
+
+@pytest.mark.parametrize("bad,error", [("nan", ValueError), ("negative", ValueError), ("inf", ValueError),
+                                       ("shape", ValueError), ("rank", ValueError), ("int", TypeError)])
+@pytest.mark.parametrize("loss", ["online", "topk"])
+def test_bad_weights_raise(xp, rng, bad, error, loss):
+    T = 7
+    case = make_case(rng, T=T) if loss == "online" else make_topk_case(rng, T=T)
+    w = np.ones(T, np.float32)
+    w = {"nan": np.where(np.arange(T) == 3, np.nan, w), "negative": -w, "inf": w * np.inf,
+         "shape": w[:5], "rank": w[:, None], "int": w.astype(np.int32)}[bad]
+    call = jsdgpu.forward if loss == "online" else jsdgpu.forward_topk
+    with pytest.raises(error, match="token_weights"):
+        call(**to_xp(case, xp), token_weights=xp.asarray(w))
+
+
+def test_reductions_checked(rng):
+    case = make_case(rng, T=3)
+    with pytest.raises(NotImplementedError, match="none"):
+        jsdgpu.forward(**case, reduction="none")
+    with pytest.raises(ValueError, match="reduction"):
+        jsdgpu.forward(**case, reduction="average")
+    with pytest.raises(ValueError, match="num_valid_tokens"):
+        jsdgpu.forward(**case, reduction="sum", num_valid_tokens=4)
+
+
+def test_a_weighted_mean_by_num_valid_tokens(xp, rng):
+    """The weighted mean of the rows' losses: num_valid_tokens = the weights' sum."""
+    T = 11
+    case = make_case(rng, T=T, ignored=0.3)
+    w = token_weights(rng, T, "mixed")
+    total, _ = jsdgpu.forward(**to_xp(case, xp), token_weights=xp.asarray(w), reduction="sum")
+    valid_sum = float(w[case["target"] != -100].sum())
+    mean, _ = jsdgpu.forward(**to_xp(case, xp), token_weights=xp.asarray(w), num_valid_tokens=valid_sum)
+    np.testing.assert_allclose(float(mean), float(total) / valid_sum, rtol=1e-6)
