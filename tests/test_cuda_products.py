@@ -15,6 +15,7 @@ def fresh_tuning(monkeypatch):
     """products with tuning on or off (the test's choice) and nothing tuned yet."""
     from jsdgpu.cuda import products
     monkeypatch.setattr(products, "_tuned", {})
+    monkeypatch.setattr(products, "_references", {})
     products._product.cache_clear()
 
     def with_tuning(on):
@@ -45,6 +46,37 @@ def test_logits_against_float64(rng, fresh_tuning, dtype, tuning, workspace_mib)
         want = x.astype(np.float64) @ w.astype(np.float64).T
         assert rel_err(out[:, :v], want) <= 1e-5, (c, rel_err(out[:, :v], want))
     assert len(lt._tuned) == 3  # the classes, timed or (untuned) at their first candidate
+
+
+@pytest.mark.parametrize("tuning", [True, False])
+def test_a_rows_logits_are_the_same_bits_whatever_rows_they_are_computed_with(rng, fresh_tuning, tuning):
+    """products.logits chooses, in each class, among the algorithms that give the bits of one
+    reference algorithm (at these shapes, cuBLASLt's candidates give up to three different bits:
+    experiments/logits_bits.py): a row's logits are the same bits in a rest of 44 rows after a
+    head of 256 (ahead.queue_head's split of a first chunk), alone, or in one product of 300 or
+    1000 rows, whichever the process met first; untuned, every class takes the reference."""
+    import cupy
+
+    from jsdgpu.cuda.backend import leading_dim
+    lt = fresh_tuning(tuning)
+    bf16 = DTYPES["bfloat16"]
+    h, v = int(rng.integers(16, 300)), int(rng.integers(900, 1100))
+    w = cupy.asarray((rng.standard_normal((v, h)) / np.sqrt(h)).astype(bf16))
+    x = cupy.asarray(rng.standard_normal((1000, h)).astype(bf16))
+    results = []
+    for products in ([(256, 300), (0, 256)], [(299, 300)], [(0, 300)], [(0, 1000)]):  # 44 rows first
+        out = cupy.full((1000, leading_dim(v)), np.nan, np.float32)
+        for start, stop in products:
+            lt.logits(x[start:stop], w, out[start:stop])
+        results.append(out[:, :v].get())
+    whole = results[-1]
+    want = x.get().astype(np.float64) @ w.get().astype(np.float64).T
+    assert rel_err(whole, want) <= 1e-5
+    for products, out in zip(([(0, 300)], [(299, 300)], [(0, 300)]), results):
+        rows = slice(products[0][0], 300)
+        assert np.array_equal(out[rows], whole[rows]), products
+    if not tuning:
+        assert len({bytes(algo) for algo in lt._tuned.values()}) == 1
 
 
 @pytest.mark.parametrize("device_alpha", [False, True])

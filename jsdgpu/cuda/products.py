@@ -16,6 +16,17 @@ heuristic's first candidate becomes its class's choice. A class's choice never c
 gives the same bits every time it runs in the process (chosen later by a timed product, an
 algorithm other than the one an earlier call took would change them in the last bits).
 
+The logits products (logits) take more: a row's logits the same bits whatever rows they are
+computed with. A call's first chunk is computed as a head and the rest (jsdgpu.ahead), whose
+sizes follow the calls before; a head of 256 rows and a rest of 44 fall in other classes than one
+product of 300 rows, and two calls on the same inputs gave gradients that differed in the last
+bits where those classes' algorithms differed. An algorithm gives a row the same bits at every
+row count, and at the benchmark's shapes all of cuBLASLt's candidates give the same bits; where
+the sum over k is split, or cut in other steps, they differ (experiments/logits_bits.py). So a
+logits class chooses among the candidates whose results on its first product are the bits of
+one reference algorithm, the same for every row count of a head (the heuristic's first for
+TUNE_ROWS rows); untimed, it takes the reference itself.
+
 JSDGPU_GEMM_TUNING=0 in the environment keeps the heuristic's first candidate: no timing, and the
 same algorithm (and bits) in every process. With tuning, two processes may pick different
 algorithms, whose float32 results differ in the last bits.
@@ -56,6 +67,7 @@ N, T = 0, 1  # cublasOperation_t: as stored, transposed
 _CANDIDATES = 8  # heuristic results asked for (8 came back for the benchmark's shapes)
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's recommended workspace on Hopper
 _ROUNDS = 5  # of timing, each timing every candidate once
+TUNE_ROWS = 1024  # the row count whose heuristic's first algorithm is a logits class's reference
 
 
 class _Algo(ctypes.Structure):
@@ -203,6 +215,7 @@ def _fastest(runs):
 # the GPU idles
 _product = functools.lru_cache(maxsize=4096)(_Product)
 _tuned = {}  # shape class -> its algorithm (None where there is no candidate)
+_references = {}  # a logits product's shape without its rows -> the algorithm its classes' bits follow
 
 
 def _bucket(n):
@@ -242,14 +255,19 @@ def observing(callback, queued=None):
         _observed.observers = before
 
 
-def _choose(product, key, run, timed):
+def _choose(product, key, run, timed, reference=None, output=None):
     """(algorithm, workspace bytes) for the product's shape (algorithm None: no cuBLASLt
     candidate), kept for the shape: its class's choice, made by the class's first product, the
-    fastest candidate where it is timed (run(algo) runs the product by it), else the first."""
+    fastest candidate where it is timed (run(algo) runs the product by it), else the first.
+    reference: where given (and able to run the shape), the candidates are those whose output
+    (the product's, a view of its d) is the reference's bits, and untimed the reference itself."""
     if key not in _tuned:
         candidates = product.candidates()
-        _tuned[key] = None if not candidates else candidates[_fastest([functools.partial(run, c) for c in candidates])
-                                                             if TUNING and timed else 0]
+        tune = TUNING and timed
+        if reference is not None and product.workspace_of(reference) is not None:
+            candidates = _same_bits(run, reference, candidates, output) if tune else [reference]
+        _tuned[key] = None if not candidates else candidates[
+            _fastest([functools.partial(run, c) for c in candidates]) if tune else 0]
     algo = _tuned[key]
     need = None if algo is None else product.workspace_of(algo)
     if algo is not None and need is None:  # its class's choice, which this shape cannot run
@@ -260,12 +278,38 @@ def _choose(product, key, run, timed):
     return product.algo, product.workspace
 
 
-def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd, workspace_bytes=WORKSPACE_BYTES):
+def _same_bits(run, reference, candidates, output):
+    """The reference, then those of the candidates whose output is the reference's bits."""
+    run(reference)
+    want = output.copy()
+    kept = [reference]
+    for algo in candidates:
+        if bytes(algo) != bytes(reference):
+            run(algo)
+            if bool(cupy.array_equal(output, want)):  # (a wait: tuning waits anyway, once a class)
+                kept.append(algo)
+    return kept
+
+
+def _reference(device, trans_a, trans_b, m, k, lda, ldb, ldd, types, device_scalars, workspace_bytes):
+    """The algorithm a logits class's bits follow, for every row count of its shape: the
+    heuristic's first for TUNE_ROWS rows (None where there is none)."""
+    family = (device, trans_a, trans_b, m, k, lda, ldb, ldd, types, device_scalars, workspace_bytes)
+    if family not in _references:
+        candidates = _product(device, trans_a, trans_b, m, TUNE_ROWS, k, lda, ldb, ldd, *types, device_scalars,
+                              workspace_bytes).candidates()
+        _references[family] = candidates[0] if candidates else None
+    return _references[family]
+
+
+def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd, workspace_bytes=WORKSPACE_BYTES,
+         row_bits=False):
     """d [m, n] = alpha op(a) op(b) + beta d, column-major, float32 accumulation; a, b, d CuPy
     arrays (views allowed) whose dtypes give the cuBLAS data types. alpha: a float, or a 0-d
     float32 device array (read by cuBLAS when the product runs: no wait for the GPU); beta: a
     float. By the cuBLASLt algorithm that ran fastest for the shape class (above), among those
-    that take at most workspace_bytes of workspace."""
+    that take at most workspace_bytes of workspace. row_bits: each of the n columns the same bits
+    whatever n is (the logits' rows, above; d then holds n rows of ldd, row-major)."""
     observers = getattr(_observed, "observers", None)
     if observers is not None:
         observers[0](m, n, k)
@@ -277,9 +321,12 @@ def gemm(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd, workspa
     if algo is _UNSET:
         key = (device, trans_a, trans_b, _bucket(m), _bucket(n), _bucket(k), lda, ldb, ldd, types, workspace_bytes)
         room = cupy.empty(workspace_bytes, np.uint8) if workspace_bytes else None  # for every candidate
+        reference = None if not row_bits else _reference(device, trans_a, trans_b, m, k, lda, ldb, ldd, types,
+                                                        device_scalars, workspace_bytes)
         algo, workspace = _choose(product, key, functools.partial(
             product.run, a=a, b=b, d=d, alpha=alpha, beta=_device_constant(0.0) if device_scalars else 0.0,
-            workspace=room), timed=beta == 0.0 and not cupy.cuda.get_current_stream().is_capturing())
+            workspace=room), timed=beta == 0.0 and not cupy.cuda.get_current_stream().is_capturing(),
+            reference=reference, output=d[:, :m] if row_bits else None)
     if algo is None:  # no cuBLASLt candidate for the shape
         _gemm_default(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, d, ldd)
     else:
@@ -316,7 +363,7 @@ def logits(x, w, out):
     """out[:, :V] = x @ w.T in float32; x [c, H], w [V, H] row-major, out [c, ld]."""
     (c, h), v = x.shape, w.shape[0]
     # column-major: out^T [V, c] = w [H, V]^T @ x [H, c]
-    gemm(T, N, v, c, h, 1.0, w, h, x, h, 0.0, out, out.shape[1])
+    gemm(T, N, v, c, h, 1.0, w, h, x, h, 0.0, out, out.shape[1], row_bits=True)
 
 
 def input_gradient(G, ws, alpha, out):
