@@ -36,7 +36,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from . import api, topk
 from .options import LossOptions, RunOptions, TopKOptions, field_names
 
-_RUN_FIELDS = ("chunk_size", "num_valid_tokens")
+_RUN_FIELDS = ("chunk_size", "num_valid_tokens", "reduction")
 
 
 # ---- the bridge jsdgpu.forward / backward use for JAX arrays (eager calls of the core) ----
@@ -86,16 +86,19 @@ def _options(options, with_grads, gpu, loss=LossOptions):
 
 
 def _online(arrays, options, with_grads, gpu):
-    """jsdgpu.forward on the callback's arrays (xs, ws, bs, target, then the teacher's xt, wt, bt)."""
-    xs, ws, bs, target, xt, wt, bt = arrays
-    return api.forward_with(xs, ws, xt, wt, target, bs, bt, *_options(options, with_grads, gpu))
+    """jsdgpu.forward on the callback's arrays (xs, ws, bs, target, the token weights, then the
+    teacher's xt, wt, bt)."""
+    xs, ws, bs, target, weights, xt, wt, bt = arrays
+    return api.forward_with(xs, ws, xt, wt, target, bs, bt, *_options(options, with_grads, gpu), weights)
 
 
 def _topk(arrays, options, with_grads, gpu):
-    """jsdgpu.forward_topk on the callback's arrays (xs, ws, bs, target, then the teacher's ids and
-    logprobs); a bad row of the top-k, like a bad target, makes the loss NaN on the GPU."""
-    xs, ws, bs, target, ids, lq = arrays
-    return topk.forward_topk_with(xs, ws, ids, lq, target, bs, *_options(options, with_grads, gpu, TopKOptions))
+    """jsdgpu.forward_topk on the callback's arrays (xs, ws, bs, target, the token weights, then the
+    teacher's ids and logprobs); a bad row of the top-k, like a bad target, makes the loss NaN on
+    the GPU."""
+    xs, ws, bs, target, weights, ids, lq = arrays
+    return topk.forward_topk_with(xs, ws, ids, lq, target, bs, *_options(options, with_grads, gpu, TopKOptions),
+                                  weights)
 
 
 def _callback(forward, options, with_grads, present):
@@ -142,34 +145,37 @@ def _check_options(options, loss=LossOptions):
     unknown = set(options) - set(fields) - set(_RUN_FIELDS)
     if unknown:
         raise TypeError(f"unknown options: {sorted(unknown)}")
-    loss(**{k: v for k, v in options.items() if k in fields})  # its checks, at trace time
+    loss(**{k: v for k, v in options.items() if k in fields})  # their checks, at trace time
+    RunOptions(**{k: v for k, v in options.items() if k in _RUN_FIELDS})
     return tuple(sorted(options.items()))
 
 
 # ---- the differentiable function ----
 
 def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_weight, target,
-                          student_bias=None, teacher_bias=None, **options):
+                          student_bias=None, teacher_bias=None, *, token_weights=None, **options):
     """The loss of docs/contract.md; differentiable with respect to the student input, weight
-    and bias. options: those of jsdgpu.LossOptions, chunk_size and num_valid_tokens (see
-    jsdgpu.forward); static under jit."""
-    return _loss(_online, (teacher_input, teacher_weight, teacher_bias), student_input, student_weight, student_bias,
-                 target, _check_options(options))
+    and bias. token_weights: None or [T] (an array, traced under jit). options: those of
+    jsdgpu.LossOptions, chunk_size, num_valid_tokens and reduction (see jsdgpu.forward); static
+    under jit."""
+    return _loss(_online, (token_weights, teacher_input, teacher_weight, teacher_bias), student_input,
+                 student_weight, student_bias, target, _check_options(options))
 
 
 def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, teacher_logprobs, target,
-                               student_bias=None, **options):
+                               student_bias=None, *, token_weights=None, **options):
     """Offline distillation (jsdgpu.forward_topk): the loss against a teacher's stored top-k
     log-probabilities; differentiable with respect to the student input, weight and bias.
-    options: those of fused_linear_jsd_loss and missing_mass; static under jit. On the GPU it runs
-    capturable on XLA's stream, as fused_linear_jsd_loss does."""
-    return _loss(_topk, (teacher_indices, teacher_logprobs), student_input, student_weight, student_bias, target,
-                 _check_options(options, TopKOptions))
+    token_weights and options: those of fused_linear_jsd_loss, and missing_mass; static under
+    jit. On the GPU it runs capturable on XLA's stream, as fused_linear_jsd_loss does."""
+    return _loss(_topk, (token_weights, teacher_indices, teacher_logprobs), student_input, student_weight,
+                 student_bias, target, _check_options(options, TopKOptions))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
 def _loss(forward, teacher, student_input, student_weight, student_bias, target, options):
-    """forward's loss: the student's arrays, the target, then the teacher's (its tuple)."""
+    """forward's loss: the student's arrays, the target, then the rows' other arrays (the token
+    weights, the teacher's: a tuple, given no gradient)."""
     student = (student_input, student_weight, student_bias)
     return _call(forward, options, False, (*student, target, *teacher), student)[0]
 

@@ -165,7 +165,7 @@ class TopKLoss(ChunkLoss):
             backend.topk_own_logits(self.work, x, ids, lq, G)
         backend.topk_rows(self.work, ids, lq, target, self.opts, self.missing_mass, ce[start:stop], soft[start:stop],
                           G, None if label_terms is None else label_terms[start:stop],
-                          None if grads is None or grads.g_scale is None else grads.g_scale[start:stop], x)
+                          grads.g_scale[start:stop] if self.scales_g and grads is not None else None, x)
 
     def input_product(self, out, G, start, stop):
         """G @ Ws of the rows, unscaled (1/N is known after the wait: grad_products scales it),

@@ -22,12 +22,9 @@ call, the copies the products need), float32 accumulation, and each gradient in 
 own dtype (a float32 master weight's in float32, as accumulated).
 """
 
-import contextlib
 import functools
 import inspect
 
-import ml_dtypes
-import numpy as np
 
 try:
     import torch
@@ -37,67 +34,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import api, topk
 from .options import DEFAULTS, LossOptions, RunOptions, TopKOptions
+from .torch_bridge import current_stream, from_native, to_native  # noqa: F401 (the bridge call.py uses)
 from .torch_sharding import plain_inputs
-
-
-# ---- the bridge jsdgpu.forward / backward use for torch tensors ----
-
-# NumPy's dtype of each torch dtype a CUDA tensor crosses to CuPy as, by its pointer (to_native)
-_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
-                 torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float64: np.dtype(np.float64),
-                 torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32), torch.int16: np.dtype(np.int16),
-                 torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_)}
-
-
-def to_native(t):
-    """A CuPy (CUDA) or NumPy (CPU) view of the tensor t, zero-copy. A CUDA tensor of a dtype CuPy
-    holds is viewed by its pointer and strides, the tensor kept alive by the view: 4 µs, where
-    DLPack's exchange (torch's __dlpack__, its stream handshake, the capsule) took 18, host time
-    before the step's first product (docs/design.md, "The front ends")."""
-    if t.is_cuda:
-        import cupy
-        dtype = _NUMPY_DTYPES.get(t.dtype)
-        if dtype is None or t.numel() == 0:
-            return cupy.from_dlpack(t.detach())
-        size = dtype.itemsize * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
-        memory = cupy.cuda.UnownedMemory(t.data_ptr(), size, t, t.device.index)
-        return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
-                            tuple(dtype.itemsize * s for s in t.stride()))
-    t = t.detach()
-    if t.dtype == torch.bfloat16:  # NumPy's DLPack has no bfloat16: cross as int16 bits
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def from_native(a):
-    """A tensor viewing the CuPy or NumPy array a, zero-copy."""
-    if isinstance(a, np.ndarray):
-        if a.dtype == ml_dtypes.bfloat16:
-            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(a)
-    return torch.from_dlpack(a)
-
-
-def _torch_memory(nbytes):
-    """CuPy memory from torch's caching allocator: a uint8 tensor on the current device and
-    stream, held by the CuPy memory object (freed to torch's cache with it)."""
-    import cupy
-    block = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
-    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block), 0)
-
-
-def current_stream(t):
-    """For the block: CuPy on t's device, on torch's current stream, with memory from torch."""
-    if not t.is_cuda:
-        return contextlib.nullcontext()
-    import cupy
-    stack = contextlib.ExitStack()
-    stack.enter_context(cupy.cuda.Device(t.device.index))
-    stack.enter_context(torch.cuda.device(t.device))
-    stream = torch.cuda.current_stream(t.device)
-    stack.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, t.device.index))
-    stack.enter_context(cupy.cuda.using_allocator(_torch_memory))
-    return stack
 
 
 # ---- the custom operator ----
@@ -107,25 +45,26 @@ def _fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor,
                       teacher_weight: torch.Tensor, target: torch.Tensor, student_bias: torch.Tensor | None,
                       teacher_bias: torch.Tensor | None, weight_hard_loss: float, weight_soft_loss: float,
                       beta: float, temperature: float, ignore_index: int, chunk_size: int | None,
-                      num_valid_tokens: float | None, compute_grad: bool,
-                      compute_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                 torch.Tensor, torch.Tensor, torch.Tensor]:
+                      num_valid_tokens: float | None, compute_grad: bool, compute_dtype: torch.dtype | None,
+                      token_weights: torch.Tensor | None, reduction: str) -> tuple[
+                          torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, soft_loss, hard_loss, grad_input, grad_weight, grad_bias) for grad_output 1, the
-    gradients empty without compute_grad (or without a bias). student_input [T, Hs], target [T];
-    compute_dtype: the operands' dtype (autocast's), or None for the tensors' own."""
+    gradients empty without compute_grad (or without a bias). student_input [T, Hs], target and
+    token_weights [T]; compute_dtype: autocast's dtype, or None for the tensors' own."""
     loss, ctx = _online(student_input, student_weight, teacher_input, teacher_weight, target, student_bias,
                         teacher_bias, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index),
-                        chunk_size, num_valid_tokens, compute_grad, compute_dtype)
+                        chunk_size, num_valid_tokens, compute_grad, compute_dtype, None, token_weights, reduction)
     return _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
 
 
 def _online(xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_tokens, compute_grad, compute_dtype,
-            vocab_parallel=None):
+            vocab_parallel=None, token_weights=None, reduction="mean"):
     """jsdgpu.forward on the tensors, the inputs and weights cast to compute_dtype (autocast's;
     None: as they are): (loss, jsdgpu ctx). options: the LossOptions' fields in order."""
     cast = _caster(compute_dtype)
     return api.forward_with(cast(xs), cast(ws), cast(xt), cast(wt), target, bs, bt, _loss_options(*options),
-                            _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, vocab_parallel))
+                            _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, vocab_parallel,
+                                         reduction), token_weights)
 
 
 @functools.lru_cache(maxsize=64)  # the options' checks, once per set of values
@@ -140,10 +79,11 @@ def _topk_options(*options):
 
 
 @functools.lru_cache(maxsize=64)
-def _run_options(chunk_size, compute_grad, num_valid_tokens, weight_dtype, vocab_parallel=None):
+def _run_options(chunk_size, compute_grad, num_valid_tokens, weight_dtype, vocab_parallel=None, reduction="mean"):
     """RunOptions of a front-end call: a float32 weight's gradient comes back in float32."""
     return RunOptions(chunk_size=chunk_size, compute_grad=compute_grad, num_valid_tokens=num_valid_tokens,
-                      grad_weight_float32=weight_dtype == torch.float32, vocab_parallel=vocab_parallel)
+                      grad_weight_float32=weight_dtype == torch.float32, vocab_parallel=vocab_parallel,
+                      reduction=reduction)
 
 
 def _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias):
@@ -165,7 +105,7 @@ def _caster(compute_dtype):
 @_fused_linear_jsd.register_fake
 def _fake_online(student_input, student_weight, teacher_input, teacher_weight, target, student_bias, teacher_bias,
                  weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens,
-                 compute_grad, compute_dtype):
+                 compute_grad, compute_dtype, token_weights, reduction):
     return _fake_outputs(student_input, student_weight, student_bias, compute_grad)
 
 
@@ -181,7 +121,7 @@ def _fake_outputs(student_input, student_weight, student_bias, compute_grad):
 
 # The two loss operators' inputs, by position (their signatures share it: the student's
 # tensors, then compute_grad's place; checked below, as each is registered)
-_N_INPUTS, _COMPUTE_GRAD = 16, 14
+_N_INPUTS, _COMPUTE_GRAD = 18, 14
 # the differentiable inputs' positions: the student's input, weight and bias
 _STUDENT_INPUT, _STUDENT_WEIGHT, _STUDENT_BIAS = 0, 1, 5
 
@@ -274,12 +214,13 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
                           weight_soft_loss=DEFAULTS.weight_soft_loss, beta=DEFAULTS.beta,
                           ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
                           chunk_size=None, return_soft_hard_loss=False, num_valid_tokens=None,
-                          vocab_parallel=None):
-    """The loss as a function (see FusedLinearJSDLoss): inputs [..., H], labels [...].
-    num_valid_tokens: N for the mean (a whole batch's count of valid tokens, for data
-    parallelism); vocab_parallel: a torch.distributed process group (jsdgpu.parallel), or a 1-D
-    DeviceMesh over which the heads are DTensors sharded by the vocabulary's rows (tensor
-    parallelism); else a weight or bias may be a DTensor that FSDP2 shards (jsdgpu.torch_sharding)."""
+                          vocab_parallel=None, token_weights=None, reduction="mean"):
+    """The loss as a function (see FusedLinearJSDLoss): inputs [..., H], labels and token_weights
+    [...]. num_valid_tokens: N for the mean (a whole batch's count of valid tokens, for data
+    parallelism); token_weights, reduction ("mean" or "sum"): jsdgpu.forward's; vocab_parallel: a
+    torch.distributed process group (jsdgpu.parallel), or a 1-D DeviceMesh over which the heads are
+    DTensors sharded by the vocabulary's rows (tensor parallelism); else a weight or bias may be a
+    DTensor that FSDP2 shards (jsdgpu.torch_sharding)."""
     plain, vocab_parallel = plain_inputs(
         vocab_parallel, student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
         teacher_weight=teacher_weight, true_labels=true_labels, student_bias=student_bias, teacher_bias=teacher_bias)
@@ -287,22 +228,25 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
         plain.values()
     hs, ht = student_input.shape[-1], teacher_input.shape[-1]
     xs, xt, target = student_input.reshape(-1, hs), teacher_input.reshape(-1, ht), true_labels.reshape(-1)
+    weights = None if token_weights is None else token_weights.reshape(-1)
     compute_dtype = _autocast_dtype(xs.device.type)
     _check_dtypes(compute_dtype, ("student", xs, student_weight), ("teacher", xt, teacher_weight))
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
                                           weight_soft_loss, beta, temperature, ignore_index)
     # a process group is no operator argument: vocab parallel runs eagerly, traced or not
     eager = vocab_parallel is not None or _runs_eagerly(xs, student_weight, xt, teacher_weight, target,
-                                                        student_bias, teacher_bias)
+                                                        student_bias, teacher_bias, weights)
 
     def call(w_hard, w_soft, with_grads):
         if eager:
             return _Eager.apply(lambda: _online(xs, student_weight, xt, teacher_weight, target, student_bias,
                                                 teacher_bias, (w_hard, w_soft, *options[2:]), chunk_size,
-                                                num_valid_tokens, with_grads, compute_dtype, vocab_parallel),
+                                                num_valid_tokens, with_grads, compute_dtype, vocab_parallel, weights,
+                                                reduction),
                                 xs, student_weight, student_bias)
         return _fused_linear_jsd(xs, student_weight, xt, teacher_weight, target, student_bias, teacher_bias, w_hard,
-                                 w_soft, *options[2:], chunk_size, num_valid_tokens, with_grads, compute_dtype)
+                                 w_soft, *options[2:], chunk_size, num_valid_tokens, with_grads, compute_dtype,
+                                 weights, reduction)
     return _operator_loss(call, options, compute_grad, return_soft_hard_loss)
 
 
@@ -339,24 +283,25 @@ class FusedLinearJSDLoss(torch.nn.Module):
 
     def __init__(self, weight_hard_loss=DEFAULTS.weight_hard_loss, weight_soft_loss=DEFAULTS.weight_soft_loss,
                  beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
-                 compiled=True, chunk_size=None, return_soft_hard_loss=False, vocab_parallel=None):
+                 compiled=True, chunk_size=None, return_soft_hard_loss=False, vocab_parallel=None, reduction="mean"):
         super().__init__()
         LossOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index)  # checked here too
+        RunOptions(reduction=reduction)
         self.weight_hard_loss, self.weight_soft_loss = weight_hard_loss, weight_soft_loss
         self.beta, self.ignore_index, self.temperature = beta, ignore_index, temperature
-        self.compiled, self.chunk_size = compiled, chunk_size
+        self.compiled, self.chunk_size, self.reduction = compiled, chunk_size, reduction
         self.return_soft_hard_loss, self.vocab_parallel = return_soft_hard_loss, vocab_parallel
 
     def forward(self, student_input, student_weight, teacher_input, teacher_weight, true_labels,
-                student_bias=None, teacher_bias=None, *, num_valid_tokens=None):
-        """num_valid_tokens: this call's N for the mean (fused_linear_jsd_loss's), such as a
-        data-parallel batch's whole count of valid tokens; None: this call's own count."""
+                student_bias=None, teacher_bias=None, *, num_valid_tokens=None, token_weights=None):
+        """num_valid_tokens: this call's N for the mean (such as a data-parallel batch's whole count
+        of valid tokens; None: this call's own count); token_weights: its weights (labels' shape)."""
         return fused_linear_jsd_loss(
             student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias,
             weight_hard_loss=self.weight_hard_loss, weight_soft_loss=self.weight_soft_loss, beta=self.beta,
             ignore_index=self.ignore_index, temperature=self.temperature, chunk_size=self.chunk_size,
             return_soft_hard_loss=self.return_soft_hard_loss, num_valid_tokens=num_valid_tokens,
-            vocab_parallel=self.vocab_parallel)
+            vocab_parallel=self.vocab_parallel, token_weights=token_weights, reduction=self.reduction)
 
 
 class FusedLinearJSDFunction:
@@ -384,30 +329,31 @@ def _fused_linear_topk_jsd(student_input: torch.Tensor, student_weight: torch.Te
                            teacher_logprobs: torch.Tensor, target: torch.Tensor, student_bias: torch.Tensor | None,
                            missing_mass: str, weight_hard_loss: float, weight_soft_loss: float, beta: float,
                            temperature: float, ignore_index: int, chunk_size: int | None,
-                           num_valid_tokens: float | None, compute_grad: bool,
-                           compute_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                      torch.Tensor, torch.Tensor, torch.Tensor]:
+                           num_valid_tokens: float | None, compute_grad: bool, compute_dtype: torch.dtype | None,
+                           token_weights: torch.Tensor | None, reduction: str) -> tuple[
+                               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As jsdgpu::fused_linear_jsd, against the teacher's top-k (jsdgpu.forward_topk): the same
     outputs, and the same positions of the student's tensors and of compute_grad, so that the
     two operators share their autograd rule."""
     loss, ctx = _topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias,
                       missing_mass, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index), chunk_size,
-                      num_valid_tokens, compute_grad, compute_dtype)
+                      num_valid_tokens, compute_grad, compute_dtype, token_weights, reduction)
     return _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
 
 
 def _topk(xs, ws, ids, lq, target, bs, missing_mass, options, chunk_size, num_valid_tokens, compute_grad,
-          compute_dtype):
+          compute_dtype, token_weights=None, reduction="mean"):
     """jsdgpu.forward_topk on the tensors, as _online."""
     cast = _caster(compute_dtype)
     return topk.forward_topk_with(cast(xs), cast(ws), ids, lq, target, bs, _topk_options(*options, missing_mass),
-                                  _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype))
+                                  _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, None, reduction),
+                                  token_weights)
 
 
 @_fused_linear_topk_jsd.register_fake
 def _fake_topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias, missing_mass,
                weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens,
-               compute_grad, compute_dtype):
+               compute_grad, compute_dtype, token_weights, reduction):
     return _fake_outputs(student_input, student_weight, student_bias, compute_grad)
 
 
@@ -420,30 +366,33 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
                                weight_hard_loss=DEFAULTS.weight_hard_loss, weight_soft_loss=DEFAULTS.weight_soft_loss,
                                beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index,
                                temperature=DEFAULTS.temperature, chunk_size=None, return_soft_hard_loss=False,
-                               num_valid_tokens=None):
+                               num_valid_tokens=None, token_weights=None, reduction="mean"):
     """The top-k loss as a function (see FusedLinearTopKJSDLoss): inputs [..., H], the teacher's
-    top-k [..., k], labels [...]. The weight and bias may be DTensors that FSDP2 shards (jsdgpu.torch_sharding)."""
+    top-k [..., k], labels and token_weights [...]. The weight and bias may be DTensors that FSDP2
+    shards (jsdgpu.torch_sharding)."""
     student_input, student_weight, teacher_indices, teacher_logprobs, true_labels, student_bias = plain_inputs(
         student_input=student_input, student_weight=student_weight, teacher_indices=teacher_indices,
         teacher_logprobs=teacher_logprobs, true_labels=true_labels, student_bias=student_bias)[0].values()
     hs, k = student_input.shape[-1], teacher_indices.shape[-1]
     xs, target = student_input.reshape(-1, hs), true_labels.reshape(-1)
     ids, lq = teacher_indices.reshape(-1, k), teacher_logprobs.reshape(-1, teacher_logprobs.shape[-1])
+    weights = None if token_weights is None else token_weights.reshape(-1)
     compute_dtype = _autocast_dtype(xs.device.type)
     _check_dtypes(compute_dtype, ("student", xs, student_weight))
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
                                           weight_soft_loss, beta, temperature, ignore_index)
     _topk_options(*options, missing_mass)  # missing_mass's check, before any work
-    eager = _runs_eagerly(xs, student_weight, ids, lq, target, student_bias)
+    eager = _runs_eagerly(xs, student_weight, ids, lq, target, student_bias, weights)
 
     def call(w_hard, w_soft, with_grads):
         if eager:
             return _Eager.apply(lambda: _topk(xs, student_weight, ids, lq, target, student_bias, missing_mass,
                                               (w_hard, w_soft, *options[2:]), chunk_size, num_valid_tokens,
-                                              with_grads, compute_dtype),
+                                              with_grads, compute_dtype, weights, reduction),
                                 xs, student_weight, student_bias)
         return _fused_linear_topk_jsd(xs, student_weight, ids, lq, target, student_bias, missing_mass, w_hard, w_soft,
-                                      *options[2:], chunk_size, num_valid_tokens, with_grads, compute_dtype)
+                                      *options[2:], chunk_size, num_valid_tokens, with_grads, compute_dtype, weights,
+                                      reduction)
     return _operator_loss(call, options, compute_grad, return_soft_hard_loss)
 
 
@@ -460,24 +409,25 @@ class FusedLinearTopKJSDLoss(torch.nn.Module):
 
     def __init__(self, weight_hard_loss=DEFAULTS.weight_hard_loss, weight_soft_loss=DEFAULTS.weight_soft_loss,
                  beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
-                 missing_mass="bucket", chunk_size=None, return_soft_hard_loss=False):
+                 missing_mass="bucket", chunk_size=None, return_soft_hard_loss=False, reduction="mean"):
         super().__init__()
         # checked here too
         TopKOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, missing_mass)
+        RunOptions(reduction=reduction)
         self.missing_mass = missing_mass
         self.weight_hard_loss, self.weight_soft_loss = weight_hard_loss, weight_soft_loss
         self.beta, self.ignore_index, self.temperature = beta, ignore_index, temperature
-        self.chunk_size, self.return_soft_hard_loss = chunk_size, return_soft_hard_loss
+        self.chunk_size, self.return_soft_hard_loss, self.reduction = chunk_size, return_soft_hard_loss, reduction
 
     def forward(self, student_input, student_weight, teacher_indices, teacher_logprobs, true_labels,
-                student_bias=None, *, num_valid_tokens=None):
-        """num_valid_tokens: as FusedLinearJSDLoss.forward's."""
+                student_bias=None, *, num_valid_tokens=None, token_weights=None):
+        """num_valid_tokens, token_weights: as FusedLinearJSDLoss.forward's."""
         return fused_linear_topk_jsd_loss(
             student_input, student_weight, teacher_indices, teacher_logprobs, true_labels, student_bias,
             missing_mass=self.missing_mass, weight_hard_loss=self.weight_hard_loss,
             weight_soft_loss=self.weight_soft_loss, beta=self.beta, ignore_index=self.ignore_index,
             temperature=self.temperature, chunk_size=self.chunk_size, return_soft_hard_loss=self.return_soft_hard_loss,
-            num_valid_tokens=num_valid_tokens)
+            num_valid_tokens=num_valid_tokens, token_weights=token_weights, reduction=self.reduction)
 
 
 @torch.no_grad()

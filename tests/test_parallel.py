@@ -134,6 +134,15 @@ def test_sharded_equals_single_float32(xp, rng, index, n_ranks):
                           **OPTIONS[index])
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_sharded_token_weights(xp, rng, reduction):
+    """Token weights (each rank the whole call's) and the sum, as on one rank."""
+    case = make_case(rng, T=11, vs=401, vt=437, bias=True, ignored=0.3)
+    case["token_weights"] = rng.uniform(0.0, 3.0, 11).astype(np.float32)
+    assert_matches_single(case, xp, [0, 131, 260, 437], 2e-5, chunk_size=4, grad_weight_float32=True,
+                          reduction=reduction)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, BF16])
 def test_sharded_equals_single_16bit(xp, rng, dtype):
     case = make_case(rng, T=9, vs=515, vt=515, dtype=dtype, bias=True, ignored=0.2)

@@ -146,3 +146,90 @@ def test_a_weighted_mean_by_num_valid_tokens(xp, rng):
     valid_sum = float(w[case["target"] != -100].sum())
     mean, _ = jsdgpu.forward(**to_xp(case, xp), token_weights=xp.asarray(w), num_valid_tokens=valid_sum)
     np.testing.assert_allclose(float(mean), float(total) / valid_sum, rtol=1e-6)
+
+
+# ---- the front ends: per-call token weights (the labels' leading shape) and the module's reduction ----
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    return request.param
+
+
+@pytest.mark.parametrize("loss", ["online", "topk"])
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_torch_modules_take_weights_per_call(rng, device, loss, compiled, reduction):
+    """FusedLinearJSDLoss(reduction=...)(..., token_weights=w) and the top-k module, inputs of
+    leading shape [2, 5], eager and under torch.compile(fullgraph=True): the loss and the
+    student's gradients as the float64 reference's."""
+    torch = pytest.importorskip("torch")
+    jtorch = pytest.importorskip("jsdgpu.torch")
+    T = 10
+    if loss == "online":
+        case = make_case(rng, T=T, bias=True, ignored=0.3)
+        names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target", "student_bias",
+                 "teacher_bias")
+        module, reference = jtorch.FusedLinearJSDLoss(beta=0.3, reduction=reduction), jsdgpu.reference
+    else:
+        case = make_topk_case(rng, T=T)
+        names = ("student_input", "student_weight", "teacher_indices", "teacher_logprobs", "target", "student_bias")
+        module, reference = jtorch.FusedLinearTopKJSDLoss(beta=0.3, reduction=reduction), jsdgpu.reference_topk
+    w = token_weights(rng, T, "mixed")
+    ts = [torch.from_numpy(case[n]).to(device) for n in names]
+    for i in (0, 1, len(ts) - 1 if loss == "topk" else 5):  # the student's input, weight and bias
+        ts[i].requires_grad_(True)
+    lead = lambda t: t.reshape(2, 5, *t.shape[1:])  # noqa: E731
+    args = [lead(t) if n in ("student_input", "teacher_input", "teacher_indices", "teacher_logprobs", "target")
+            else t for n, t in zip(names, ts)]
+    call = lambda *a, token_weights: module(*a, token_weights=token_weights)  # noqa: E731
+    if compiled:
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True)
+    out = call(*args, token_weights=torch.from_numpy(w).to(device).reshape(2, 5))
+    out.backward()
+    ref = reference(**case, token_weights=w, reduction=reduction, beta=0.3)
+    assert abs(float(out.detach()) - ref[0]) <= 1e-5 * max(1.0, abs(ref[0]))
+    for t, want in zip((ts[0], ts[1], ts[len(ts) - 1 if loss == "topk" else 5]), ref[3:]):
+        assert rel_err(t.grad.cpu().numpy(), want) <= 1e-4
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def jax_device(request):
+    jax = pytest.importorskip("jax")
+    try:
+        return jax.devices(request.param)[0]
+    except RuntimeError:
+        pytest.skip(f"JAX has no {request.param} device here")
+
+
+@pytest.mark.parametrize("loss", ["online", "topk"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_jax_weights_under_jit(rng, jax_device, loss, reduction):
+    """jax.jit(jax.value_and_grad(...)) with the token weights a traced argument: the loss and the
+    student's gradients as the float64 reference's, new weights at the second call (no retrace
+    needed for them) too."""
+    jax = pytest.importorskip("jax")
+    jjax = pytest.importorskip("jsdgpu.jax")
+    T = 9
+    if loss == "online":
+        case = make_case(rng, T=T, bias=True, ignored=0.3)
+        others, fn, reference = ("teacher_input", "teacher_weight"), jjax.fused_linear_jsd_loss, jsdgpu.reference
+    else:
+        case = make_topk_case(rng, T=T)
+        others, fn, reference = (("teacher_indices", "teacher_logprobs"), jjax.fused_linear_topk_jsd_loss,
+                                 jsdgpu.reference_topk)
+    put = lambda name: jax.device_put(jax.numpy.asarray(case[name]), jax_device)  # noqa: E731
+    teacher, target = [put(n) for n in others], put("target")
+
+    def f(xs, ws, bs, w):
+        teacher_bias = (put("teacher_bias"),) if loss == "online" else ()
+        return fn(xs, ws, *teacher, target, bs, *teacher_bias, token_weights=w, beta=0.3, reduction=reduction)
+    step = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+    for _ in range(2):
+        w = token_weights(rng, T, "mixed")
+        value, grads = step(put("student_input"), put("student_weight"), put("student_bias"),
+                            jax.device_put(jax.numpy.asarray(w), jax_device))
+        ref = reference(**case, token_weights=w, reduction=reduction, beta=0.3)
+        assert abs(float(value) - ref[0]) <= 1e-5 * max(1.0, abs(ref[0]))
+        for got, want in zip(grads, ref[3:]):
+            assert rel_err(np.asarray(got), want) <= 1e-4

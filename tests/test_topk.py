@@ -866,9 +866,12 @@ def test_torch_opcheck(rng, torch_device):
         t[name].requires_grad_(True)
     args = (t["student_input"], t["student_weight"], t["teacher_indices"], t["teacher_logprobs"], t["target"],
             t["student_bias"])
-    for compute_grad in (True, False):
+    weights = torch.from_numpy(rng.uniform(0.0, 2.0, 5).astype(np.float32)).to(t["target"].device)
+    for compute_grad, token_weights, reduction in ((True, None, "mean"), (False, None, "mean"),
+                                                    (True, weights, "sum")):
         torch.library.opcheck(torch.ops.jsdgpu.fused_linear_topk_jsd.default,
-                              (*args, "bucket", 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None))
+                              (*args, "bucket", 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None,
+                               token_weights, reduction))
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])

@@ -362,9 +362,11 @@ def test_liger_positional_function(rng, device):
 def test_opcheck(rng, device):
     case = make_case(rng, T=5, bias=True, ignored=0.2)
     ts = tensors(case, device)
-    for compute_grad in (True, False):
+    weights = torch.from_numpy(rng.uniform(0.0, 2.0, 5).astype(np.float32)).to(device)
+    for compute_grad, token_weights, reduction in ((True, None, "mean"), (False, None, "mean"),
+                                                    (True, weights, "sum")):
         torch.library.opcheck(torch.ops.jsdgpu.fused_linear_jsd.default,
-                              (*ts, 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None))
+                              (*ts, 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None, token_weights, reduction))
 
 
 # ---- data parallel: two CPU processes ----

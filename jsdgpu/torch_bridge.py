@@ -1,0 +1,67 @@
+"""The bridge between torch tensors and the core's arrays (jsdgpu.call's, through jsdgpu.torch):
+zero-copy views both ways, and CuPy on torch's current stream with memory from torch's caching
+allocator."""
+
+import contextlib
+
+import ml_dtypes
+import numpy as np
+import torch
+
+
+# NumPy's dtype of each torch dtype a CUDA tensor crosses to CuPy as, by its pointer (to_native)
+_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+                 torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float64: np.dtype(np.float64),
+                 torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32), torch.int16: np.dtype(np.int16),
+                 torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_)}
+
+
+def to_native(t):
+    """A CuPy (CUDA) or NumPy (CPU) view of the tensor t, zero-copy. A CUDA tensor of a dtype CuPy
+    holds is viewed by its pointer and strides, the tensor kept alive by the view: 4 µs, where
+    DLPack's exchange (torch's __dlpack__, its stream handshake, the capsule) took 18, host time
+    before the step's first product (docs/design.md, "The front ends")."""
+    if t.is_cuda:
+        import cupy
+        dtype = _NUMPY_DTYPES.get(t.dtype)
+        if dtype is None or t.numel() == 0:
+            return cupy.from_dlpack(t.detach())
+        size = dtype.itemsize * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+        memory = cupy.cuda.UnownedMemory(t.data_ptr(), size, t, t.device.index)
+        return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
+                            tuple(dtype.itemsize * s for s in t.stride()))
+    t = t.detach()
+    if t.dtype == torch.bfloat16:  # NumPy's DLPack has no bfloat16: cross as int16 bits
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def from_native(a):
+    """A tensor viewing the CuPy or NumPy array a, zero-copy."""
+    if isinstance(a, np.ndarray):
+        if a.dtype == ml_dtypes.bfloat16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+    return torch.from_dlpack(a)
+
+
+def _torch_memory(nbytes):
+    """CuPy memory from torch's caching allocator: a uint8 tensor on the current device and
+    stream, held by the CuPy memory object (freed to torch's cache with it)."""
+    import cupy
+    block = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block), 0)
+
+
+def current_stream(t):
+    """For the block: CuPy on t's device, on torch's current stream, with memory from torch."""
+    if not t.is_cuda:
+        return contextlib.nullcontext()
+    import cupy
+    stack = contextlib.ExitStack()
+    stack.enter_context(cupy.cuda.Device(t.device.index))
+    stack.enter_context(torch.cuda.device(t.device))
+    stream = torch.cuda.current_stream(t.device)
+    stack.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, t.device.index))
+    stack.enter_context(cupy.cuda.using_allocator(_torch_memory))
+    return stack
