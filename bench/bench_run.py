@@ -22,7 +22,7 @@ shapes (harness.py: V = 128256, hidden 2048 / 4096, bf16), forward + backward:
 Implementations: jsdgpu (CuPy arrays), the floor, Liger-Kernel's LigerFusedLinearJSDLoss (its
 defaults: compiled, chunks of 1024 rows) and jsdgpu through jsdgpu.torch's module in eager
 PyTorch, on the same buffers (DLPack); on request (--impls), jsdgpu_weighted: jsdgpu with token
-weights (uniform in [0, 2), other ones each step), in turn with the others. The distributions run after the run, so they are measured
+weights (uniform in [0, 2), other ones each step). The distributions run after the run, so they are measured
 in a process that has seen other shapes; with --no-run they are measured in a fresh one (the
 history's effect: the two runs' times of each distribution).
 
@@ -199,7 +199,7 @@ def render(result):
     for r in result["distributions"]:
         lines.append(_row([r["T"], r["inputs"], f"{r['soft']:.4f}"], r["ms"]))
     if "jsdgpu_weighted" in result["impls"]:
-        lines += ["", "With token weights (jsdgpu_weighted), in turn with jsdgpu:", "",
+        lines += ["", "With token weights (jsdgpu_weighted), timed after jsdgpu in the same process:", "",
                   "| case | jsdgpu ms | with token weights | ÷ jsdgpu |", "| --- " * 4 + "|"]
         for r in result["run"] + result["distributions"]:
             ms = {k: sum(v) if isinstance(v, list) else v for k, v in r["ms"].items()}
