@@ -8,7 +8,7 @@ backward (jsdgpu.call) turns the gradient sums it left into the gradients.
 
 from . import checks, parallel
 from .ahead import FirstProduct
-from .call import Context, backend_for, backward, bridged, float32_weights, runs_capturable, weighted_loss
+from .call import Context, backend_for, backward, bridged, forward_rows, runs_capturable, weighted_loss
 from .engine import run
 from .online import OnlineLoss
 from .options import LossOptions, RunOptions, split_options
@@ -32,15 +32,19 @@ def forward(student_input, student_weight, teacher_input, teacher_weight, target
 
 
 def forward_with(student_input, student_weight, teacher_input, teacher_weight, target,
-                 student_bias, teacher_bias, loss_opts, run_opts, token_weights=None):
-    """forward with its options as a LossOptions and a RunOptions."""
+                 student_bias, teacher_bias, loss_opts, run_opts, token_weights=None, row_scales=None):
+    """forward with its options as a LossOptions and a RunOptions. row_scales: the front ends'
+    backward of reduction "none" (call.forward_rows): grad_output [T], a sum's rows' factors."""
     arrays = dict(student_input=student_input, student_weight=student_weight,
                   teacher_input=teacher_input, teacher_weight=teacher_weight, target=target,
-                  student_bias=student_bias, teacher_bias=teacher_bias, token_weights=token_weights)
+                  student_bias=student_bias, teacher_bias=teacher_bias, token_weights=token_weights,
+                  row_scales=row_scales)
     return bridged(arrays, lambda native: _forward(native, loss_opts, run_opts))
 
 
 def _forward(arrays, opts, run_opts):
+    if run_opts.reduction == "none" and run_opts.compute_grad:
+        return forward_rows(_forward, arrays, opts, run_opts)
     # first of all, where this call is like the last: its first product (ahead.FirstProduct)
     first = FirstProduct(("online", run_opts), arrays["student_input"], arrays["student_weight"])
     comm = parallel.communicator(run_opts.vocab_parallel)
@@ -60,7 +64,7 @@ def _forward(arrays, opts, run_opts):
         # the shard sizes cross the ranks first: the targets index the whole vocabulary
         shard = None if comm is None else parallel.shard_layout(comm, xp, ws.shape[0], wt.shape[0])
         loss_rows = OnlineLoss(backend, ws, wt, bs, bt, arrays["target"], opts, run_opts, capturable, shard)
-        loss_rows.token_weights = float32_weights(xp, arrays["token_weights"])
+        loss_rows.token_weights, loss_rows.row_scales = arrays["token_weights"], arrays.get("row_scales")
         hard, soft, grads, rows = run(loss_rows, xs, xt, first)
         loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend,

@@ -2,6 +2,7 @@
 arrays' kind, the framework bridge, the Context forward hands to backward, and backward, which
 turns the gradient sums the chunk engine left into the gradients (docs/contract.md, "API")."""
 
+import dataclasses
 import functools
 import importlib
 
@@ -62,6 +63,7 @@ class Context:
         self._bridge = None  # set for framework tensors: the bridge, and an input tensor
         self._like = None
         self._done = False
+        self._recompute = None  # reduction "none": (row scales, out) -> the gradients (forward_rows)
 
 
 def bridged(arrays, compute):
@@ -97,10 +99,16 @@ def runs_capturable(run_opts, kind):
     return capturing if run_opts.capturable is None else run_opts.capturable
 
 
-def float32_weights(xp, token_weights):
-    """A call's token weights (checked: checks._check_token_weights) as the engine takes them:
-    float32, contiguous; None stays None."""
-    return None if token_weights is None else xp.ascontiguousarray(token_weights, dtype=np.float32)
+def forward_rows(forward, arrays, opts, run_opts):
+    """A call of the rows' own losses (reduction "none") with gradients, by forward(arrays, opts,
+    run_opts) (the online loss's or the top-k's, on native arrays): the rows' losses [T],
+    computed without gradients. Its ctx's backward(grad_output [T]) runs the call again as the
+    sum of the rows' losses, each times its grad_output (arrays' row_scales: the engine's), with
+    the gradients: grad_output is known only there, and grad_weight sums over the rows."""
+    loss, ctx = forward(arrays, opts, dataclasses.replace(run_opts, compute_grad=False))
+    sums = dataclasses.replace(run_opts, reduction="sum")
+    ctx._recompute = lambda scales, out: _backward(forward(dict(arrays, row_scales=scales), opts, sums)[1], 1.0, out)
+    return loss, ctx
 
 
 def weighted_loss(xp, opts, hard, soft):
@@ -120,7 +128,7 @@ def backward(ctx, grad_output=1.0, out=None):
         raise TypeError(f"ctx must be the Context that forward returned, got {type(ctx).__name__}")
     if ctx._done:
         raise RuntimeError("backward was already called on this ctx; call forward again")
-    if ctx._grads is None:
+    if ctx._grads is None and ctx._recompute is None:
         raise ValueError("this ctx holds no gradients: forward ran with compute_grad=False")
     ctx._done = True
     bridge = ctx._bridge
@@ -138,6 +146,12 @@ def _backward(ctx, grad_output, out):
     backend = ctx._backend
     xp = backend.xp
     with backend.on_device(ctx._device):
+        if ctx._recompute is not None:  # the rows' own losses: grad_output [T] (a scalar: each row's)
+            scales = xp.asarray(grad_output, dtype=np.float32)
+            if scales.shape not in ((), (ctx._n_rows,)):
+                raise ValueError(f"grad_output must have shape ({ctx._n_rows},) with reduction='none', got "
+                                 f"{tuple(scales.shape)}")
+            return ctx._recompute(xp.ascontiguousarray(xp.broadcast_to(scales, (ctx._n_rows,))), out)
         if isinstance(grad_output, (int, float)):
             # a fill, not a copy from the host: a capture may not copy
             scale = None if grad_output == 1 else xp.full((), grad_output, np.float32)

@@ -50,7 +50,9 @@ class ChunkLoss:
     host's wait (queue_first, before_wait): the engine keeps it where the call's rows and chunks
     are the ones guessed, else computes that chunk again."""
     most_rows = None        # a chunk's most rows (None: as the budget allows)
-    token_weights = None    # the call's rows' weights, float32 [rows] (None: ones)
+    token_weights = None    # the call's rows' weights, [rows] as given (None: ones)
+    row_scales = None       # float32 [rows] times the weights, any values, unchecked: backward's
+                            # grad_output of a call of the rows' own losses (call.forward_rows)
     takes_first_product = True  # whether its student logits may be queued ahead (ahead.FirstProduct)
     scales_g = False        # whether its G is stored with row scales (Gradients.g_scale)
     ahead = None
@@ -133,7 +135,7 @@ def run(loss, xs, other, first=None):
     other = loss.selected(rows, other)
     if rows.valid_rows is not None:
         xs, other = loss.take_rows(rows.valid_rows, xs, other)
-    weights = row_weights(backend.xp, loss.token_weights, rows)
+    weights = row_weights(backend.xp, loss.token_weights, loss.row_scales, rows)
     inv_n, n_rows = rows.inv_n, xs.shape[0]
     chunk, hold_g = cut_chunks(loss.products, xs, other, head, most, loss.per_row, loss.run_opts.budget(backend))
     ahead = loss.ahead
@@ -165,25 +167,43 @@ def run(loss, xs, other, first=None):
             label_terms *= weights
     finish_gradients(backend, loss.work, grads, G_all, hold_g, label_terms, target, xs, inv_n)
     loss.finished(grads)
-    hard, soft = row_means(backend.xp, ce, soft, inv_n, target if rows.masked else None)
+    if loss.run_opts.reduction == "none":
+        hard, soft = call_rows(backend.xp, ce, soft, rows, n_all)
+    else:
+        hard, soft = row_means(backend.xp, ce, soft, inv_n, target if rows.masked else None)
     return hard, soft, grads, rows
 
 
-def row_weights(xp, token_weights, rows):
-    """The computed rows' token weights (float32), or None for ones. A weight not finite or below
-    0 raises ValueError in a default call; in a capturable one (no host wait) it makes 1/N, and so
-    the loss and gradients, NaN."""
-    if token_weights is None:
-        return None
-    good = xp.isfinite(token_weights) & (token_weights >= 0)
+def row_weights(xp, token_weights, row_scales, rows):
+    """The computed rows' weights in float32 (the token weights times the row scales), or None for
+    ones. A token weight not finite or below 0 raises ValueError in a default call; in a
+    capturable one (no host wait) it makes 1/N, and so the loss and gradients, NaN."""
+    weights = None
+    if token_weights is not None:
+        weights = xp.ascontiguousarray(token_weights, dtype=np.float32)
+        good = xp.isfinite(weights) & (weights >= 0)
+        if rows.masked:
+            rows.inv_n = xp.where(good.all(), rows.inv_n, np.nan).astype(np.float32)
+        elif not bool(good.all()):  # (a wait for the GPU, after the selection's: only with token weights)
+            bad = int(xp.argmin(good))
+            raise ValueError(f"token_weights must be finite and >= 0, got token_weights[{bad}] = "
+                             f"{float(weights[bad])}")
+    if row_scales is not None:
+        weights = row_scales if weights is None else weights * row_scales
+    return weights if weights is None or rows.valid_rows is None else weights[rows.valid_rows]
+
+
+def call_rows(xp, ce, soft, rows, n_all):
+    """(hard, soft) of each of the call's n_all rows, as [n_all] float32 arrays: the computed rows'
+    values where valid, 0 where ignored."""
     if rows.masked:
-        rows.inv_n = xp.where(good.all(), rows.inv_n, np.nan).astype(np.float32)
-        return token_weights
-    if not bool(good.all()):  # (a wait for the GPU, after the selection's: only with token weights)
-        bad = int(xp.argmin(good))
-        raise ValueError(f"token_weights must be finite and >= 0, got token_weights[{bad}] = "
-                         f"{float(token_weights[bad])}")
-    return token_weights if rows.valid_rows is None else token_weights[rows.valid_rows]
+        valid = rows.target >= 0
+        return xp.where(valid, ce, 0.0).astype(np.float32), xp.where(valid, soft, 0.0).astype(np.float32)
+    if rows.valid_rows is None:
+        return ce, soft
+    hard_all, soft_all = xp.zeros(n_all, np.float32), xp.zeros(n_all, np.float32)
+    hard_all[rows.valid_rows], soft_all[rows.valid_rows] = ce, soft
+    return hard_all, soft_all
 
 
 def row_outputs(xp, n_rows, hs, vs, hold_g, has_bias, compute_grad):

@@ -86,19 +86,19 @@ def _options(options, with_grads, gpu, loss=LossOptions):
 
 
 def _online(arrays, options, with_grads, gpu):
-    """jsdgpu.forward on the callback's arrays (xs, ws, bs, target, the token weights, then the
-    teacher's xt, wt, bt)."""
-    xs, ws, bs, target, weights, xt, wt, bt = arrays
-    return api.forward_with(xs, ws, xt, wt, target, bs, bt, *_options(options, with_grads, gpu), weights)
+    """jsdgpu.forward on the callback's arrays (xs, ws, bs, target, the token weights and row
+    scales, then the teacher's xt, wt, bt)."""
+    xs, ws, bs, target, weights, scales, xt, wt, bt = arrays
+    return api.forward_with(xs, ws, xt, wt, target, bs, bt, *_options(options, with_grads, gpu), weights, scales)
 
 
 def _topk(arrays, options, with_grads, gpu):
-    """jsdgpu.forward_topk on the callback's arrays (xs, ws, bs, target, the token weights, then the
-    teacher's ids and logprobs); a bad row of the top-k, like a bad target, makes the loss NaN on
-    the GPU."""
-    xs, ws, bs, target, weights, ids, lq = arrays
+    """jsdgpu.forward_topk on the callback's arrays (xs, ws, bs, target, the token weights and row
+    scales, then the teacher's ids and logprobs); a bad row of the top-k, like a bad target,
+    makes the loss NaN on the GPU."""
+    xs, ws, bs, target, weights, scales, ids, lq = arrays
     return topk.forward_topk_with(xs, ws, ids, lq, target, bs, *_options(options, with_grads, gpu, TopKOptions),
-                                  weights)
+                                  weights, scales)
 
 
 def _callback(forward, options, with_grads, present):
@@ -133,7 +133,8 @@ def _compute(forward, out, arrays, options, with_grads, gpu):
 def _call(forward, options, with_grads, arrays, student):
     """The loss (and with with_grads the gradients of student: (xs, ws, bs)) by one callback."""
     present = tuple(a is not None for a in arrays)
-    shapes = [jax.ShapeDtypeStruct((), jnp.float32)]
+    rows = (student[0].shape[0],) if dict(options).get("reduction") == "none" else ()  # the rows' own losses
+    shapes = [jax.ShapeDtypeStruct(rows, jnp.float32)]
     if with_grads:
         shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in student if a is not None]
     run = buffer_callback(_callback(forward, options, with_grads, present), tuple(shapes))
@@ -158,7 +159,7 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
     and bias. token_weights: None or [T] (an array, traced under jit). options: those of
     jsdgpu.LossOptions, chunk_size, num_valid_tokens and reduction (see jsdgpu.forward); static
     under jit."""
-    return _loss(_online, (token_weights, teacher_input, teacher_weight, teacher_bias), student_input,
+    return _loss(_online, (token_weights, None, teacher_input, teacher_weight, teacher_bias), student_input,
                  student_weight, student_bias, target, _check_options(options))
 
 
@@ -168,28 +169,36 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
     log-probabilities; differentiable with respect to the student input, weight and bias.
     token_weights and options: those of fused_linear_jsd_loss, and missing_mass; static under
     jit. On the GPU it runs capturable on XLA's stream, as fused_linear_jsd_loss does."""
-    return _loss(_topk, (token_weights, teacher_indices, teacher_logprobs), student_input, student_weight,
+    return _loss(_topk, (token_weights, None, teacher_indices, teacher_logprobs), student_input, student_weight,
                  student_bias, target, _check_options(options, TopKOptions))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
 def _loss(forward, teacher, student_input, student_weight, student_bias, target, options):
     """forward's loss: the student's arrays, the target, then the rows' other arrays (the token
-    weights, the teacher's: a tuple, given no gradient)."""
+    weights, the row scales: None here, the teacher's; a tuple, given no gradient)."""
     student = (student_input, student_weight, student_bias)
     return _call(forward, options, False, (*student, target, *teacher), student)[0]
 
 
 def _loss_fwd(forward, teacher, student_input, student_weight, student_bias, target, options):
     student = (student_input, student_weight, student_bias)
+    if dict(options).get("reduction") == "none":  # grad_output [T] is known only in backward
+        return _call(forward, options, False, (*student, target, *teacher), student)[0], (student, target, teacher)
     loss, *grads = _call(forward, options, True, (*student, target, *teacher), student)
     return loss, (tuple(grads), teacher)
 
 
 def _loss_bwd(forward, options, residuals, g):
-    (grad_input, grad_weight, *grad_bias), teacher = residuals
+    no_teacher_grad = jax.tree_util.tree_map(lambda a: None, residuals[-1])
+    if dict(options).get("reduction") == "none":  # the call again, as the rows' sum times g
+        student, target, (weights, _, *teacher) = residuals
+        sums = tuple(sorted(dict(options, reduction="sum").items()))
+        grad_input, grad_weight, *grad_bias = _call(forward, sums, True, (*student, target, weights, g, *teacher),
+                                                    student)[1:]
+        return no_teacher_grad, grad_input, grad_weight, grad_bias[0] if grad_bias else None, None
+    (grad_input, grad_weight, *grad_bias), _ = residuals
     scale = lambda a: (a * g).astype(a.dtype)  # noqa: E731
-    no_teacher_grad = jax.tree_util.tree_map(lambda a: None, teacher)
     return (no_teacher_grad, scale(grad_input), scale(grad_weight), scale(grad_bias[0]) if grad_bias else None,
             None)
 

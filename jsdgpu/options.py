@@ -94,7 +94,7 @@ class LossOptions:
 
 
 MISSING_MASS = ("bucket", "renormalize")
-REDUCTIONS = ("mean", "sum")  # "none" (the rows' own losses, issue 51) is not built yet
+REDUCTIONS = ("mean", "sum", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +121,8 @@ class RunOptions:
     (and grad_bias) in float32, as accumulated, instead of the student's dtype.
     num_valid_tokens: the N that the summed row losses are divided by, in place of this call's
     count of valid rows (give every part of a batch the whole batch's count, and the parts add
-    up to the whole). reduction: "mean" (the summed row losses over N) or "sum" (not divided:
-    N = 1, with no num_valid_tokens). vocab_parallel: a communicator over ranks that each hold a shard of the
+    up to the whole). reduction: "mean" (the summed row losses over N), "sum" (not divided: N =
+    1, with no num_valid_tokens) or "none" (each row's own loss, an array [T]). vocab_parallel: a communicator over ranks that each hold a shard of the
     vocabulary (jsdgpu.parallel). capturable: no host synchronization anywhere in forward and
     backward, so that a CUDA graph can capture them (every row computed, the ignored ones masked;
     a bad target gives a NaN loss and ctx.bad_target_row, not ValueError); None: while the
@@ -149,19 +149,16 @@ class RunOptions:
         object.__setattr__(self, "compute_grad", _flag("compute_grad", self.compute_grad))
         object.__setattr__(self, "grad_weight_float32", _flag("grad_weight_float32", self.grad_weight_float32))
         object.__setattr__(self, "capturable", _flag("capturable", self.capturable, none_allowed=True))
-        if self.reduction == "none":
-            raise NotImplementedError("reduction='none' (the rows' own losses) is not built yet: use 'mean' or "
-                                      "'sum' (docs/contract.md, \"Options\")")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {self.reduction!r}")
-        if self.reduction == "sum" and self.num_valid_tokens is not None:
-            raise ValueError("num_valid_tokens divides a mean: it has no meaning with reduction='sum'")
+        if self.reduction != "mean" and self.num_valid_tokens is not None:
+            raise ValueError(f"num_valid_tokens divides a mean: it has no meaning with reduction={self.reduction!r}")
 
     @property
     def given_divisor(self):
-        """N where the call does not count it: num_valid_tokens, 1 for a sum; None (the valid rows'
-        count)."""
-        return 1.0 if self.reduction == "sum" else self.num_valid_tokens
+        """N where the call does not count it: num_valid_tokens, 1 where nothing is divided (a sum,
+        the rows' own losses); None (the valid rows' count)."""
+        return self.num_valid_tokens if self.reduction == "mean" else 1.0
 
     def normalizer(self, n_valid):
         """N, the divisor of the summed row losses (divisor)."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import checks
 from .ahead import FirstProduct, expects_all_valid
-from .call import Context, backend_for, backward, bridged, float32_weights, runs_capturable, weighted_loss
+from .call import Context, backend_for, backward, bridged, forward_rows, runs_capturable, weighted_loss
 from .engine import ChunkLoss, chunk_g, run
 from .options import TopKOptions, backend_budget, split_options
 
@@ -35,15 +35,18 @@ def forward_topk(student_input, student_weight, teacher_indices, teacher_logprob
 
 
 def forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias,
-                      loss_opts, run_opts, token_weights=None):
-    """forward_topk with its options as a TopKOptions and a RunOptions."""
+                      loss_opts, run_opts, token_weights=None, row_scales=None):
+    """forward_topk with its options as a TopKOptions and a RunOptions (row_scales: as
+    api.forward_with's)."""
     arrays = dict(student_input=student_input, student_weight=student_weight, teacher_indices=teacher_indices,
                   teacher_logprobs=teacher_logprobs, target=target, student_bias=student_bias,
-                  token_weights=token_weights)
+                  token_weights=token_weights, row_scales=row_scales)
     return bridged(arrays, lambda native: _forward_topk(native, loss_opts, run_opts))
 
 
 def _forward_topk(arrays, opts, run_opts):
+    if run_opts.reduction == "none" and run_opts.compute_grad:
+        return forward_rows(_forward_topk, arrays, opts, run_opts)
     # first of all, where this call is like the last: its first product (ahead.FirstProduct)
     first = FirstProduct(("topk", run_opts), arrays["student_input"], arrays["student_weight"])
     kind = checks.check_topk_arrays(arrays)
@@ -59,7 +62,7 @@ def _forward_topk(arrays, opts, run_opts):
         xs = xp.ascontiguousarray(xs)
         ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) below
         loss_rows = TopKLoss(backend, xs, arrays, opts, run_opts, capturable)
-        loss_rows.token_weights = float32_weights(xp, arrays["token_weights"])
+        loss_rows.token_weights, loss_rows.row_scales = arrays["token_weights"], arrays.get("row_scales")
         hard, soft, grads, rows = run(loss_rows, xs, ids, first)
         loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend, run_opts.grad_weight_float32,

@@ -46,25 +46,27 @@ def _fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor,
                       teacher_bias: torch.Tensor | None, weight_hard_loss: float, weight_soft_loss: float,
                       beta: float, temperature: float, ignore_index: int, chunk_size: int | None,
                       num_valid_tokens: float | None, compute_grad: bool, compute_dtype: torch.dtype | None,
-                      token_weights: torch.Tensor | None, reduction: str) -> tuple[
+                      token_weights: torch.Tensor | None, reduction: str, row_scales: torch.Tensor | None) -> tuple[
                           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, soft_loss, hard_loss, grad_input, grad_weight, grad_bias) for grad_output 1, the
-    gradients empty without compute_grad (or without a bias). student_input [T, Hs], target and
-    token_weights [T]; compute_dtype: autocast's dtype, or None for the tensors' own."""
+    gradients empty without compute_grad (or without a bias). student_input [T, Hs], target,
+    token_weights and row_scales [T] (row_scales: backward's, of reduction "none": _backward);
+    compute_dtype: autocast's dtype, or None for the tensors' own."""
     loss, ctx = _online(student_input, student_weight, teacher_input, teacher_weight, target, student_bias,
                         teacher_bias, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index),
-                        chunk_size, num_valid_tokens, compute_grad, compute_dtype, None, token_weights, reduction)
+                        chunk_size, num_valid_tokens, compute_grad, compute_dtype, None, token_weights, reduction,
+                        row_scales)
     return _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
 
 
 def _online(xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_tokens, compute_grad, compute_dtype,
-            vocab_parallel=None, token_weights=None, reduction="mean"):
+            vocab_parallel=None, token_weights=None, reduction="mean", row_scales=None):
     """jsdgpu.forward on the tensors, the inputs and weights cast to compute_dtype (autocast's;
     None: as they are): (loss, jsdgpu ctx). options: the LossOptions' fields in order."""
     cast = _caster(compute_dtype)
     return api.forward_with(cast(xs), cast(ws), cast(xt), cast(wt), target, bs, bt, _loss_options(*options),
                             _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, vocab_parallel,
-                                         reduction), token_weights)
+                                         reduction), token_weights, row_scales)
 
 
 @functools.lru_cache(maxsize=64)  # the options' checks, once per set of values
@@ -105,13 +107,14 @@ def _caster(compute_dtype):
 @_fused_linear_jsd.register_fake
 def _fake_online(student_input, student_weight, teacher_input, teacher_weight, target, student_bias, teacher_bias,
                  weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens,
-                 compute_grad, compute_dtype, token_weights, reduction):
-    return _fake_outputs(student_input, student_weight, student_bias, compute_grad)
+                 compute_grad, compute_dtype, token_weights, reduction, row_scales):
+    return _fake_outputs(student_input, student_weight, student_bias, compute_grad, reduction)
 
 
-def _fake_outputs(student_input, student_weight, student_bias, compute_grad):
+def _fake_outputs(student_input, student_weight, student_bias, compute_grad, reduction):
     """The loss operators' outputs' shapes and dtypes (for torch.compile and opcheck)."""
-    scalar = lambda: student_input.new_empty((), dtype=torch.float32)  # noqa: E731
+    rows = (student_input.shape[0],) if reduction == "none" else ()  # the loss and its parts
+    scalar = lambda: student_input.new_empty(rows, dtype=torch.float32)  # noqa: E731
     empty = lambda: student_input.new_empty(0, dtype=torch.float32)  # noqa: E731
     if not compute_grad:
         return scalar(), scalar(), scalar(), empty(), empty(), empty()
@@ -121,7 +124,7 @@ def _fake_outputs(student_input, student_weight, student_bias, compute_grad):
 
 # The two loss operators' inputs, by position (their signatures share it: the student's
 # tensors, then compute_grad's place; checked below, as each is registered)
-_N_INPUTS, _COMPUTE_GRAD = 18, 14
+_N_INPUTS, _COMPUTE_GRAD, _REDUCTION, _ROW_SCALES = 19, 14, 17, 18
 # the differentiable inputs' positions: the student's input, weight and bias
 _STUDENT_INPUT, _STUDENT_WEIGHT, _STUDENT_BIAS = 0, 1, 5
 
@@ -130,21 +133,43 @@ def _check_positions(fake):
     """The positions above are those of the operator's parameters (its fake function's, which
     are the operator's own)."""
     names = list(inspect.signature(fake).parameters)
-    assert len(names) == _N_INPUTS and names[_COMPUTE_GRAD] == "compute_grad", names
+    assert len(names) == _N_INPUTS and [names[i] for i in (_COMPUTE_GRAD, _REDUCTION, _ROW_SCALES)] == [
+        "compute_grad", "reduction", "row_scales"], names
     assert [names[i] for i in (_STUDENT_INPUT, _STUDENT_WEIGHT, _STUDENT_BIAS)] == [
         "student_input", "student_weight", "student_bias"], names
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.has_grads = inputs[_COMPUTE_GRAD]
-    ctx.mark_non_differentiable(*output[3:])  # the gradients: no graph of their own
-    ctx.save_for_backward(*output[3:])
+def _autograd(op):
+    """op's setup_context: the gradients computed in forward saved, or with reduction "none" (its
+    forward computes none: grad_output [T] is known only in backward) the inputs, for backward to
+    call op again as the rows' sum times grad_output (row_scales)."""
+    def setup_context(ctx, inputs, output):
+        ctx.has_grads, ctx.rows = inputs[_COMPUTE_GRAD], inputs[_REDUCTION] == "none"
+        ctx.mark_non_differentiable(*output[3:])  # the gradients: no graph of their own
+        if not ctx.rows:
+            ctx.save_for_backward(*output[3:])
+            return
+        ctx.op, ctx.tensor_at = op, [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
+        ctx.inputs = [None if i in ctx.tensor_at else a for i, a in enumerate(inputs)]
+        ctx.save_for_backward(*(inputs[i] for i in ctx.tensor_at))
+    return setup_context
 
 
 def _backward(ctx, grad_loss, grad_soft, grad_hard, *unused):
     """The gradients computed in forward, times the loss's grad_output (the parts' own
-    gradients, where they are wanted, come from calls of their own: _operator_loss)."""
+    gradients, where they are wanted, come from calls of their own: _operator_loss); with
+    reduction "none", those of the op called again (_autograd)."""
     grads = [None] * _N_INPUTS
+    if ctx.rows:
+        if any(ctx.needs_input_grad[i] for i in (_STUDENT_INPUT, _STUDENT_WEIGHT, _STUDENT_BIAS)):
+            inputs = list(ctx.inputs)
+            for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
+                inputs[i] = t
+            inputs[_COMPUTE_GRAD], inputs[_REDUCTION], inputs[_ROW_SCALES] = True, "sum", grad_loss
+            gi, gw, gb = ctx.op(*inputs)[3:]
+            grads[_STUDENT_INPUT], grads[_STUDENT_WEIGHT] = gi, gw
+            grads[_STUDENT_BIAS] = gb if gb.numel() else None
+        return tuple(grads)
     if not ctx.has_grads:  # the wrapper asks for none only where no student tensor requires one
         return tuple(grads)
     gi, gw, gb = ctx.saved_tensors
@@ -158,7 +183,7 @@ def _backward(ctx, grad_loss, grad_soft, grad_hard, *unused):
 
 
 _check_positions(_fake_online)
-_fused_linear_jsd.register_autograd(_backward, setup_context=_setup_context)
+_fused_linear_jsd.register_autograd(_backward, setup_context=_autograd(_fused_linear_jsd))
 
 
 def _runs_eagerly(*tensors):
@@ -245,9 +270,18 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
                                                 reduction),
                                 xs, student_weight, student_bias)
         return _fused_linear_jsd(xs, student_weight, xt, teacher_weight, target, student_bias, teacher_bias, w_hard,
-                                 w_soft, *options[2:], chunk_size, num_valid_tokens, with_grads, compute_dtype,
-                                 weights, reduction)
-    return _operator_loss(call, options, compute_grad, return_soft_hard_loss)
+                                 w_soft, *options[2:], chunk_size, num_valid_tokens,
+                                 with_grads and reduction != "none", compute_dtype, weights, reduction, None)
+    return _rows_shaped(_operator_loss(call, options, compute_grad, return_soft_hard_loss), reduction, true_labels)
+
+
+def _rows_shaped(result, reduction, labels):
+    """The loss (or loss, soft, hard) of reduction "none" in the labels' shape; else as it is.
+    (The operators take "none" without gradients: their backward calls them again, _autograd.)"""
+    if reduction != "none":
+        return result
+    return result.reshape(labels.shape) if isinstance(result, torch.Tensor) else tuple(
+        r.reshape(labels.shape) for r in result)
 
 
 def _call_options(student_input, student_weight, student_bias, *loss_options):
@@ -330,35 +364,35 @@ def _fused_linear_topk_jsd(student_input: torch.Tensor, student_weight: torch.Te
                            missing_mass: str, weight_hard_loss: float, weight_soft_loss: float, beta: float,
                            temperature: float, ignore_index: int, chunk_size: int | None,
                            num_valid_tokens: float | None, compute_grad: bool, compute_dtype: torch.dtype | None,
-                           token_weights: torch.Tensor | None, reduction: str) -> tuple[
+                           token_weights: torch.Tensor | None, reduction: str, row_scales: torch.Tensor | None) -> tuple[
                                torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As jsdgpu::fused_linear_jsd, against the teacher's top-k (jsdgpu.forward_topk): the same
     outputs, and the same positions of the student's tensors and of compute_grad, so that the
     two operators share their autograd rule."""
     loss, ctx = _topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias,
                       missing_mass, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index), chunk_size,
-                      num_valid_tokens, compute_grad, compute_dtype, token_weights, reduction)
+                      num_valid_tokens, compute_grad, compute_dtype, token_weights, reduction, row_scales)
     return _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
 
 
 def _topk(xs, ws, ids, lq, target, bs, missing_mass, options, chunk_size, num_valid_tokens, compute_grad,
-          compute_dtype, token_weights=None, reduction="mean"):
+          compute_dtype, token_weights=None, reduction="mean", row_scales=None):
     """jsdgpu.forward_topk on the tensors, as _online."""
     cast = _caster(compute_dtype)
     return topk.forward_topk_with(cast(xs), cast(ws), ids, lq, target, bs, _topk_options(*options, missing_mass),
                                   _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, None, reduction),
-                                  token_weights)
+                                  token_weights, row_scales)
 
 
 @_fused_linear_topk_jsd.register_fake
 def _fake_topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias, missing_mass,
                weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens,
-               compute_grad, compute_dtype, token_weights, reduction):
-    return _fake_outputs(student_input, student_weight, student_bias, compute_grad)
+               compute_grad, compute_dtype, token_weights, reduction, row_scales):
+    return _fake_outputs(student_input, student_weight, student_bias, compute_grad, reduction)
 
 
 _check_positions(_fake_topk)
-_fused_linear_topk_jsd.register_autograd(_backward, setup_context=_setup_context)
+_fused_linear_topk_jsd.register_autograd(_backward, setup_context=_autograd(_fused_linear_topk_jsd))
 
 
 def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, teacher_logprobs, true_labels,
@@ -391,9 +425,9 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
                                               with_grads, compute_dtype, weights, reduction),
                                 xs, student_weight, student_bias)
         return _fused_linear_topk_jsd(xs, student_weight, ids, lq, target, student_bias, missing_mass, w_hard, w_soft,
-                                      *options[2:], chunk_size, num_valid_tokens, with_grads, compute_dtype, weights,
-                                      reduction)
-    return _operator_loss(call, options, compute_grad, return_soft_hard_loss)
+                                      *options[2:], chunk_size, num_valid_tokens, with_grads and reduction != "none",
+                                      compute_dtype, weights, reduction, None)
+    return _rows_shaped(_operator_loss(call, options, compute_grad, return_soft_hard_loss), reduction, true_labels)
 
 
 class FusedLinearTopKJSDLoss(torch.nn.Module):

@@ -129,12 +129,45 @@ def test_bad_weights_raise(xp, rng, bad, error, loss):
 
 def test_reductions_checked(rng):
     case = make_case(rng, T=3)
-    with pytest.raises(NotImplementedError, match="none"):
-        jsdgpu.forward(**case, reduction="none")
     with pytest.raises(ValueError, match="reduction"):
         jsdgpu.forward(**case, reduction="average")
-    with pytest.raises(ValueError, match="num_valid_tokens"):
-        jsdgpu.forward(**case, reduction="sum", num_valid_tokens=4)
+    for reduction in ("sum", "none"):
+        with pytest.raises(ValueError, match="num_valid_tokens"):
+            jsdgpu.forward(**case, reduction=reduction, num_valid_tokens=4)
+
+
+@pytest.mark.parametrize("loss", ["online", "topk"])
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("chunk_size,memory_budget", [(None, None), (4, 1)])
+def test_rows_own_losses_against_float64(xp, rng, loss, capturable, chunk_size, memory_budget):
+    """reduction "none": the loss, hard and soft parts per row ([T], 0 where ignored) and the
+    gradients of backward(grad_output [T]) (a random upstream gradient, negative entries too) as
+    the float64 reference's; a scalar grad_output is each row's; a grad_output of another shape
+    raises."""
+    T = int(rng.integers(1, 25))
+    if loss == "online":
+        case, call, reference = make_case(rng, T=T, bias=True, ignored=0.3), jsdgpu.forward, jsdgpu.reference
+    else:
+        case, call, reference = make_topk_case(rng, T=T), jsdgpu.forward_topk, jsdgpu.reference_topk
+    case["token_weights"] = token_weights(rng, T, "mixed")
+    upstream = rng.standard_normal(T)
+    out, ctx = call(**to_xp(case, xp), reduction="none", capturable=capturable, chunk_size=chunk_size,
+                    memory_budget=memory_budget, beta=0.3)
+    grads = jsdgpu.backward(ctx, xp.asarray(upstream, dtype=np.float32))
+    ref = reference(**case, reduction="none", grad_output=upstream, beta=0.3)
+    for got, want in ((out, ref[0]), (ctx.hard_loss, ref[1]), (ctx.soft_loss, ref[2])):
+        assert got.shape == (T,)
+        np.testing.assert_allclose(to_numpy(got), want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, ref[3:]):
+        if want is not None:
+            assert rel_err(got, want) <= 1e-4, rel_err(got, want)
+    _, ctx = call(**to_xp(case, xp), reduction="none", beta=0.3)
+    whole = jsdgpu.backward(ctx, 2.0)
+    ref = reference(**case, reduction="none", grad_output=np.full(T, 2.0), beta=0.3)
+    assert rel_err(whole[1], ref[4]) <= 1e-4
+    _, ctx = call(**to_xp(case, xp), reduction="none", beta=0.3)
+    with pytest.raises(ValueError, match="grad_output"):
+        jsdgpu.backward(ctx, xp.ones(T + 1, np.float32))
 
 
 def test_a_weighted_mean_by_num_valid_tokens(xp, rng):
@@ -157,11 +190,12 @@ def device(request):
 
 @pytest.mark.parametrize("loss", ["online", "topk"])
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_torch_modules_take_weights_per_call(rng, device, loss, compiled, reduction):
     """FusedLinearJSDLoss(reduction=...)(..., token_weights=w) and the top-k module, inputs of
-    leading shape [2, 5], eager and under torch.compile(fullgraph=True): the loss and the
-    student's gradients as the float64 reference's."""
+    leading shape [2, 5], eager and under torch.compile(fullgraph=True): the loss (with "none",
+    [2, 5], backpropagated with a random upstream gradient) and the student's gradients as the
+    float64 reference's."""
     torch = pytest.importorskip("torch")
     jtorch = pytest.importorskip("jsdgpu.torch")
     T = 10
@@ -186,9 +220,14 @@ def test_torch_modules_take_weights_per_call(rng, device, loss, compiled, reduct
         torch._dynamo.reset()
         call = torch.compile(call, fullgraph=True)
     out = call(*args, token_weights=torch.from_numpy(w).to(device).reshape(2, 5))
-    out.backward()
-    ref = reference(**case, token_weights=w, reduction=reduction, beta=0.3)
-    assert abs(float(out.detach()) - ref[0]) <= 1e-5 * max(1.0, abs(ref[0]))
+    upstream = rng.standard_normal(T) if reduction == "none" else None
+    if upstream is None:
+        out.backward()
+    else:
+        assert out.shape == (2, 5)
+        (out * torch.from_numpy(upstream).float().to(device).reshape(2, 5)).sum().backward()
+    ref = reference(**case, token_weights=w, reduction=reduction, beta=0.3, grad_output=upstream)
+    np.testing.assert_allclose(out.detach().cpu().numpy().ravel(), np.ravel(ref[0]), rtol=1e-5, atol=1e-6)
     for t, want in zip((ts[0], ts[1], ts[len(ts) - 1 if loss == "topk" else 5]), ref[3:]):
         assert rel_err(t.grad.cpu().numpy(), want) <= 1e-4
 
@@ -203,11 +242,12 @@ def jax_device(request):
 
 
 @pytest.mark.parametrize("loss", ["online", "topk"])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_jax_weights_under_jit(rng, jax_device, loss, reduction):
     """jax.jit(jax.value_and_grad(...)) with the token weights a traced argument: the loss and the
     student's gradients as the float64 reference's, new weights at the second call (no retrace
-    needed for them) too."""
+    needed for them) too; "none" through a random upstream gradient (the rows' losses times it,
+    summed)."""
     jax = pytest.importorskip("jax")
     jjax = pytest.importorskip("jsdgpu.jax")
     T = 9
@@ -221,15 +261,20 @@ def test_jax_weights_under_jit(rng, jax_device, loss, reduction):
     put = lambda name: jax.device_put(jax.numpy.asarray(case[name]), jax_device)  # noqa: E731
     teacher, target = [put(n) for n in others], put("target")
 
+    upstream = rng.standard_normal(T).astype(np.float32)
+
     def f(xs, ws, bs, w):
         teacher_bias = (put("teacher_bias"),) if loss == "online" else ()
-        return fn(xs, ws, *teacher, target, bs, *teacher_bias, token_weights=w, beta=0.3, reduction=reduction)
+        out = fn(xs, ws, *teacher, target, bs, *teacher_bias, token_weights=w, beta=0.3, reduction=reduction)
+        return (out * jax.numpy.asarray(upstream)).sum() if reduction == "none" else out
     step = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
     for _ in range(2):
         w = token_weights(rng, T, "mixed")
         value, grads = step(put("student_input"), put("student_weight"), put("student_bias"),
                             jax.device_put(jax.numpy.asarray(w), jax_device))
-        ref = reference(**case, token_weights=w, reduction=reduction, beta=0.3)
-        assert abs(float(value) - ref[0]) <= 1e-5 * max(1.0, abs(ref[0]))
+        ref = reference(**case, token_weights=w, reduction=reduction, beta=0.3,
+                        grad_output=upstream.astype(np.float64) if reduction == "none" else None)
+        want = float((ref[0] * upstream).sum()) if reduction == "none" else ref[0]
+        assert abs(float(value) - want) <= 1e-5 * max(1.0, abs(want))
         for got, want in zip(grads, ref[3:]):
             assert rel_err(np.asarray(got), want) <= 1e-4

@@ -868,10 +868,10 @@ def test_torch_opcheck(rng, torch_device):
             t["student_bias"])
     weights = torch.from_numpy(rng.uniform(0.0, 2.0, 5).astype(np.float32)).to(t["target"].device)
     for compute_grad, token_weights, reduction in ((True, None, "mean"), (False, None, "mean"),
-                                                    (True, weights, "sum")):
+                                                    (True, weights, "sum"), (False, weights, "none")):
         torch.library.opcheck(torch.ops.jsdgpu.fused_linear_topk_jsd.default,
                               (*args, "bucket", 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None,
-                               token_weights, reduction))
+                               token_weights, reduction, None))
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])

@@ -363,10 +363,13 @@ def test_opcheck(rng, device):
     case = make_case(rng, T=5, bias=True, ignored=0.2)
     ts = tensors(case, device)
     weights = torch.from_numpy(rng.uniform(0.0, 2.0, 5).astype(np.float32)).to(device)
+    # the rows' own losses ("none") are computed without gradients: backward calls the operator
+    # again, as a sum with row_scales (tests/test_token_weights.py, compiled)
     for compute_grad, token_weights, reduction in ((True, None, "mean"), (False, None, "mean"),
-                                                    (True, weights, "sum")):
+                                                    (True, weights, "sum"), (False, weights, "none")):
         torch.library.opcheck(torch.ops.jsdgpu.fused_linear_jsd.default,
-                              (*ts, 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None, token_weights, reduction))
+                              (*ts, 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None, token_weights, reduction,
+                               None))
 
 
 # ---- data parallel: two CPU processes ----
