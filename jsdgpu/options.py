@@ -122,11 +122,11 @@ class RunOptions:
     num_valid_tokens: the N that the summed row losses are divided by, in place of this call's
     count of valid rows (give every part of a batch the whole batch's count, and the parts add
     up to the whole). reduction: "mean" (the summed row losses over N), "sum" (not divided: N =
-    1, with no num_valid_tokens) or "none" (each row's own loss, an array [T]). vocab_parallel: a communicator over ranks that each hold a shard of the
-    vocabulary (jsdgpu.parallel). capturable: no host synchronization anywhere in forward and
-    backward, so that a CUDA graph can capture them (every row computed, the ignored ones masked;
-    a bad target gives a NaN loss and ctx.bad_target_row, not ValueError); None: while the
-    current stream is capturing.
+    1, with no num_valid_tokens) or "none" (each row's own loss, an array [T]). vocab_parallel:
+    a communicator over ranks that each hold a shard of the vocabulary (jsdgpu.parallel).
+    capturable: no host synchronization anywhere in forward and backward, so that a CUDA graph
+    can capture them (every row computed, the ignored ones masked; a bad target gives a NaN loss
+    and ctx.bad_target_row, not ValueError); None: while the current stream is capturing.
     """
     chunk_size: int = None
     memory_budget: int = None

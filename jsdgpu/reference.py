@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from .options import LossOptions
+from .options import REDUCTIONS, LossOptions
 
 
 def row_logsumexp(x):
@@ -68,9 +68,6 @@ def model_logits(raw, scale=1.0, softcap=None):
 def _student_gradients(G, xs, ws, bs):
     """(grad_input, grad_weight, grad_bias) from G, the gradient in the student's logits."""
     return G @ ws, G.T @ xs, None if bs is None else G.sum(axis=0)
-
-
-REDUCTIONS = ("mean", "sum", "none")
 
 
 def _reduced_loss(xp, opts, valid, n, ce, soft, d_hard, dz, token_weights=None, reduction="mean",

@@ -242,10 +242,10 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
                           vocab_parallel=None, token_weights=None, reduction="mean"):
     """The loss as a function (see FusedLinearJSDLoss): inputs [..., H], labels and token_weights
     [...]. num_valid_tokens: N for the mean (a whole batch's count of valid tokens, for data
-    parallelism); token_weights, reduction ("mean" or "sum"): jsdgpu.forward's; vocab_parallel: a
-    torch.distributed process group (jsdgpu.parallel), or a 1-D DeviceMesh over which the heads are
-    DTensors sharded by the vocabulary's rows (tensor parallelism); else a weight or bias may be a
-    DTensor that FSDP2 shards (jsdgpu.torch_sharding)."""
+    parallelism); token_weights, reduction ("none": the loss in the labels' shape): jsdgpu.forward's;
+    vocab_parallel: a torch.distributed process group (jsdgpu.parallel), or a 1-D DeviceMesh over
+    which the heads are DTensors sharded by the vocabulary's rows (tensor parallelism); else a
+    weight or bias may be a DTensor that FSDP2 shards (jsdgpu.torch_sharding)."""
     plain, vocab_parallel = plain_inputs(
         vocab_parallel, student_input=student_input, student_weight=student_weight, teacher_input=teacher_input,
         teacher_weight=teacher_weight, true_labels=true_labels, student_bias=student_bias, teacher_bias=teacher_bias)
@@ -364,7 +364,8 @@ def _fused_linear_topk_jsd(student_input: torch.Tensor, student_weight: torch.Te
                            missing_mass: str, weight_hard_loss: float, weight_soft_loss: float, beta: float,
                            temperature: float, ignore_index: int, chunk_size: int | None,
                            num_valid_tokens: float | None, compute_grad: bool, compute_dtype: torch.dtype | None,
-                           token_weights: torch.Tensor | None, reduction: str, row_scales: torch.Tensor | None) -> tuple[
+                           token_weights: torch.Tensor | None, reduction: str,
+                           row_scales: torch.Tensor | None) -> tuple[
                                torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As jsdgpu::fused_linear_jsd, against the teacher's top-k (jsdgpu.forward_topk): the same
     outputs, and the same positions of the student's tensors and of compute_grad, so that the
