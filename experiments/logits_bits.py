@@ -21,13 +21,10 @@ import json
 import os
 import sys
 
-import cupy
 import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from jsdgpu.cuda import products  # noqa: E402
-from jsdgpu.cuda.backend import leading_dim  # noqa: E402
 
 ROWS = (44, 256, 300, 512, 1024, 2048)
 # cublasLtMatmulAlgoConfigAttributes_t: name -> (number, bytes)
@@ -36,6 +33,7 @@ CONFIG = {"id": (0, 4), "tile": (1, 4), "splitk": (2, 4), "reduction": (3, 4), "
 
 
 def config(lib, algo):
+    """cuBLASLt's configuration of algo, by CONFIG's names (None where it has none)."""
     get = lib.cublasLtMatmulAlgoConfigGetAttribute
     get.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     out = {}
@@ -47,6 +45,7 @@ def config(lib, algo):
 
 
 def timed(run, reps=20):
+    import cupy
     run()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     start.record()
@@ -62,6 +61,10 @@ def main():
     p.add_argument("--shapes", nargs="+", default=["128256x2048", "128256x4096", "523x16", "1000x100"])
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    import cupy  # the GPU is needed from here on
+
+    from jsdgpu.cuda import products
+    from jsdgpu.cuda.backend import leading_dim
     bf16 = np.dtype(ml_dtypes.bfloat16)
     rng = np.random.default_rng(0)
     report = []
