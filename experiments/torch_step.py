@@ -55,7 +55,7 @@ def variants(sets):
         xs, ws, xt, wt, target = tsets[i]
         with torch.no_grad():
             torch.ops.jsdgpu.fused_linear_jsd(xs, ws, xt, wt, target, None, None, 0.5, 0.5, 0.5, 1.0, -100, None,
-                                              None, True, None, None, "mean", None)
+                                              None, True, None, None, "mean", None, 1.0, 1.0, None, None)
 
     loss_fn = jtorch.FusedLinearJSDLoss()
 

@@ -106,9 +106,10 @@ class Backend(Protocol):
     def bytes_per_row(self, vs, vt, dtype, compute_grad, fused):
         """(logits, G held for all rows, G per chunk) bytes per row."""
 
-    def prepare(self, ws, wt, bs, bt, rows, fused, logits_s=None) -> Work:
+    def prepare(self, ws, wt, bs, bt, rows, fused, logits_s=None, models=None) -> Work:
         """The buffers for chunks of `rows` rows; logits_s: the student logits' buffer, where
-        logits_ahead made it."""
+        logits_ahead made it; models: LossOptions.models, where the logits are taken as the
+        models' (model_logits)."""
 
     def gradient_rows(self, work, g_rows, own_g):
         """G's memory for g_rows rows (own_g: apart from the logits, as G held for all rows)."""
@@ -116,6 +117,15 @@ class Backend(Protocol):
     def logits(self, work, xs, xt, at=0, student=True):
         """The student and teacher logits of the chunk's rows [at, at + len(xs)) into work (the
         teacher's alone where not student: the student's were queued ahead)."""
+
+    def model_logits(self, work, rows, models):
+        """The chunk's first `rows` rows of both logits as the models' (LossOptions.models: each
+        model's scale times its biased logits, then soft-capped), in place, before the row work."""
+
+    def model_gradient(self, work, G, model, target, label_terms):
+        """After the row work: G, the gradient in the student's logits as its model's (model: its
+        (scale, cap)), to the gradient in its raw logits (times the scale and the cap's
+        derivative), in place, with the rows' label terms at their labels."""
 
     def fused_rows(self, work, target, opts, ce, jsd, G, label_terms):
         """The whole row work in one kernel (where work.fused)."""
@@ -170,10 +180,14 @@ class Backend(Protocol):
     def topk_chunk_rows(self, own):
         """The most rows a chunk of the top-k loss takes (None: as many as the budget allows)."""
 
-    def topk_prepare(self, ws, bs, rows, logits_s=None, own=False, k=None):
+    def topk_prepare(self, ws, bs, rows, logits_s=None, own=False, k=None, model=None):
         """The buffers for chunks of `rows` rows of one head (the student's, or teacher_topk's
         teacher's): ws, and what the gradient steps above need of it (logits_s as prepare's); own:
-        the own product's for k slots a row instead of the logits."""
+        the own product's for k slots a row instead of the logits; model: its (scale, cap) where
+        the logits are taken as the model's (topk_model_logits)."""
+
+    def topk_model_logits(self, work, rows, model):
+        """The chunk's first `rows` rows of the head's logits as its model's, in place."""
 
     def topk_gradient_rows(self, work, g_rows):
         """G's memory for g_rows rows, apart from the logits."""

@@ -26,10 +26,15 @@ class OnlineLoss(ChunkLoss):
         self.vocab = self.vs if shard is None else shard.vs_total
         # every rank must cut the same chunks: size them by the largest shard
         widest = (self.vs, wt.shape[0]) if shard is None else (shard.max_vs, shard.max_vt)
-        self.per_row = backend.bytes_per_row(*widest, ws.dtype, run_opts.compute_grad, fused=self.comm is None)
+        # the models' logits (scaled, soft-capped) stay in place through the row work, for their
+        # gradient after it: G apart from them, not written over them by the fused kernel
+        self.models = opts.models
+        self.per_row = backend.bytes_per_row(*widest, ws.dtype, run_opts.compute_grad,
+                                             fused=self.comm is None and self.models is None)
 
     def prepare(self, most, buffers):
-        self.work = self.backend.prepare(self.ws, self.wt, self.bs, self.bt, most, fused=self.comm is None, **buffers)
+        self.work = self.backend.prepare(self.ws, self.wt, self.bs, self.bt, most, fused=self.comm is None,
+                                         models=self.models, **buffers)
 
     def products(self, xs, xt, at=0, student=True):
         self.backend.logits(self.work, xs, xt, at, student)
@@ -44,14 +49,24 @@ class OnlineLoss(ChunkLoss):
         return xp.where(owned, target - shard.v0, -1).astype(np.int32)
 
     def gradient_rows(self, g_rows, hold_g):
-        return self.backend.gradient_rows(self.work, g_rows, own_g=hold_g)
+        return self.backend.gradient_rows(self.work, g_rows, own_g=hold_g or self.models is not None)
 
     def row_work(self, out, G, start, stop, xs, xt, target):
-        """The rows' results and, where G is not None, the gradient rows written into G."""
+        """The rows' results and, where G is not None, the gradient rows written into G: on the
+        models' logits where they are scaled or soft-capped (LossOptions.models), G then taken
+        back to the raw logits'."""
         _, ce, jsd, _, label_terms = out
-        backend, work, comm, opts = self.backend, self.work, self.comm, self.opts
+        backend, work, models = self.backend, self.work, self.models
         ce, jsd = ce[start:stop], jsd[start:stop]
         label_terms = None if label_terms is None else label_terms[start:stop]
+        if models is not None:
+            backend.model_logits(work, stop - start, models)
+        self._rows(work, target, ce, jsd, G, label_terms)
+        if models is not None and G is not None:
+            backend.model_gradient(work, G, models[0], target, label_terms)
+
+    def _rows(self, work, target, ce, jsd, G, label_terms):
+        backend, comm, opts = self.backend, self.comm, self.opts
         if work.fused:  # prepare gave the fused kernel only where there is no communicator
             backend.fused_rows(work, target, opts, ce, jsd, G, label_terms)
             return

@@ -58,12 +58,18 @@ def _flag(name, value, none_allowed=False):
 class LossOptions:
     """loss = weight_hard_loss * hard_loss + weight_soft_loss * soft_loss; the soft part's
     divergence by beta, on logits divided by temperature; rows whose target is ignore_index count
-    for nothing. Checked on construction (TypeError or ValueError naming the option)."""
+    for nothing. Each model's logits are z = scale (x @ W.T + b), then, where a soft cap c is
+    given, c tanh(z / c) (Gemma's final_logit_softcapping, Cohere's logit_scale). Checked on
+    construction (TypeError or ValueError naming the option)."""
     weight_hard_loss: float = 0.5
     weight_soft_loss: float = 0.5
     beta: float = 0.5
     temperature: float = 1.0
     ignore_index: int = -100
+    student_logit_scale: float = 1.0
+    teacher_logit_scale: float = 1.0
+    student_logit_softcap: float = None
+    teacher_logit_softcap: float = None
 
     def __post_init__(self):
         for name in ("weight_hard_loss", "weight_soft_loss", "beta", "temperature"):
@@ -73,6 +79,25 @@ class LossOptions:
         if self.temperature <= 0.0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         object.__setattr__(self, "ignore_index", _integer("ignore_index", self.ignore_index))
+        for who in ("student", "teacher"):
+            scale = _real(f"{who}_logit_scale", getattr(self, f"{who}_logit_scale"))
+            if scale <= 0.0:
+                raise ValueError(f"{who}_logit_scale must be > 0, got {scale}")
+            object.__setattr__(self, f"{who}_logit_scale", scale)
+            cap = getattr(self, f"{who}_logit_softcap")
+            if cap is not None:
+                cap = _real(f"{who}_logit_softcap", cap)
+                if cap <= 0.0:
+                    raise ValueError(f"{who}_logit_softcap must be > 0 or None, got {cap}")
+                object.__setattr__(self, f"{who}_logit_softcap", cap)
+
+    @property
+    def models(self):
+        """((scale, cap) of the student, of the teacher), or None where both are the plain logits
+        (scale 1, no cap): what the row work applies to the chunk's logits first."""
+        models = ((self.student_logit_scale, self.student_logit_softcap),
+                  (self.teacher_logit_scale, self.teacher_logit_softcap))
+        return None if models == ((1.0, None), (1.0, None)) else models
 
     @property
     def divergence(self):
@@ -106,6 +131,9 @@ class TopKOptions(LossOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        if (self.teacher_logit_scale, self.teacher_logit_softcap) != (1.0, None):
+            raise ValueError("teacher_logit_scale and teacher_logit_softcap have no meaning for the top-k loss: the "
+                             "stored log-probabilities are the teacher's (give them to teacher_topk)")
         if self.missing_mass not in MISSING_MASS:
             raise ValueError(f"missing_mass must be one of {', '.join(map(repr, MISSING_MASS))}, "
                              f"got {self.missing_mass!r}")

@@ -95,9 +95,11 @@ class TopKLoss(ChunkLoss):
         self.most_rows = backend.topk_chunk_rows(self.own)
         self.scales_g = backend.topk_scales_g(opts, self.ws.dtype)
         self.check = self.bad_topk_row = None
+        self.model = None if opts.models is None else opts.models[0]  # the student's (scale, cap), where not plain
 
     def prepare(self, most, buffers):
-        self.work = self.backend.topk_prepare(self.ws, self.bs, most, **buffers, own=self.own, k=self.k)
+        self.work = self.backend.topk_prepare(self.ws, self.bs, most, **buffers, own=self.own, k=self.k,
+                                              model=self.model)
 
     def select(self, after=None):
         """The top-k's checks, then the rows (a default call reads both at one wait)."""
@@ -137,6 +139,8 @@ class TopKLoss(ChunkLoss):
         reads nothing outside its row. (The head's product is queued: cuBLAS's by queue_head,
         the own one by queue_first, which this then always finishes, so that its buffers are
         clean again.)"""
+        if self.model is not None:  # its model_logits would stay on the head's logits where the guess
+            return                  # is wrong, and the loop's row work take them so again
         n_all = self.n_all
         hold_g = self.plan(n_all)[1]
         if self.ahead is None and expects_all_valid(n_all) and most == head:
@@ -163,12 +167,16 @@ class TopKLoss(ChunkLoss):
         """The rows' kernels (x, ids, target: theirs); with the own product, that product first
         where `product`."""
         _, ce, soft, grads, label_terms = out
-        backend, lq = self.backend, self.lq[start:stop]
+        backend, lq, model = self.backend, self.lq[start:stop], self.model
+        label_terms = None if label_terms is None else label_terms[start:stop]
         if self.own and product:
             backend.topk_own_logits(self.work, x, ids, lq, G)
+        if model is not None:  # the student's logits scaled or soft-capped, G taken back to the raw ones
+            backend.topk_model_logits(self.work, stop - start, model)
         backend.topk_rows(self.work, ids, lq, target, self.opts, self.missing_mass, ce[start:stop], soft[start:stop],
-                          G, None if label_terms is None else label_terms[start:stop],
-                          grads.g_scale[start:stop] if self.scales_g and grads is not None else None, x)
+                          G, label_terms, grads.g_scale[start:stop] if self.scales_g and grads is not None else None, x)
+        if model is not None and G is not None:
+            backend.model_gradient(self.work, G, model, target, label_terms)
 
     def input_product(self, out, G, start, stop):
         """G @ Ws of the rows, unscaled (1/N is known after the wait: grad_products scales it),
@@ -204,17 +212,21 @@ class TopKDistillLoss:
 
 
 def teacher_topk(teacher_input, teacher_weight, k, temperature=1.0, teacher_bias=None, *, chunk_size=None,
-                 memory_budget=None):
+                 memory_budget=None, logit_scale=1.0, logit_softcap=None):
     """(indices [T, k] int32, logprobs [T, k] float32): the k ids of the largest teacher logits of
     each row, by descending log-probability (ties: the lower id first), and their log-softmax at
-    temperature, chunk by chunk: the [T, V] logits are never held. NumPy or CuPy arrays in, the
+    temperature, chunk by chunk: the [T, V] logits are never held. The logits are the teacher
+    model's: logit_scale times x @ W.T + b, soft-capped by logit_softcap where given (as
+    LossOptions' teacher_logit_scale and teacher_logit_softcap). NumPy or CuPy arrays in, the
     same kind out (torch and JAX tensors through their bridges: jsdgpu.torch, jsdgpu.jax)."""
     arrays = dict(teacher_input=teacher_input, teacher_weight=teacher_weight, teacher_bias=teacher_bias)
     kind = checks.check_teacher_arrays(arrays)
     v = teacher_weight.shape[0]
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= v:
         raise ValueError(f"k must be an integer in [1, {v}] (the teacher's vocabulary), got {k!r}")
-    split_options(dict(temperature=temperature, chunk_size=chunk_size, memory_budget=memory_budget))  # checks
+    model = split_options(dict(temperature=temperature, chunk_size=chunk_size, memory_budget=memory_budget,
+                               teacher_logit_scale=logit_scale, teacher_logit_softcap=logit_softcap))[0].models
+    model = None if model is None else model[1]  # (the options' checks, before any work)
     backend = backend_for(kind)
     xp = backend.xp
     device = teacher_input.device.id if kind == "cupy" else None
@@ -223,12 +235,14 @@ def teacher_topk(teacher_input, teacher_weight, k, temperature=1.0, teacher_bias
         n = xt.shape[0]
         budget = backend_budget(memory_budget, backend)
         chunk = chunk_size or max(1, budget // backend.topk_bytes_per_row(v, wt.dtype, False)[0])
-        work = backend.topk_prepare(wt, teacher_bias, min(chunk, n))
+        work = backend.topk_prepare(wt, teacher_bias, min(chunk, n), model=model)
         ids = xp.empty((n, k), np.int32)
         logprobs = xp.empty((n, k), np.float32)
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             backend.head_logits(work, xt[start:stop])
+            if model is not None:
+                backend.topk_model_logits(work, stop - start, model)
             backend.teacher_topk_rows(work, stop - start, int(k), float(temperature), ids[start:stop],
                                       logprobs[start:stop])
     return ids, logprobs

@@ -34,6 +34,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import api, topk
 from .options import DEFAULTS, LossOptions, RunOptions, TopKOptions
+from .torch_bridge import autocast_dtype, caster, check_dtypes
 from .torch_bridge import current_stream, from_native, to_native  # noqa: F401 (the bridge call.py uses)
 from .torch_sharding import plain_inputs
 
@@ -46,14 +47,19 @@ def _fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor,
                       teacher_bias: torch.Tensor | None, weight_hard_loss: float, weight_soft_loss: float,
                       beta: float, temperature: float, ignore_index: int, chunk_size: int | None,
                       num_valid_tokens: float | None, compute_grad: bool, compute_dtype: torch.dtype | None,
-                      token_weights: torch.Tensor | None, reduction: str, row_scales: torch.Tensor | None) -> tuple[
+                      token_weights: torch.Tensor | None, reduction: str, row_scales: torch.Tensor | None,
+                      student_logit_scale: float, teacher_logit_scale: float, student_logit_softcap: float | None,
+                      teacher_logit_softcap: float | None) -> tuple[
                           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, soft_loss, hard_loss, grad_input, grad_weight, grad_bias) for grad_output 1, the
     gradients empty without compute_grad (or without a bias). student_input [T, Hs], target,
     token_weights and row_scales [T] (row_scales: backward's, of reduction "none": _backward);
-    compute_dtype: autocast's dtype, or None for the tensors' own."""
+    compute_dtype: autocast's dtype, or None for the tensors' own; the models' scales and soft caps
+    last (LossOptions')."""
     loss, ctx = _online(student_input, student_weight, teacher_input, teacher_weight, target, student_bias,
-                        teacher_bias, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index),
+                        teacher_bias, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index,
+                                       student_logit_scale, teacher_logit_scale, student_logit_softcap,
+                                       teacher_logit_softcap),
                         chunk_size, num_valid_tokens, compute_grad, compute_dtype, None, token_weights, reduction,
                         row_scales)
     return _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
@@ -63,7 +69,7 @@ def _online(xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_token
             vocab_parallel=None, token_weights=None, reduction="mean", row_scales=None):
     """jsdgpu.forward on the tensors, the inputs and weights cast to compute_dtype (autocast's;
     None: as they are): (loss, jsdgpu ctx). options: the LossOptions' fields in order."""
-    cast = _caster(compute_dtype)
+    cast = caster(compute_dtype)
     return api.forward_with(cast(xs), cast(ws), cast(xt), cast(wt), target, bs, bt, _loss_options(*options),
                             _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, vocab_parallel,
                                          reduction), token_weights, row_scales)
@@ -75,9 +81,9 @@ def _loss_options(*options):
 
 
 @functools.lru_cache(maxsize=64)
-def _topk_options(*options):
-    """TopKOptions of the LossOptions' fields in order, then missing_mass."""
-    return TopKOptions(*options)
+def _topk_options(options, missing_mass):
+    """TopKOptions of the LossOptions' fields in order, and missing_mass."""
+    return TopKOptions(*options, missing_mass=missing_mass)
 
 
 @functools.lru_cache(maxsize=64)
@@ -99,15 +105,11 @@ def _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bia
     return loss, ctx.soft_loss, ctx.hard_loss, *grads
 
 
-def _caster(compute_dtype):
-    """The operands' cast to autocast's dtype (None: as they are)."""
-    return (lambda a: a) if compute_dtype is None else (lambda a: None if a is None else a.to(compute_dtype))
-
-
 @_fused_linear_jsd.register_fake
 def _fake_online(student_input, student_weight, teacher_input, teacher_weight, target, student_bias, teacher_bias,
                  weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens,
-                 compute_grad, compute_dtype, token_weights, reduction, row_scales):
+                 compute_grad, compute_dtype, token_weights, reduction, row_scales, student_logit_scale,
+                 teacher_logit_scale, student_logit_softcap, teacher_logit_softcap):
     return _fake_outputs(student_input, student_weight, student_bias, compute_grad, reduction)
 
 
@@ -124,14 +126,13 @@ def _fake_outputs(student_input, student_weight, student_bias, compute_grad, red
 
 # The two loss operators' inputs, by position (their signatures share it: the student's
 # tensors, then compute_grad's place; checked below, as each is registered)
-_N_INPUTS, _COMPUTE_GRAD, _REDUCTION, _ROW_SCALES = 19, 14, 17, 18
+_N_INPUTS, _COMPUTE_GRAD, _REDUCTION, _ROW_SCALES = 23, 14, 17, 18
 # the differentiable inputs' positions: the student's input, weight and bias
 _STUDENT_INPUT, _STUDENT_WEIGHT, _STUDENT_BIAS = 0, 1, 5
 
 
 def _check_positions(fake):
-    """The positions above are those of the operator's parameters (its fake function's, which
-    are the operator's own)."""
+    """The positions above are the operator's (its fake function's parameters are its own)."""
     names = list(inspect.signature(fake).parameters)
     assert len(names) == _N_INPUTS and [names[i] for i in (_COMPUTE_GRAD, _REDUCTION, _ROW_SCALES)] == [
         "compute_grad", "reduction", "row_scales"], names
@@ -217,32 +218,17 @@ class _Eager(torch.autograd.Function):
         return None, *(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
 
 
-def _check_dtypes(compute_dtype, *pairs):
-    """pairs: (name, input, weight); each pair of one dtype, outside autocast."""
-    if compute_dtype is None:
-        for name, x, w in pairs:
-            if x.dtype != w.dtype:
-                raise TypeError(f"the {name} input ({x.dtype}) and weight ({w.dtype}) must have the same dtype: "
-                                "cast one of them, or run the loss under torch.autocast, which computes in "
-                                "its 16-bit dtype and returns each gradient in its tensor's dtype")
-
-
-def _autocast_dtype(device_type):
-    """The operands' dtype under autocast on the device type, or None outside autocast."""
-    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
-
-
 def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_weight, true_labels,
                           student_bias=None, teacher_bias=None, *, weight_hard_loss=DEFAULTS.weight_hard_loss,
                           weight_soft_loss=DEFAULTS.weight_soft_loss, beta=DEFAULTS.beta,
                           ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
                           chunk_size=None, return_soft_hard_loss=False, num_valid_tokens=None,
-                          vocab_parallel=None, token_weights=None, reduction="mean"):
+                          vocab_parallel=None, token_weights=None, reduction="mean", student_logit_scale=1.0,
+                          teacher_logit_scale=1.0, student_logit_softcap=None, teacher_logit_softcap=None):
     """The loss as a function (see FusedLinearJSDLoss): inputs [..., H], labels and token_weights
     [...]. num_valid_tokens: N for the mean (a whole batch's count of valid tokens, for data
-    parallelism); token_weights, reduction ("none": the loss in the labels' shape): jsdgpu.forward's;
+    parallelism); token_weights, reduction ("none": the loss in the labels' shape), the models'
+    logit scales and soft caps: jsdgpu.forward's;
     vocab_parallel: a torch.distributed process group (jsdgpu.parallel), or a 1-D DeviceMesh over
     which the heads are DTensors sharded by the vocabulary's rows (tensor parallelism); else a
     weight or bias may be a DTensor that FSDP2 shards (jsdgpu.torch_sharding)."""
@@ -254,10 +240,11 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
     hs, ht = student_input.shape[-1], teacher_input.shape[-1]
     xs, xt, target = student_input.reshape(-1, hs), teacher_input.reshape(-1, ht), true_labels.reshape(-1)
     weights = None if token_weights is None else token_weights.reshape(-1)
-    compute_dtype = _autocast_dtype(xs.device.type)
-    _check_dtypes(compute_dtype, ("student", xs, student_weight), ("teacher", xt, teacher_weight))
+    compute_dtype = autocast_dtype(xs.device.type)
+    check_dtypes(compute_dtype, ("student", xs, student_weight), ("teacher", xt, teacher_weight))
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
-                                          weight_soft_loss, beta, temperature, ignore_index)
+                                          weight_soft_loss, beta, temperature, ignore_index, student_logit_scale,
+                                          teacher_logit_scale, student_logit_softcap, teacher_logit_softcap)
     # a process group is no operator argument: vocab parallel runs eagerly, traced or not
     eager = vocab_parallel is not None or _runs_eagerly(xs, student_weight, xt, teacher_weight, target,
                                                         student_bias, teacher_bias, weights)
@@ -270,14 +257,14 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
                                                 reduction),
                                 xs, student_weight, student_bias)
         return _fused_linear_jsd(xs, student_weight, xt, teacher_weight, target, student_bias, teacher_bias, w_hard,
-                                 w_soft, *options[2:], chunk_size, num_valid_tokens,
-                                 with_grads and reduction != "none", compute_dtype, weights, reduction, None)
+                                 w_soft, *options[2:5], chunk_size, num_valid_tokens,
+                                 with_grads and reduction != "none", compute_dtype, weights, reduction, None,
+                                 *options[5:])
     return _rows_shaped(_operator_loss(call, options, compute_grad, return_soft_hard_loss), reduction, true_labels)
 
 
 def _rows_shaped(result, reduction, labels):
-    """The loss (or loss, soft, hard) of reduction "none" in the labels' shape; else as it is.
-    (The operators take "none" without gradients: their backward calls them again, _autograd.)"""
+    """The loss (or loss, soft, hard) of reduction "none" in the labels' shape; else as it is."""
     if reduction != "none":
         return result
     return result.reshape(labels.shape) if isinstance(result, torch.Tensor) else tuple(
@@ -286,12 +273,14 @@ def _rows_shaped(result, reduction, labels):
 
 def _call_options(student_input, student_weight, student_bias, *loss_options):
     """(compute_grad, options): whether a student tensor wants a gradient, and the loss options
-    (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index) as the operators take
-    them, checked before any work."""
+    (LossOptions' fields in order: weight_hard_loss, weight_soft_loss, beta, temperature,
+    ignore_index, the models' scales and soft caps) as the operators take them, checked before
+    any work."""
     compute_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
-    w_hard, w_soft, beta, temperature, ignore_index = loss_options
-    options = (float(w_hard), float(w_soft), float(beta), float(temperature), int(ignore_index))
+    w_hard, w_soft, beta, temperature, ignore_index, *models = loss_options
+    options = (float(w_hard), float(w_soft), float(beta), float(temperature), int(ignore_index),
+               *(None if m is None else float(m) for m in models))
     LossOptions(*options)
     return compute_grad, options
 
@@ -317,10 +306,16 @@ class FusedLinearJSDLoss(torch.nn.Module):
 
     def __init__(self, weight_hard_loss=DEFAULTS.weight_hard_loss, weight_soft_loss=DEFAULTS.weight_soft_loss,
                  beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
-                 compiled=True, chunk_size=None, return_soft_hard_loss=False, vocab_parallel=None, reduction="mean"):
+                 compiled=True, chunk_size=None, return_soft_hard_loss=False, vocab_parallel=None, reduction="mean",
+                 student_logit_scale=1.0, teacher_logit_scale=1.0, student_logit_softcap=None,
+                 teacher_logit_softcap=None):
         super().__init__()
-        LossOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index)  # checked here too
+        # checked here too
+        LossOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_logit_scale,
+                    teacher_logit_scale, student_logit_softcap, teacher_logit_softcap)
         RunOptions(reduction=reduction)
+        self.student_logit_scale, self.teacher_logit_scale = student_logit_scale, teacher_logit_scale
+        self.student_logit_softcap, self.teacher_logit_softcap = student_logit_softcap, teacher_logit_softcap
         self.weight_hard_loss, self.weight_soft_loss = weight_hard_loss, weight_soft_loss
         self.beta, self.ignore_index, self.temperature = beta, ignore_index, temperature
         self.compiled, self.chunk_size, self.reduction = compiled, chunk_size, reduction
@@ -335,7 +330,9 @@ class FusedLinearJSDLoss(torch.nn.Module):
             weight_hard_loss=self.weight_hard_loss, weight_soft_loss=self.weight_soft_loss, beta=self.beta,
             ignore_index=self.ignore_index, temperature=self.temperature, chunk_size=self.chunk_size,
             return_soft_hard_loss=self.return_soft_hard_loss, num_valid_tokens=num_valid_tokens,
-            vocab_parallel=self.vocab_parallel, token_weights=token_weights, reduction=self.reduction)
+            vocab_parallel=self.vocab_parallel, token_weights=token_weights, reduction=self.reduction,
+            student_logit_scale=self.student_logit_scale, teacher_logit_scale=self.teacher_logit_scale,
+            student_logit_softcap=self.student_logit_softcap, teacher_logit_softcap=self.teacher_logit_softcap)
 
 
 class FusedLinearJSDFunction:
@@ -365,13 +362,16 @@ def _fused_linear_topk_jsd(student_input: torch.Tensor, student_weight: torch.Te
                            temperature: float, ignore_index: int, chunk_size: int | None,
                            num_valid_tokens: float | None, compute_grad: bool, compute_dtype: torch.dtype | None,
                            token_weights: torch.Tensor | None, reduction: str,
-                           row_scales: torch.Tensor | None) -> tuple[
+                           row_scales: torch.Tensor | None, student_logit_scale: float, teacher_logit_scale: float,
+                           student_logit_softcap: float | None, teacher_logit_softcap: float | None) -> tuple[
                                torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As jsdgpu::fused_linear_jsd, against the teacher's top-k (jsdgpu.forward_topk): the same
     outputs, and the same positions of the student's tensors and of compute_grad, so that the
     two operators share their autograd rule."""
     loss, ctx = _topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias,
-                      missing_mass, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index), chunk_size,
+                      missing_mass, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index,
+                                     student_logit_scale, teacher_logit_scale, student_logit_softcap,
+                                     teacher_logit_softcap), chunk_size,
                       num_valid_tokens, compute_grad, compute_dtype, token_weights, reduction, row_scales)
     return _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
 
@@ -379,8 +379,8 @@ def _fused_linear_topk_jsd(student_input: torch.Tensor, student_weight: torch.Te
 def _topk(xs, ws, ids, lq, target, bs, missing_mass, options, chunk_size, num_valid_tokens, compute_grad,
           compute_dtype, token_weights=None, reduction="mean", row_scales=None):
     """jsdgpu.forward_topk on the tensors, as _online."""
-    cast = _caster(compute_dtype)
-    return topk.forward_topk_with(cast(xs), cast(ws), ids, lq, target, bs, _topk_options(*options, missing_mass),
+    cast = caster(compute_dtype)
+    return topk.forward_topk_with(cast(xs), cast(ws), ids, lq, target, bs, _topk_options(options, missing_mass),
                                   _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, None, reduction),
                                   token_weights, row_scales)
 
@@ -388,7 +388,8 @@ def _topk(xs, ws, ids, lq, target, bs, missing_mass, options, chunk_size, num_va
 @_fused_linear_topk_jsd.register_fake
 def _fake_topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias, missing_mass,
                weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, chunk_size, num_valid_tokens,
-               compute_grad, compute_dtype, token_weights, reduction, row_scales):
+               compute_grad, compute_dtype, token_weights, reduction, row_scales, student_logit_scale,
+               teacher_logit_scale, student_logit_softcap, teacher_logit_softcap):
     return _fake_outputs(student_input, student_weight, student_bias, compute_grad, reduction)
 
 
@@ -401,9 +402,10 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
                                weight_hard_loss=DEFAULTS.weight_hard_loss, weight_soft_loss=DEFAULTS.weight_soft_loss,
                                beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index,
                                temperature=DEFAULTS.temperature, chunk_size=None, return_soft_hard_loss=False,
-                               num_valid_tokens=None, token_weights=None, reduction="mean"):
+                               num_valid_tokens=None, token_weights=None, reduction="mean", student_logit_scale=1.0,
+                               student_logit_softcap=None):
     """The top-k loss as a function (see FusedLinearTopKJSDLoss): inputs [..., H], the teacher's
-    top-k [..., k], labels and token_weights [...]. The weight and bias may be DTensors that FSDP2
+    top-k [..., k], labels and token_weights [...]; the student's logit scale and soft cap. The weight and bias may be DTensors that FSDP2
     shards (jsdgpu.torch_sharding)."""
     student_input, student_weight, teacher_indices, teacher_logprobs, true_labels, student_bias = plain_inputs(
         student_input=student_input, student_weight=student_weight, teacher_indices=teacher_indices,
@@ -412,11 +414,12 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
     xs, target = student_input.reshape(-1, hs), true_labels.reshape(-1)
     ids, lq = teacher_indices.reshape(-1, k), teacher_logprobs.reshape(-1, teacher_logprobs.shape[-1])
     weights = None if token_weights is None else token_weights.reshape(-1)
-    compute_dtype = _autocast_dtype(xs.device.type)
-    _check_dtypes(compute_dtype, ("student", xs, student_weight))
+    compute_dtype = autocast_dtype(xs.device.type)
+    check_dtypes(compute_dtype, ("student", xs, student_weight))
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
-                                          weight_soft_loss, beta, temperature, ignore_index)
-    _topk_options(*options, missing_mass)  # missing_mass's check, before any work
+                                          weight_soft_loss, beta, temperature, ignore_index, student_logit_scale,
+                                          1.0, student_logit_softcap, None)
+    _topk_options(options, missing_mass)  # missing_mass's check, before any work
     eager = _runs_eagerly(xs, student_weight, ids, lq, target, student_bias, weights)
 
     def call(w_hard, w_soft, with_grads):
@@ -426,8 +429,8 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
                                               with_grads, compute_dtype, weights, reduction),
                                 xs, student_weight, student_bias)
         return _fused_linear_topk_jsd(xs, student_weight, ids, lq, target, student_bias, missing_mass, w_hard, w_soft,
-                                      *options[2:], chunk_size, num_valid_tokens, with_grads and reduction != "none",
-                                      compute_dtype, weights, reduction, None)
+                                      *options[2:5], chunk_size, num_valid_tokens, with_grads and reduction != "none",
+                                      compute_dtype, weights, reduction, None, *options[5:])
     return _rows_shaped(_operator_loss(call, options, compute_grad, return_soft_hard_loss), reduction, true_labels)
 
 
@@ -444,11 +447,14 @@ class FusedLinearTopKJSDLoss(torch.nn.Module):
 
     def __init__(self, weight_hard_loss=DEFAULTS.weight_hard_loss, weight_soft_loss=DEFAULTS.weight_soft_loss,
                  beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
-                 missing_mass="bucket", chunk_size=None, return_soft_hard_loss=False, reduction="mean"):
+                 missing_mass="bucket", chunk_size=None, return_soft_hard_loss=False, reduction="mean",
+                 student_logit_scale=1.0, student_logit_softcap=None):
         super().__init__()
         # checked here too
-        TopKOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, missing_mass)
+        TopKOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_logit_scale,
+                    student_logit_softcap=student_logit_softcap, missing_mass=missing_mass)
         RunOptions(reduction=reduction)
+        self.student_logit_scale, self.student_logit_softcap = student_logit_scale, student_logit_softcap
         self.missing_mass = missing_mass
         self.weight_hard_loss, self.weight_soft_loss = weight_hard_loss, weight_soft_loss
         self.beta, self.ignore_index, self.temperature = beta, ignore_index, temperature
@@ -462,16 +468,18 @@ class FusedLinearTopKJSDLoss(torch.nn.Module):
             missing_mass=self.missing_mass, weight_hard_loss=self.weight_hard_loss,
             weight_soft_loss=self.weight_soft_loss, beta=self.beta, ignore_index=self.ignore_index,
             temperature=self.temperature, chunk_size=self.chunk_size, return_soft_hard_loss=self.return_soft_hard_loss,
-            num_valid_tokens=num_valid_tokens, token_weights=token_weights, reduction=self.reduction)
+            num_valid_tokens=num_valid_tokens, token_weights=token_weights, reduction=self.reduction,
+            student_logit_scale=self.student_logit_scale, student_logit_softcap=self.student_logit_softcap)
 
 
 @torch.no_grad()
-def teacher_topk(teacher_input, teacher_weight, k, temperature=1.0, teacher_bias=None, *, chunk_size=None):
-    """jsdgpu.teacher_topk on torch tensors (inputs [..., H]): (indices [..., k] int32, logprobs
-    [..., k] float32), zero-copy, on torch's current stream, the memory from torch's allocator."""
+def teacher_topk(teacher_input, teacher_weight, k, temperature=1.0, teacher_bias=None, **options):
+    """jsdgpu.teacher_topk on torch tensors (inputs [..., H]; options: its keywords): (indices
+    [..., k] int32, logprobs [..., k] float32), zero-copy, on torch's current stream, the memory
+    from torch's allocator."""
     lead, h = teacher_input.shape[:-1], teacher_input.shape[-1]
     with current_stream(teacher_input):
         ids, logprobs = topk.teacher_topk(to_native(teacher_input.reshape(-1, h)), to_native(teacher_weight), k,
                                           temperature, None if teacher_bias is None else to_native(teacher_bias),
-                                          chunk_size=chunk_size)
+                                          **options)
         return from_native(ids).reshape(*lead, k), from_native(logprobs).reshape(*lead, k)

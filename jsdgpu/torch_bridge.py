@@ -1,6 +1,6 @@
 """The bridge between torch tensors and the core's arrays (jsdgpu.call's, through jsdgpu.torch):
-zero-copy views both ways, and CuPy on torch's current stream with memory from torch's caching
-allocator."""
+zero-copy views both ways, CuPy on torch's current stream with memory from torch's caching
+allocator, and the operands' dtype under autocast."""
 
 import contextlib
 
@@ -65,3 +65,25 @@ def current_stream(t):
     stack.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, t.device.index))
     stack.enter_context(cupy.cuda.using_allocator(_torch_memory))
     return stack
+
+
+def caster(compute_dtype):
+    """The operands' cast to autocast's dtype (None: as they are)."""
+    return (lambda a: a) if compute_dtype is None else (lambda a: None if a is None else a.to(compute_dtype))
+
+
+def check_dtypes(compute_dtype, *pairs):
+    """pairs: (name, input, weight); each pair of one dtype, outside autocast."""
+    if compute_dtype is None:
+        for name, x, w in pairs:
+            if x.dtype != w.dtype:
+                raise TypeError(f"the {name} input ({x.dtype}) and weight ({w.dtype}) must have the same dtype: "
+                                "cast one of them, or run the loss under torch.autocast, which computes in "
+                                "its 16-bit dtype and returns each gradient in its tensor's dtype")
+
+
+def autocast_dtype(device_type):
+    """The operands' dtype under autocast on the device type, or None outside autocast."""
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None

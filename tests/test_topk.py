@@ -871,7 +871,7 @@ def test_torch_opcheck(rng, torch_device):
                                                     (True, weights, "sum"), (False, weights, "none")):
         torch.library.opcheck(torch.ops.jsdgpu.fused_linear_topk_jsd.default,
                               (*args, "bucket", 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None,
-                               token_weights, reduction, None))
+                               token_weights, reduction, None, 1.0, 1.0, None, None))
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])

@@ -365,11 +365,13 @@ def test_opcheck(rng, device):
     weights = torch.from_numpy(rng.uniform(0.0, 2.0, 5).astype(np.float32)).to(device)
     # the rows' own losses ("none") are computed without gradients: backward calls the operator
     # again, as a sum with row_scales (tests/test_token_weights.py, compiled)
-    for compute_grad, token_weights, reduction in ((True, None, "mean"), (False, None, "mean"),
-                                                    (True, weights, "sum"), (False, weights, "none")):
+    plain, models = (1.0, 1.0, None, None), (0.5, 2.0, 5.0, 30.0)  # scales and soft caps
+    for compute_grad, token_weights, reduction, model in (
+            (True, None, "mean", plain), (False, None, "mean", plain), (True, weights, "sum", models),
+            (False, weights, "none", plain)):
         torch.library.opcheck(torch.ops.jsdgpu.fused_linear_jsd.default,
                               (*ts, 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None, token_weights, reduction,
-                               None))
+                               None, *model))
 
 
 # ---- data parallel: two CPU processes ----

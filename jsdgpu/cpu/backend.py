@@ -150,13 +150,38 @@ class CpuBackend:
         return 4 * (vs + vt), grad, grad
 
     @staticmethod
-    def prepare(ws, wt, bs, bt, rows, fused, logits_s=None):
+    def prepare(ws, wt, bs, bt, rows, fused, logits_s=None, models=None):
         s = np.empty((rows, ws.shape[0]), np.float32) if logits_s is None else logits_s
         return CpuWork(_f32(ws), _f32(wt), _f32(bs), _f32(bt), s, np.empty((rows, wt.shape[0]), np.float32), fused)
 
     @staticmethod
     def gradient_rows(work, g_rows, own_g):
         return np.empty((g_rows, work.ws.shape[0]), np.float32)
+
+    @staticmethod
+    def model_logits(work, rows, models):
+        """The chunk's first `rows` rows of both models' logits (biased already) as the models'
+        (models: LossOptions.models), in place."""
+        for z, model in zip((work.s[:rows], work.t[:rows]), models):
+            _model_logits(z, *model)
+
+    @staticmethod
+    def topk_model_logits(work, rows, model):
+        """The chunk's first `rows` rows of logits (biased already) as the model's, in place."""
+        _model_logits(work.s[:rows], *model)
+
+    @staticmethod
+    def model_gradient(work, G, model, target, label_terms):
+        """G, the chunk's gradient in the student's logits as its model's (model: its (scale, cap);
+        model_logits' logits there), to the gradient in its raw logits, in place, with the rows'
+        label terms (None: none) at their labels (target >= 0)."""
+        scale, cap = model
+        z = work.s[:len(G)]
+        factor = np.full_like(z, scale) if cap is None else scale * (1.0 - np.square(z / np.float32(cap)))
+        G *= factor
+        if label_terms is not None:
+            owned = np.flatnonzero(target >= 0)
+            label_terms[owned] *= factor[owned, target[owned]]
 
     @staticmethod
     def logits(work, xs, xt, at=0, student=True):
@@ -193,7 +218,7 @@ class CpuBackend:
         return None
 
     @staticmethod
-    def topk_prepare(ws, bs, rows, logits_s=None, own=False, k=None):
+    def topk_prepare(ws, bs, rows, logits_s=None, own=False, k=None, model=None):
         s = np.empty((rows, ws.shape[0]), np.float32) if logits_s is None else logits_s
         return TopKWork(_f32(ws), _f32(bs), s)
 
@@ -327,6 +352,15 @@ class CpuBackend:
             return product.astype(dtype, copy=False)
         out[...] = product
         return out
+
+
+def _model_logits(z, scale, cap):
+    """z (float32 logits) as a model's, in place: scale z, then cap tanh(z / cap) where cap is not
+    None."""
+    z *= np.float32(scale)
+    if cap is not None:
+        np.tanh(z / np.float32(cap), out=z)
+        z *= np.float32(cap)
 
 
 def _owned_label_terms(label_terms, target, k):

@@ -41,6 +41,9 @@ class CudaWork:
     logits_t: object
     ones: object         # [rows] of ones, for grad_bias's product (None without a student bias)
     fused: object        # the kernels.FusedKernel, or None: the three phase kernels run
+    # where the logits are the models' (LossOptions.models): the biases model_logits adds (bias_s
+    # and bias_t, which the kernels add, are then None)
+    model_bias: tuple = (None, None)
     # made by the fused kernel's first launch (after the call's first products), not by prepare:
     row_counter: object = None  # its counter of rows handed out
 
@@ -77,6 +80,7 @@ class TopKWork:
     logits_s: object
     ones: object
     own: object = None
+    model_bias: object = None  # as CudaWork's, of the one head
 
 
 # The top-k loss's logits product of our own (topk_logits.cu), whose epilogue does the row
@@ -236,14 +240,16 @@ class CudaBackend:
         return logits
 
     @staticmethod
-    def prepare(ws, wt, bs, bt, rows, fused, logits_s=None):
+    def prepare(ws, wt, bs, bt, rows, fused, logits_s=None, models=None):
         """The buffers for chunks of `rows` rows (logits_s: the student logits', where
         logits_ahead made it); with fused (and a teacher vocabulary of at most FUSED_MAX_VOCAB),
-        the fused row kernel."""
+        the fused row kernel. models: LossOptions.models (the biases then model_logits')."""
         vs, vt = ws.shape[0], wt.shape[0]
         fused = fused and vt <= FUSED_MAX_VOCAB
+        biases = _padded_bias(bs, vs), _padded_bias(bt, vt)
         return CudaWork(
-            ws=ws, wt=wt, bias_s=_padded_bias(bs, vs), bias_t=_padded_bias(bt, vt),
+            ws=ws, wt=wt, bias_s=None if models else biases[0], bias_t=None if models else biases[1],
+            model_bias=biases if models else (None, None),
             logits_s=cupy.empty((rows, leading_dim(vs)), np.float32) if logits_s is None else logits_s,
             logits_t=cupy.empty((rows, leading_dim(vt)), np.float32),
             ones=cupy.ones(rows, ws.dtype) if bs is not None else None,
@@ -269,6 +275,21 @@ class CudaBackend:
         products.logits(xt, work.wt, work.logits_t[at:stop])
 
     @staticmethod
+    def model_logits(work, rows, models):
+        """The chunk's first `rows` rows of both models' logits as the models' (models:
+        LossOptions.models), in place, their biases added."""
+        for logits, w, bias, (scale, cap) in zip((work.logits_s, work.logits_t), (work.ws, work.wt), work.model_bias,
+                                                 models):
+            kernels.model_logits(logits, rows, w.shape[0], bias, scale, cap)
+
+    @staticmethod
+    def model_gradient(work, G, model, target, label_terms):
+        """G, the chunk's gradient in the student's logits as its model's (model: its (scale, cap);
+        model_logits' logits there), to the gradient in its raw logits, in place, with the rows'
+        label terms (None: none) at their labels (target >= 0)."""
+        kernels.model_gradient(G, work.logits_s, work.ws.shape[0], *model, target, label_terms)
+
+    @staticmethod
     def _row_inputs(work, target):
         return (work.logits_s, work.logits_t, work.bias_s, work.bias_t, target, work.ws.shape[0],
                 work.wt.shape[0])
@@ -292,12 +313,14 @@ class CudaBackend:
     @staticmethod
     def topk_own_product(opts, xs, ws, k, compute_grad):
         """Where topk_logits.cu runs: sm_90 (wgmma), bf16, temperature 1 (the rest's gradient one
-        exponential of the logits: G~ for every column), with gradients (its finishing kernel
+        exponential of the logits: G~ for every column), the plain logits (no scale or soft cap:
+        its epilogue takes the product as it comes), with gradients (its finishing kernel
         writes G), k up to OWN_TOPK_MAX_SLOTS, and rows whose 16-byte pieces the Tensor Memory
         Accelerator can address; by default from OWN_TOPK_MIN_ROWS rows on."""
         bf16 = np.dtype(ml_dtypes.bfloat16)
         chosen = OWN_TOPK_PRODUCT if OWN_TOPK_PRODUCT is not None else xs.shape[0] >= OWN_TOPK_MIN_ROWS
-        return (chosen and compute_grad and opts.temperature == 1.0 and ws.dtype == bf16 and k <= OWN_TOPK_MAX_SLOTS
+        return (chosen and compute_grad and opts.temperature == 1.0 and opts.models is None and ws.dtype == bf16
+                and k <= OWN_TOPK_MAX_SLOTS
                 and xs.dtype == bf16 and ws.shape[1] % 8 == 0 and xs.data.ptr % 16 == 0 and ws.data.ptr % 16 == 0
                 and _compute_capability(ws.data.device_id) == "90")
 
@@ -314,14 +337,21 @@ class CudaBackend:
         return OWN_TOPK_CHUNK_ROWS if own else None
 
     @staticmethod
-    def topk_prepare(ws, bs, rows, logits_s=None, own=False, k=None):
+    def topk_prepare(ws, bs, rows, logits_s=None, own=False, k=None, model=None):
         vs = ws.shape[0]
         if own:
             logits_s = None
         elif logits_s is None:
             logits_s = cupy.empty((rows, leading_dim(vs)), np.float32)
-        return TopKWork(ws, _padded_bias(bs, vs), logits_s, cupy.ones(rows, ws.dtype) if bs is not None else None,
-                        OwnProduct(ws, rows, k) if own else None)
+        bias = _padded_bias(bs, vs)
+        return TopKWork(ws, None if model else bias, logits_s, cupy.ones(rows, ws.dtype) if bs is not None else None,
+                        OwnProduct(ws, rows, k) if own else None, bias if model else None)
+
+    @staticmethod
+    def topk_model_logits(work, rows, model):
+        """The chunk's first `rows` rows of logits as the model's (model: its (scale, cap)), in
+        place, its bias added (topk_prepare's model)."""
+        kernels.model_logits(work.logits_s, rows, work.ws.shape[0], work.model_bias, *model)
 
     @staticmethod
     def topk_gradient_rows(work, g_rows):

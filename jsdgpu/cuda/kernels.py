@@ -198,6 +198,24 @@ def scale_rows(x, scale):
     return out
 
 
+def model_logits(logits, rows, v, bias, scale, cap):
+    """The first `rows` rows of a chunk's float32 logits [.., ld] (their first v columns) as a
+    model's, in place: scale (logits + bias), then cap tanh(. / cap) where cap is not None."""
+    if rows:
+        function("gradient_sums", "model_logits")(
+            (rows,), (256,), (logits, np.int64(logits.shape[1]), np.int32(v), _pointer(bias), np.float32(scale),
+                              np.float32(cap or 0.0)))
+
+
+def model_gradient(G, logits, v, scale, cap, target, label_terms):
+    """G (its rows, the gradient in the model's logits, model_logits' there) to the gradient in the
+    raw logits, in place, and the rows' label terms (None: none) likewise at their labels."""
+    if len(G):
+        function("gradient_sums", sources.model_gradient(G.dtype))(
+            (len(G),), (256,), (G, np.int64(G.shape[1]), logits, np.int64(logits.shape[1]), np.int32(v),
+                                np.float32(scale), np.float32(cap or 0.0), target, _pointer(label_terms)))
+
+
 def label_rows(label_terms, target, ws, inv_n, grad_input):
     """grad_input[i] += inv_n label_terms[i] ws[target[i]] where target[i] >= 0; inv_n: a 0-d
     float32 device array."""

@@ -127,6 +127,10 @@ def scale_rows(dtype):
     return f"scale_rows<{FORMATS[np.dtype(dtype)]}>"
 
 
+def model_gradient(dtype):
+    return f"model_gradient<{FORMATS[np.dtype(dtype)]}>"
+
+
 def label_rows(dtype):
     return f"label_rows<{FORMATS[np.dtype(dtype)]}>"
 
@@ -199,7 +203,8 @@ FAMILIES = {
     "fused_rows": [fused_rows(d, m) for d in _ALL_DTYPES for m in Divergence],
     "phase_rows": [phase_stats(), phase_kl()] + [phase_finish(d) for d in _ALL_DTYPES],
     "gradient_sums": ([scale_cast(d) for d in _16BIT] + [label_rows(d) for d in _ALL_DTYPES]
-                      + [scale_rows(d) for d in _ALL_DTYPES]
+                      + [scale_rows(d) for d in _ALL_DTYPES] + ["model_logits"]
+                      + [model_gradient(d) for d in _ALL_DTYPES]
                       + [label_scatter(d, np.float32) for d in _ALL_DTYPES]
                       + [label_scatter(d, d) for d in _16BIT] + [label_order()]),
     "targets": [select_rows(np.int32), select_rows(np.int64), gather_rows(16), gather_rows(2),

@@ -1,0 +1,178 @@
+"""Scaled and soft-capped logits (docs/contract.md, "Forward": each model's logits are
+scale (x @ W.T + b), then c tanh(z / c) where a cap c is given), for the online loss, the top-k
+loss and teacher_topk, on both backends, against the float64 reference: caps of 30 (Gemma's) and
+of 5 (which bites at logit std 8), scales, biases, ignored rows, G held for all rows or per chunk,
+vocab parallel; PyTorch against c * torch.tanh(z / c) on real logits; JAX under jit; bad options."""
+
+import numpy as np
+import pytest
+
+import jsdgpu
+from conftest import DTYPES, make_case, rel_err, to_numpy, to_xp
+from test_api import check_against_reference
+from test_parallel import assert_matches_single
+from test_topk import make_topk_case
+
+MODELS = [dict(student_logit_softcap=30.0, teacher_logit_softcap=30.0),
+          dict(student_logit_softcap=5.0, teacher_logit_softcap=5.0),
+          dict(student_logit_scale=0.3, teacher_logit_scale=2.0),
+          dict(student_logit_scale=2.0, student_logit_softcap=5.0, teacher_logit_softcap=7.0)]
+
+
+@pytest.mark.parametrize("model", range(len(MODELS)))
+@pytest.mark.parametrize("chunk_size,memory_budget", [(None, None), (4, 1)])  # G held; G per chunk
+def test_online_against_float64(xp, rng, model, chunk_size, memory_budget):
+    case = make_case(rng, T=int(rng.integers(1, 25)), vs=int(rng.integers(200, 1100)), vt=1103, bias=True,
+                     ignored=0.3, logit_std=8.0)
+    check_against_reference(case, xp, np.dtype(np.float32), chunk_size=chunk_size, memory_budget=memory_budget,
+                            grad_output=0.7, beta=float(rng.choice([0.0, 0.4, 1.0])),
+                            temperature=float(rng.choice([0.5, 1.0, 2.0])), **MODELS[model])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("memory_budget", [None, 1])
+def test_online_16bit_gpu(rng, dtype, memory_budget):
+    import cupy
+    case = make_case(rng, T=int(rng.integers(20, 300)), vs=1031, vt=1040, dtype=DTYPES[dtype], bias=True,
+                     ignored=0.3, logit_std=8.0)
+    check_against_reference(case, cupy, DTYPES[dtype], memory_budget=memory_budget, **MODELS[3])
+
+
+@pytest.mark.gpu
+def test_calls_like_the_last_queue_ahead(rng):
+    """Three calls in a row, each like the last (the student's logits queued ahead of the checks,
+    the head's products before the selection is read, with a third of the rows ignored at the
+    second call), online and top-k: the models' logits taken once, as the reference's."""
+    import cupy
+    for ignored in (0.0, 0.3, 0.0):
+        case = make_case(rng, T=300, vs=1031, vt=1040, dtype=DTYPES["bfloat16"], bias=True, ignored=ignored,
+                         logit_std=8.0)
+        check_against_reference(case, cupy, DTYPES["bfloat16"], **MODELS[3])
+        topk_case = make_topk_case(rng, T=300, vs=5003, hs=256, k=40, dtype=DTYPES["bfloat16"], ignored=ignored)
+        loss, ctx = jsdgpu.forward_topk(**to_xp(topk_case, cupy), student_logit_softcap=5.0)
+        grads = jsdgpu.backward(ctx)
+        ref = jsdgpu.reference_topk(**topk_case, student_logit_softcap=5.0)
+        assert abs(float(loss) - ref[0]) <= 1e-4 * max(1.0, abs(ref[0]))
+        for got, want in zip(grads, ref[3:]):
+            assert rel_err(got, want) <= 2 * 2.0**-8
+
+
+@pytest.mark.parametrize("n_ranks", [2, 3])
+def test_vocab_parallel(xp, rng, n_ranks):
+    """Each rank's shard of the logits scaled and capped: as one rank."""
+    case = make_case(rng, T=11, vs=401, vt=437, bias=True, ignored=0.3, logit_std=8.0)
+    bounds = [0, 131, 260, 437] if n_ranks == 3 else [0, 203, 437]
+    assert_matches_single(case, xp, bounds, 2e-5, chunk_size=4, grad_weight_float32=True, **MODELS[3])
+
+
+def check_topk(xp, case, **options):
+    loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp), **options)
+    grads = jsdgpu.backward(ctx)
+    run = ("chunk_size", "memory_budget")
+    ref = jsdgpu.reference_topk(**case, **{k: v for k, v in options.items() if k not in run})
+    assert abs(float(loss) - ref[0]) <= 2e-5 * max(1.0, abs(ref[0])), (float(loss), ref[0])
+    for got, want in zip(grads, ref[3:]):
+        if want is not None:
+            assert rel_err(got, want) <= 1e-4, rel_err(got, want)
+
+
+@pytest.mark.parametrize("missing_mass", ["bucket", "renormalize"])
+@pytest.mark.parametrize("chunk_size,memory_budget", [(None, None), (4, 1)])
+def test_topk_against_float64(xp, rng, missing_mass, chunk_size, memory_budget):
+    case = make_topk_case(rng, T=int(rng.integers(1, 25)), vs=int(rng.integers(100, 600)),
+                          k=int(rng.integers(1, 40)), logit_std=8.0)
+    check_topk(xp, case, missing_mass=missing_mass, chunk_size=chunk_size, memory_budget=memory_budget,
+               student_logit_scale=float(rng.choice([0.5, 1.0, 2.0])), student_logit_softcap=5.0,
+               temperature=float(rng.choice([1.0, 2.0])))
+
+
+def test_topk_takes_no_teacher_model(rng):
+    case = make_topk_case(rng, T=3)
+    for option in (dict(teacher_logit_scale=2.0), dict(teacher_logit_softcap=30.0)):
+        with pytest.raises(ValueError, match="teacher_logit"):
+            jsdgpu.forward_topk(**case, **option)
+
+
+def test_teacher_topk_of_the_model(xp, rng):
+    """teacher_topk's logit_scale and logit_softcap: the top k and log-softmax of the model's
+    logits, as NumPy forms them in float64."""
+    T, h, v, k = 9, 24, 301, 7
+    # logits of std about 3 before the scale: the cap bends them, and leaves no ties in float32
+    x, w = rng.standard_normal((T, h)).astype(np.float32), (rng.standard_normal((v, h)) * 0.6).astype(np.float32)
+    b = rng.standard_normal(v).astype(np.float32)
+    ids, logprobs = jsdgpu.teacher_topk(xp.asarray(x), xp.asarray(w), k, 2.0, xp.asarray(b), logit_scale=1.5,
+                                        logit_softcap=5.0)
+    z = 5.0 * np.tanh(1.5 * (x.astype(np.float64) @ w.T.astype(np.float64) + b) / 5.0) / 2.0
+    logq = z - np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)) - z.max(1, keepdims=True)
+    want = np.argsort(-z, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(to_numpy(ids), want)
+    np.testing.assert_allclose(to_numpy(logprobs), np.take_along_axis(logq, want, axis=1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("option,value", [("student_logit_scale", 0.0), ("teacher_logit_scale", -1.0),
+                                          ("student_logit_softcap", 0.0), ("teacher_logit_softcap", float("nan")),
+                                          ("student_logit_scale", float("inf"))])
+def test_bad_options_raise(rng, option, value):
+    with pytest.raises(ValueError, match=option):
+        jsdgpu.forward(**make_case(rng, T=3), **{option: value})
+
+
+# ---- the front ends ----
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    return request.param
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_torch_softcap_against_tanh(rng, device, compiled):
+    """FusedLinearJSDLoss with soft caps and scales against the plain loss in PyTorch on logits
+    c * torch.tanh(z / c) of real products, by autograd: the loss and the student's gradients,
+    eager and under torch.compile(fullgraph=True)."""
+    torch = pytest.importorskip("torch")
+    jtorch = pytest.importorskip("jsdgpu.torch")
+    case = make_case(rng, T=12, bias=True, ignored=0.25, logit_std=8.0)
+    names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target", "student_bias",
+             "teacher_bias")
+    ts = [torch.from_numpy(case[n]).to(device) for n in names]
+    plain = [t.detach().double().requires_grad_(True) if t.is_floating_point() else t for t in ts]
+    for i in (0, 1, 5):
+        ts[i].requires_grad_(True)
+    scale_s, cap_s, scale_t, cap_t = 2.0, 5.0, 0.5, 30.0
+    loss_fn = jtorch.FusedLinearJSDLoss(beta=0.3, temperature=2.0, student_logit_scale=scale_s,
+                                        student_logit_softcap=cap_s, teacher_logit_scale=scale_t,
+                                        teacher_logit_softcap=cap_t)
+    call = torch.compile(loss_fn, fullgraph=True) if compiled else loss_fn
+    if compiled:
+        torch._dynamo.reset()
+    call(*ts).backward()
+
+    xs, ws, xt, wt, y, bs, bt = plain
+    s = cap_s * torch.tanh(scale_s * (xs @ ws.T + bs) / cap_s)
+    t = cap_t * torch.tanh(scale_t * (xt @ wt.T + bt) / cap_t)
+    valid = y != -100
+    ce = torch.nn.functional.cross_entropy(s[valid], y[valid], reduction="sum") / valid.sum()
+    logp, logq = torch.log_softmax(s / 2.0, -1)[valid], torch.log_softmax(t / 2.0, -1)[valid]
+    logm = torch.logsumexp(torch.stack([logp + np.log(0.7), logq + np.log(0.3)]), 0)
+    jsd = (0.3 * (logq.exp() * (logq - logm)).sum() + 0.7 * (logp.exp() * (logp - logm)).sum()) / valid.sum()
+    want = 0.5 * ce + 0.5 * jsd
+    want.backward()
+    assert abs(float(loss_fn(*[t.detach() for t in ts])) - float(want)) <= 1e-5 * float(want)
+    for got, ref in zip((ts[0], ts[1], ts[5]), (xs, ws, bs)):
+        assert rel_err(got.grad.cpu().numpy(), ref.grad.cpu().numpy()) <= 1e-4
+
+
+def test_jax_under_jit(rng):
+    jax = pytest.importorskip("jax")
+    jjax = pytest.importorskip("jsdgpu.jax")
+    case = make_case(rng, T=9, bias=True, ignored=0.3, logit_std=8.0)
+    args = [jax.numpy.asarray(case[k]) for k in ("student_input", "student_weight", "teacher_input",
+                                                  "teacher_weight", "target", "student_bias", "teacher_bias")]
+    f = lambda xs, ws, bs: jjax.fused_linear_jsd_loss(xs, ws, args[2], args[3], args[4], bs, args[6],  # noqa: E731
+                                                      beta=0.3, **MODELS[3])
+    loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(args[0], args[1], args[5])
+    ref = jsdgpu.reference(**case, beta=0.3, **MODELS[3])
+    assert abs(float(loss) - ref[0]) <= 1e-5 * max(1.0, ref[0])
+    for got, want in zip(grads, ref[3:]):
+        assert rel_err(np.asarray(got), want) <= 1e-4
