@@ -176,3 +176,23 @@ def test_jax_under_jit(rng):
     assert abs(float(loss) - ref[0]) <= 1e-5 * max(1.0, ref[0])
     for got, want in zip(grads, ref[3:]):
         assert rel_err(np.asarray(got), want) <= 1e-4
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_torch_topk_module(rng, device, compiled):
+    """FusedLinearTopKJSDLoss(student_logit_scale=, student_logit_softcap=), eager and compiled:
+    the loss and the student's gradients as the float64 reference's."""
+    torch = pytest.importorskip("torch")
+    jtorch = pytest.importorskip("jsdgpu.torch")
+    case = make_topk_case(rng, T=10, logit_std=8.0)
+    names = ("student_input", "student_weight", "teacher_indices", "teacher_logprobs", "target", "student_bias")
+    ts = [torch.from_numpy(case[n]).to(device) for n in names]
+    for i in (0, 1, 5):
+        ts[i].requires_grad_(True)
+    loss_fn = jtorch.FusedLinearTopKJSDLoss(beta=0.3, student_logit_scale=1.5, student_logit_softcap=5.0)
+    if compiled:
+        torch._dynamo.reset()
+    (torch.compile(loss_fn, fullgraph=True) if compiled else loss_fn)(*ts).backward()
+    ref = jsdgpu.reference_topk(**case, beta=0.3, student_logit_scale=1.5, student_logit_softcap=5.0)
+    for t, want in zip((ts[0], ts[1], ts[5]), ref[3:]):
+        assert rel_err(t.grad.cpu().numpy(), want) <= 1e-4
