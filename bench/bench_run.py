@@ -21,8 +21,9 @@ shapes (harness.py: V = 128256, hidden 2048 / 4096, bf16), forward + backward:
 
 Implementations: jsdgpu (CuPy arrays), the floor, Liger-Kernel's LigerFusedLinearJSDLoss (its
 defaults: compiled, chunks of 1024 rows) and jsdgpu through jsdgpu.torch's module in eager
-PyTorch, on the same buffers (DLPack); on request (--impls), jsdgpu_weighted: jsdgpu with token
-weights (uniform in [0, 2), other ones each step). The distributions run after the run, so they are measured
+PyTorch, on the same buffers (DLPack); on request (--impls), jsdgpu with one of the model
+features (OPTIONAL: token weights, soft caps, each token's own loss), each against jsdgpu in a
+table of its own. The distributions run after the run, so they are measured
 in a process that has seen other shapes; with --no-run they are measured in a fresh one (the
 history's effect: the two runs' times of each distribution).
 
@@ -43,7 +44,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 IMPLS = ["jsdgpu", "gemm_floor", "liger", "jsdgpu_torch"]  # jsdgpu_torch: jsdgpu.torch, eager
-OPTIONAL = ["jsdgpu_weighted"]  # jsdgpu with token_weights: asked for by --impls
+# jsdgpu with one of the model features, asked for by --impls: name -> what its table says
+OPTIONAL = {"jsdgpu_weighted": "token weights (uniform in [0, 2), other ones each step)",
+            "jsdgpu_softcap": "soft caps of 30 on both models' logits (Gemma's)",
+            "jsdgpu_none": 'reduction="none" (each token\'s loss, backward with ones)'}
 # name: (logit std, delta: None for an independent teacher)
 DISTRIBUTIONS = {"independent, std 1": (1.0, None), "independent, std 6": (6.0, None),
                  "converging, JSD ~0.3": (4.0, 2.0), "converging, JSD ~0.05": (4.0, 0.7),
@@ -89,10 +93,14 @@ def implementation(name, step, mode="fwd_bwd"):
         xs, ws, xt, wt, target = step
         valid = target != -100
         step = (xs[valid], ws, xt[valid], wt, target[valid])
-    if name == "jsdgpu_weighted":
+    if name in OPTIONAL:
         import cupy
-        weights = cupy.random.default_rng(len(step[0])).uniform(0.0, 2.0, len(step[0]), dtype=np.float32)
-        fn = harness.impl_jsdgpu([step], mode, token_weights=weights)
+        options = {"jsdgpu_softcap": dict(student_logit_softcap=30.0, teacher_logit_softcap=30.0),
+                   "jsdgpu_none": dict(reduction="none")}.get(name)
+        if options is None:  # jsdgpu_weighted
+            rng = cupy.random.default_rng(len(step[0]))
+            options = dict(token_weights=rng.uniform(0.0, 2.0, len(step[0]), dtype=np.float32))
+        fn = harness.impl_jsdgpu([step], mode, **options)
         return lambda i=0: fn(0)
     fn = {"jsdgpu": harness.impl_jsdgpu, "gemm_floor": harness.impl_gemm_floor,
           "liger": harness.impl_liger, "jsdgpu_torch": harness.impl_jsdgpu_torch}[name]([step], mode)
@@ -129,7 +137,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
     p.add_argument("--run-tokens", type=int, nargs="*", default=[1024, 4096, 8192])
-    p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS + OPTIONAL)
+    p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS + list(OPTIONAL))
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warm-seconds", type=float, default=1.0)
     p.add_argument("--no-run", action="store_true",
@@ -198,15 +206,15 @@ def render(result):
               "| torch eager | ÷ jsdgpu |", "| --- " * 10 + "|"]
     for r in result["distributions"]:
         lines.append(_row([r["T"], r["inputs"], f"{r['soft']:.4f}"], r["ms"]))
-    if "jsdgpu_weighted" in result["impls"]:
-        lines += ["", "With token weights (jsdgpu_weighted), timed after jsdgpu in the same process:", "",
-                  "| case | jsdgpu ms | with token weights | ÷ jsdgpu |", "| --- " * 4 + "|"]
+    for impl in (i for i in result["impls"] if i in OPTIONAL):
+        lines += ["", f"With {OPTIONAL[impl]} ({impl}), timed after jsdgpu in the same process:", "",
+                  "| case | jsdgpu ms | with it | ÷ jsdgpu |", "| --- " * 4 + "|"]
         for r in result["run"] + result["distributions"]:
             ms = {k: sum(v) if isinstance(v, list) else v for k, v in r["ms"].items()}
             case = f"run, T = {r['T']}" if "inputs" not in r else f"T = {r['T']}, {r['inputs']}"
-            ours, weighted = ms.get("jsdgpu"), ms.get("jsdgpu_weighted")
-            if ours and weighted:
-                lines.append(f"| {case} | {ours:.2f} | {weighted:.2f} | {weighted / ours:.3f} |")
+            ours, other = ms.get("jsdgpu"), ms.get(impl)
+            if ours and other:
+                lines.append(f"| {case} | {ours:.2f} | {other:.2f} | {other / ours:.3f} |")
     return "\n".join(lines) + "\n"
 
 
