@@ -22,9 +22,9 @@ def forward(student_input, student_weight, teacher_input, teacher_weight, target
     token_weights: None, or [T] floats, finite and >= 0: each row's hard and soft parts times its
     weight (N unchanged: a weighted mean takes num_valid_tokens = the weights' sum).
     options: the fields of jsdgpu.LossOptions (weight_hard_loss, weight_soft_loss, beta,
-    temperature, ignore_index) and of jsdgpu.RunOptions (chunk_size, memory_budget, compute_grad,
-    grad_weight_float32, num_valid_tokens, reduction, vocab_parallel), with their defaults and
-    meanings.
+    temperature, ignore_index, the models' logit scales and soft caps) and of jsdgpu.RunOptions
+    (chunk_size, memory_budget, compute_grad, grad_weight_float32, num_valid_tokens, reduction,
+    vocab_parallel), with their defaults and meanings.
     """
     loss_opts, run_opts = split_options(options)
     return forward_with(student_input, student_weight, teacher_input, teacher_weight, target,
