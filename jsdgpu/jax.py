@@ -133,12 +133,17 @@ def _compute(forward, out, arrays, options, with_grads, gpu):
 def _call(forward, options, with_grads, arrays, student):
     """The loss (and with with_grads the gradients of student: (xs, ws, bs)) by one callback."""
     present = tuple(a is not None for a in arrays)
-    rows = (student[0].shape[0],) if dict(options).get("reduction") == "none" else ()  # the rows' own losses
+    rows = (student[0].shape[0],) if _rows_own(options) else ()
     shapes = [jax.ShapeDtypeStruct(rows, jnp.float32)]
     if with_grads:
         shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in student if a is not None]
     run = buffer_callback(_callback(forward, options, with_grads, present), tuple(shapes))
     return run(*(a for a in arrays if a is not None))
+
+
+def _rows_own(options):
+    """Whether a callback's static options ask for the rows' own losses (reduction "none")."""
+    return dict(options).get("reduction") == "none"
 
 
 def _check_options(options, loss=LossOptions):
@@ -183,7 +188,7 @@ def _loss(forward, teacher, student_input, student_weight, student_bias, target,
 
 def _loss_fwd(forward, teacher, student_input, student_weight, student_bias, target, options):
     student = (student_input, student_weight, student_bias)
-    if dict(options).get("reduction") == "none":  # grad_output [T] is known only in backward
+    if _rows_own(options):  # grad_output [T] is known only in backward
         return _call(forward, options, False, (*student, target, *teacher), student)[0], (student, target, teacher)
     loss, *grads = _call(forward, options, True, (*student, target, *teacher), student)
     return loss, (tuple(grads), teacher)
@@ -191,7 +196,7 @@ def _loss_fwd(forward, teacher, student_input, student_weight, student_bias, tar
 
 def _loss_bwd(forward, options, residuals, g):
     no_teacher_grad = jax.tree_util.tree_map(lambda a: None, residuals[-1])
-    if dict(options).get("reduction") == "none":  # the call again, as the rows' sum times g
+    if _rows_own(options):  # the call again, as the rows' sum times g
         student, target, (weights, _, *teacher) = residuals
         sums = tuple(sorted(dict(options, reduction="sum").items()))
         grad_input, grad_weight, *grad_bias = _call(forward, sums, True, (*student, target, weights, g, *teacher),

@@ -176,8 +176,12 @@ class CpuBackend:
         model_logits' logits there), to the gradient in its raw logits, in place, with the rows'
         label terms (None: none) at their labels (target >= 0)."""
         scale, cap = model
-        z = work.s[:len(G)]
-        factor = np.full_like(z, scale) if cap is None else scale * (1.0 - np.square(z / np.float32(cap)))
+        if cap is None:  # the scale alone: one factor for every column
+            G *= np.float32(scale)
+            if label_terms is not None:
+                label_terms *= np.float32(scale)
+            return
+        factor = scale * (1.0 - np.square(work.s[:len(G)] / np.float32(cap)))
         G *= factor
         if label_terms is not None:
             owned = np.flatnonzero(target >= 0)
@@ -357,10 +361,12 @@ class CpuBackend:
 def _model_logits(z, scale, cap):
     """z (float32 logits) as a model's, in place: scale z, then cap tanh(z / cap) where cap is not
     None."""
-    z *= np.float32(scale)
-    if cap is not None:
-        np.tanh(z / np.float32(cap), out=z)
-        z *= np.float32(cap)
+    if cap is None:
+        z *= np.float32(scale)
+        return
+    z *= np.float32(scale / cap)  # in place, no copy of the chunk's logits
+    np.tanh(z, out=z)
+    z *= np.float32(cap)
 
 
 def _owned_label_terms(label_terms, target, k):
