@@ -56,6 +56,23 @@ def xp(request):
     return np
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def torch_device(request):
+    """The torch device of the front end under test."""
+    return request.param
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def jax_device(request):
+    """The JAX device of the front end under test (skipped where JAX, or its device, is not here)."""
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("jsdgpu.jax")
+    try:
+        return jax.devices(request.param)[0]
+    except RuntimeError:
+        pytest.skip(f"JAX has no {request.param} device here")
+
+
 def make_case(rng, *, T=13, hs=16, ht=24, vs=1031, vt=None, dtype=np.float32, bias=False,
               ignored=0.0, ignore_index=-100, logit_std=1.0):
     """Random NumPy inputs (a dict of forward's arguments). Logits have about logit_std."""

@@ -11,6 +11,7 @@ import jsdgpu
 from conftest import DTYPES, make_case, rel_err, to_numpy, to_xp
 from test_api import check_against_reference
 from test_parallel import assert_matches_single
+from test_token_weights import check_topk
 from test_topk import make_topk_case
 
 MODELS = [dict(student_logit_softcap=30.0, teacher_logit_softcap=30.0),
@@ -66,23 +67,12 @@ def test_vocab_parallel(xp, rng, n_ranks):
     assert_matches_single(case, xp, bounds, 2e-5, chunk_size=4, grad_weight_float32=True, **MODELS[3])
 
 
-def check_topk(xp, case, **options):
-    loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp), **options)
-    grads = jsdgpu.backward(ctx)
-    run = ("chunk_size", "memory_budget")
-    ref = jsdgpu.reference_topk(**case, **{k: v for k, v in options.items() if k not in run})
-    assert abs(float(loss) - ref[0]) <= 2e-5 * max(1.0, abs(ref[0])), (float(loss), ref[0])
-    for got, want in zip(grads, ref[3:]):
-        if want is not None:
-            assert rel_err(got, want) <= 1e-4, rel_err(got, want)
-
-
 @pytest.mark.parametrize("missing_mass", ["bucket", "renormalize"])
 @pytest.mark.parametrize("chunk_size,memory_budget", [(None, None), (4, 1)])
 def test_topk_against_float64(xp, rng, missing_mass, chunk_size, memory_budget):
     case = make_topk_case(rng, T=int(rng.integers(1, 25)), vs=int(rng.integers(100, 600)),
                           k=int(rng.integers(1, 40)), logit_std=8.0)
-    check_topk(xp, case, missing_mass=missing_mass, chunk_size=chunk_size, memory_budget=memory_budget,
+    check_topk(xp, case, np.float32, missing_mass=missing_mass, chunk_size=chunk_size, memory_budget=memory_budget,
                student_logit_scale=float(rng.choice([0.5, 1.0, 2.0])), student_logit_softcap=5.0,
                temperature=float(rng.choice([1.0, 2.0])))
 
@@ -120,13 +110,8 @@ def test_bad_options_raise(rng, option, value):
 
 # ---- the front ends ----
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    return request.param
-
-
 @pytest.mark.parametrize("compiled", [False, True])
-def test_torch_softcap_against_tanh(rng, device, compiled):
+def test_torch_softcap_against_tanh(rng, torch_device, compiled):
     """FusedLinearJSDLoss with soft caps and scales against the plain loss in PyTorch on logits
     c * torch.tanh(z / c) of real products, by autograd: the loss and the student's gradients,
     eager and under torch.compile(fullgraph=True)."""
@@ -135,7 +120,7 @@ def test_torch_softcap_against_tanh(rng, device, compiled):
     case = make_case(rng, T=12, bias=True, ignored=0.25, logit_std=8.0)
     names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target", "student_bias",
              "teacher_bias")
-    ts = [torch.from_numpy(case[n]).to(device) for n in names]
+    ts = [torch.from_numpy(case[n]).to(torch_device) for n in names]
     plain = [t.detach().double().requires_grad_(True) if t.is_floating_point() else t for t in ts]
     for i in (0, 1, 5):
         ts[i].requires_grad_(True)
@@ -179,20 +164,22 @@ def test_jax_under_jit(rng):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_torch_topk_module(rng, device, compiled):
+def test_torch_topk_module(rng, torch_device, compiled):
     """FusedLinearTopKJSDLoss(student_logit_scale=, student_logit_softcap=), eager and compiled:
     the loss and the student's gradients as the float64 reference's."""
     torch = pytest.importorskip("torch")
     jtorch = pytest.importorskip("jsdgpu.torch")
     case = make_topk_case(rng, T=10, logit_std=8.0)
     names = ("student_input", "student_weight", "teacher_indices", "teacher_logprobs", "target", "student_bias")
-    ts = [torch.from_numpy(case[n]).to(device) for n in names]
+    ts = [torch.from_numpy(case[n]).to(torch_device) for n in names]
     for i in (0, 1, 5):
         ts[i].requires_grad_(True)
     loss_fn = jtorch.FusedLinearTopKJSDLoss(beta=0.3, student_logit_scale=1.5, student_logit_softcap=5.0)
     if compiled:
         torch._dynamo.reset()
-    (torch.compile(loss_fn, fullgraph=True) if compiled else loss_fn)(*ts).backward()
+    loss = (torch.compile(loss_fn, fullgraph=True) if compiled else loss_fn)(*ts)
+    loss.backward()
     ref = jsdgpu.reference_topk(**case, beta=0.3, student_logit_scale=1.5, student_logit_softcap=5.0)
+    assert abs(float(loss.detach()) - ref[0]) <= 1e-5 * max(1.0, abs(ref[0]))
     for t, want in zip((ts[0], ts[1], ts[5]), ref[3:]):
         assert rel_err(t.grad.cpu().numpy(), want) <= 1e-4

@@ -183,15 +183,10 @@ def test_a_weighted_mean_by_num_valid_tokens(xp, rng):
 
 # ---- the front ends: per-call token weights (the labels' leading shape) and the module's reduction ----
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    return request.param
-
-
 @pytest.mark.parametrize("loss", ["online", "topk"])
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_torch_modules_take_weights_per_call(rng, device, loss, compiled, reduction):
+def test_torch_modules_take_weights_per_call(rng, torch_device, loss, compiled, reduction):
     """FusedLinearJSDLoss(reduction=...)(..., token_weights=w) and the top-k module, inputs of
     leading shape [2, 5], eager and under torch.compile(fullgraph=True): the loss (with "none",
     [2, 5], backpropagated with a random upstream gradient) and the student's gradients as the
@@ -209,7 +204,7 @@ def test_torch_modules_take_weights_per_call(rng, device, loss, compiled, reduct
         names = ("student_input", "student_weight", "teacher_indices", "teacher_logprobs", "target", "student_bias")
         module, reference = jtorch.FusedLinearTopKJSDLoss(beta=0.3, reduction=reduction), jsdgpu.reference_topk
     w = token_weights(rng, T, "mixed")
-    ts = [torch.from_numpy(case[n]).to(device) for n in names]
+    ts = [torch.from_numpy(case[n]).to(torch_device) for n in names]
     for i in (0, 1, len(ts) - 1 if loss == "topk" else 5):  # the student's input, weight and bias
         ts[i].requires_grad_(True)
     lead = lambda t: t.reshape(2, 5, *t.shape[1:])  # noqa: E731
@@ -219,26 +214,17 @@ def test_torch_modules_take_weights_per_call(rng, device, loss, compiled, reduct
     if compiled:
         torch._dynamo.reset()
         call = torch.compile(call, fullgraph=True)
-    out = call(*args, token_weights=torch.from_numpy(w).to(device).reshape(2, 5))
+    out = call(*args, token_weights=torch.from_numpy(w).to(torch_device).reshape(2, 5))
     upstream = rng.standard_normal(T) if reduction == "none" else None
     if upstream is None:
         out.backward()
     else:
         assert out.shape == (2, 5)
-        (out * torch.from_numpy(upstream).float().to(device).reshape(2, 5)).sum().backward()
+        (out * torch.from_numpy(upstream).float().to(torch_device).reshape(2, 5)).sum().backward()
     ref = reference(**case, token_weights=w, reduction=reduction, beta=0.3, grad_output=upstream)
     np.testing.assert_allclose(out.detach().cpu().numpy().ravel(), np.ravel(ref[0]), rtol=1e-5, atol=1e-6)
     for t, want in zip((ts[0], ts[1], ts[len(ts) - 1 if loss == "topk" else 5]), ref[3:]):
         assert rel_err(t.grad.cpu().numpy(), want) <= 1e-4
-
-
-@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def jax_device(request):
-    jax = pytest.importorskip("jax")
-    try:
-        return jax.devices(request.param)[0]
-    except RuntimeError:
-        pytest.skip(f"JAX has no {request.param} device here")
 
 
 @pytest.mark.parametrize("loss", ["online", "topk"])

@@ -745,11 +745,6 @@ def _torch_case(case, device):
     return {name: None if a is None else from_native(a).to(device) for name, a in case.items()}
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def torch_device(request):
-    return request.param
-
-
 @pytest.mark.parametrize("missing_mass", MODES)
 def test_torch_module_against_reference(rng, torch_device, missing_mass):
     pytest.importorskip("torch")
@@ -872,16 +867,6 @@ def test_torch_opcheck(rng, torch_device):
         torch.library.opcheck(torch.ops.jsdgpu.fused_linear_topk_jsd.default,
                               (*args, "bucket", 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None,
                                token_weights, reduction, None, 1.0, 1.0, None, None))
-
-
-@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def jax_device(request):
-    jax = pytest.importorskip("jax")
-    pytest.importorskip("jsdgpu.jax")
-    try:
-        return jax.devices(request.param)[0]
-    except RuntimeError:
-        pytest.skip(f"JAX has no {request.param} device here")
 
 
 @pytest.mark.parametrize("missing_mass", MODES)
