@@ -31,6 +31,7 @@ class Rows:
     masked: bool = False
     status: Any = None
     leading: int = 0      # a default GPU call's: its first rows that are valid, all before its first ignored one
+    weights: Any = None   # a default call's token weights, float32 [the call's rows] and checked (None: none)
 
 
 @dataclasses.dataclass
@@ -87,11 +88,12 @@ class Backend(Protocol):
         """Where the backend queues ahead: a student logits' buffer for chunks of `rows` rows, with
         the products of xs's first `head` rows queued into it."""
 
-    def select_rows(self, target, vocab, ignore_index, after=None) -> Selection:
+    def select_rows(self, target, vocab, ignore_index, after=None, weights=None) -> Selection:
         """The rows whose target is not ignore_index, being selected; a target outside [0, vocab)
-        that is not ignore_index makes wait() raise ValueError. after: a mark; the selection then
-        waits for the work queued before it, not for the work queued since (a head's products),
-        and so does wait()."""
+        that is not ignore_index makes wait() raise ValueError, and then so does a token weight
+        (weights: the call's token_weights, or None) not finite or below 0. after: a mark; the
+        selection then waits for the work queued before it, not for the work queued since (a
+        head's products), and so does wait()."""
 
     def mark_rows(self, target, vocab, ignore_index, num_valid_tokens) -> Rows:
         """Every row, masked where ignored, with no host wait (a capturable call); a bad target
@@ -120,7 +122,8 @@ class Backend(Protocol):
 
     def model_logits(self, work, rows, models):
         """The chunk's first `rows` rows of both logits as the models' (LossOptions.models: each
-        model's scale times its biased logits, then soft-capped), in place, before the row work."""
+        model's scale times its biased logits, then soft-capped), in place, before the phases'
+        row work (fused_rows makes them itself)."""
 
     def model_gradient(self, work, G, model, target, label_terms):
         """After the row work: G, the gradient in the student's logits as its model's (model: its

@@ -249,6 +249,11 @@ def target_error(row, value, vocab, ignore_index):
                       f"ignore_index ({ignore_index})")
 
 
+def weight_error(row, value):
+    """The ValueError for token_weights[row] = value, not finite or below 0."""
+    return ValueError(f"token_weights must be finite and >= 0, got token_weights[{row}] = {value}")
+
+
 def target_masks(target_host, vocab, ignore_index):
     """(valid, bad) of a NumPy integer array: the entries in [0, vocab) and not ignore_index,
     and those outside it and not ignore_index."""

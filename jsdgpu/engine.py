@@ -70,7 +70,7 @@ class ChunkLoss:
         backend, ignore_index = self.backend, self.opts.ignore_index
         if self.capturable:
             return backend.mark_rows(self.target, self.vocab, ignore_index, self.run_opts.given_divisor)
-        return backend.select_rows(self.target, self.vocab, ignore_index, after)
+        return backend.select_rows(self.target, self.vocab, ignore_index, after, self.token_weights)
 
     def queue_first(self, xs, other, most):
         """Where the loss has work of its own to queue before the selection: queue it (setting
@@ -176,18 +176,14 @@ def run(loss, xs, other, first=None):
 
 def row_weights(xp, token_weights, row_scales, rows):
     """The computed rows' weights in float32 (the token weights times the row scales), or None for
-    ones. A token weight not finite or below 0 raises ValueError in a default call; in a
-    capturable one (no host wait) it makes 1/N, and so the loss and gradients, NaN."""
-    weights = None
-    if token_weights is not None:
+    ones. A token weight not finite or below 0 has raised ValueError in a default call's selection
+    (select_rows: checked beside its first products, read at its one wait); in a capturable one
+    (no host wait) it makes 1/N, and so the loss and gradients, NaN."""
+    weights = rows.weights
+    if token_weights is not None and rows.masked:
         weights = xp.ascontiguousarray(token_weights, dtype=np.float32)
         good = xp.isfinite(weights) & (weights >= 0)
-        if rows.masked:
-            rows.inv_n = xp.where(good.all(), rows.inv_n, np.nan).astype(np.float32)
-        elif not bool(good.all()):  # (a wait for the GPU, after the selection's: only with token weights)
-            bad = int(xp.argmin(good))
-            raise ValueError(f"token_weights must be finite and >= 0, got token_weights[{bad}] = "
-                             f"{float(weights[bad])}")
+        rows.inv_n = xp.where(good.all(), rows.inv_n, np.nan).astype(np.float32)
     if row_scales is not None:
         weights = row_scales if weights is None else weights * row_scales
     return weights if weights is None or rows.valid_rows is None else weights[rows.valid_rows]

@@ -26,11 +26,8 @@ class OnlineLoss(ChunkLoss):
         self.vocab = self.vs if shard is None else shard.vs_total
         # every rank must cut the same chunks: size them by the largest shard
         widest = (self.vs, wt.shape[0]) if shard is None else (shard.max_vs, shard.max_vt)
-        # the models' logits (scaled, soft-capped) stay in place through the row work, for their
-        # gradient after it: G apart from them, not written over them by the fused kernel
         self.models = opts.models
-        self.per_row = backend.bytes_per_row(*widest, ws.dtype, run_opts.compute_grad,
-                                             fused=self.comm is None and self.models is None)
+        self.per_row = backend.bytes_per_row(*widest, ws.dtype, run_opts.compute_grad, fused=self.comm is None)
 
     def prepare(self, most, buffers):
         self.work = self.backend.prepare(self.ws, self.wt, self.bs, self.bt, most, fused=self.comm is None,
@@ -49,7 +46,14 @@ class OnlineLoss(ChunkLoss):
         return xp.where(owned, target - shard.v0, -1).astype(np.int32)
 
     def gradient_rows(self, g_rows, hold_g):
-        return self.backend.gradient_rows(self.work, g_rows, own_g=hold_g or self.models is not None)
+        # around the phases the models' logits (scaled, soft-capped) stay in place through the row
+        # work, for their gradient after it: G apart from them
+        return self.backend.gradient_rows(self.work, g_rows, own_g=hold_g or self._model_passes())
+
+    def _model_passes(self):
+        """Whether the models' logits are made by passes around the row work: where they are not
+        the plain logits and the phases run (the fused kernel makes them itself)."""
+        return self.models is not None and not self.work.fused
 
     def row_work(self, out, G, start, stop, xs, xt, target):
         """The rows' results and, where G is not None, the gradient rows written into G: on the
@@ -59,10 +63,11 @@ class OnlineLoss(ChunkLoss):
         backend, work, models = self.backend, self.work, self.models
         ce, jsd = ce[start:stop], jsd[start:stop]
         label_terms = None if label_terms is None else label_terms[start:stop]
-        if models is not None:
+        passes = self._model_passes()
+        if passes:
             backend.model_logits(work, stop - start, models)
         self._rows(work, target, ce, jsd, G, label_terms)
-        if models is not None and G is not None:
+        if passes and G is not None:
             backend.model_gradient(work, G, models[0], target, label_terms)
 
     def _rows(self, work, target, ce, jsd, G, label_terms):

@@ -40,8 +40,7 @@ def reference(student_input, student_weight, teacher_input, teacher_weight, targ
     options: those of jsdgpu.LossOptions. grad_bias is None when student_bias is None.
     Gradients are those of `loss`, times grad_output (None: 1; with reduction "none", an array
     [T] or None for ones). Each model's logits are model_logits' of x @ W.T + b (its scale and
-    soft cap); token_weights and reduction as _reduced_loss's. (The scales, caps, token weights
-    and reductions are the reference's alone so far: the library's calls do not take them yet.)
+    soft cap); token_weights and reduction as _reduced_loss's.
     """
     xp = _array_module(student_input)
     f = lambda a: None if a is None else xp.asarray(a).astype(xp.float64)  # noqa: E731

@@ -22,8 +22,10 @@ MODELS = [dict(student_logit_softcap=30.0, teacher_logit_softcap=30.0),
 
 @pytest.mark.parametrize("model", range(len(MODELS)))
 @pytest.mark.parametrize("chunk_size,memory_budget", [(None, None), (4, 1)])  # G held; G per chunk
-def test_online_against_float64(xp, rng, model, chunk_size, memory_budget):
-    case = make_case(rng, T=int(rng.integers(1, 25)), vs=int(rng.integers(200, 1100)), vt=1103, bias=True,
+@pytest.mark.parametrize("same_vocab", [False, True])  # (the fused kernel keeps p or z by it)
+def test_online_against_float64(xp, rng, model, chunk_size, memory_budget, same_vocab):
+    vs = int(rng.integers(200, 1100))
+    case = make_case(rng, T=int(rng.integers(1, 25)), vs=vs, vt=vs if same_vocab else 1103, bias=True,
                      ignored=0.3, logit_std=8.0)
     check_against_reference(case, xp, np.dtype(np.float32), chunk_size=chunk_size, memory_budget=memory_budget,
                             grad_output=0.7, beta=float(rng.choice([0.0, 0.4, 1.0])),
@@ -33,9 +35,10 @@ def test_online_against_float64(xp, rng, model, chunk_size, memory_budget):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("memory_budget", [None, 1])
-def test_online_16bit_gpu(rng, dtype, memory_budget):
+@pytest.mark.parametrize("vt", [1031, 1040])
+def test_online_16bit_gpu(rng, dtype, memory_budget, vt):
     import cupy
-    case = make_case(rng, T=int(rng.integers(20, 300)), vs=1031, vt=1040, dtype=DTYPES[dtype], bias=True,
+    case = make_case(rng, T=int(rng.integers(20, 300)), vs=1031, vt=vt, dtype=DTYPES[dtype], bias=True,
                      ignored=0.3, logit_std=8.0)
     check_against_reference(case, cupy, DTYPES[dtype], memory_budget=memory_budget, **MODELS[3])
 

@@ -123,8 +123,19 @@ def test_bad_weights_raise(xp, rng, bad, error, loss):
     w = {"nan": np.where(np.arange(T) == 3, np.nan, w), "negative": -w, "inf": w * np.inf,
          "shape": w[:5], "rank": w[:, None], "int": w.astype(np.int32)}[bad]
     call = jsdgpu.forward if loss == "online" else jsdgpu.forward_topk
-    with pytest.raises(error, match="token_weights"):
+    with pytest.raises(error, match=r"token_weights\[3\]" if bad == "nan" else "token_weights"):
         call(**to_xp(case, xp), token_weights=xp.asarray(w))
+
+
+def test_the_first_bad_weight_is_named(xp, rng):
+    """Past the checking kernel's first block of rows (256), among ignored rows too: the first
+    bad weight's row and value."""
+    T = 1500
+    case = make_case(rng, T=T, ignored=0.3)
+    w = rng.random(T).astype(np.float32)
+    w[[1234, 1400]] = -0.5, np.nan
+    with pytest.raises(ValueError, match=r"token_weights\[1234\] = -0\.5"):
+        jsdgpu.forward(**to_xp(case, xp), token_weights=xp.asarray(w))
 
 
 def test_reductions_checked(rng):

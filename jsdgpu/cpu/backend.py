@@ -67,15 +67,20 @@ class Selection:
     """The valid rows, selected on the host at once (nothing to overlap, and no head queued ahead
     of it: CpuBackend.queues_ahead)."""
 
-    def __init__(self, target, vocab, ignore_index):
+    def __init__(self, target, vocab, ignore_index, weights):
         self._valid = checks.check_target(target, vocab, ignore_index)
         self._target = target
+        self._weights = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32)
+        if self._weights is not None:
+            bad = np.flatnonzero(~(np.isfinite(self._weights) & (self._weights >= 0)))
+            if len(bad):
+                raise checks.weight_error(int(bad[0]), float(self._weights[bad[0]]))
 
     def wait(self, normalizer):
         n, valid = len(self._target), self._valid
         count = len(valid)
         return Rows(None if count == n else valid, self._target[valid].astype(np.int32), 1.0 / normalizer(count),
-                    count)
+                    count, weights=self._weights)
 
 
 # rows of the vocabulary a block of a chunk's part of grad_weight takes (CpuBackend.grad_products):
@@ -96,10 +101,10 @@ class CpuBackend:
         return contextlib.nullcontext()
 
     @staticmethod
-    def select_rows(target, vocab, ignore_index, after=None):
+    def select_rows(target, vocab, ignore_index, after=None, weights=None):
         """The rows whose target is not ignore_index; checks.target_error's ValueError for a bad
-        target."""
-        return Selection(target, vocab, ignore_index)
+        target, then checks.weight_error's for a bad token weight."""
+        return Selection(target, vocab, ignore_index, weights)
 
     @staticmethod
     def mark():
@@ -257,11 +262,17 @@ class CpuBackend:
 
     @staticmethod
     def fused_rows(work, target, opts, ce, jsd, G, label_terms):
+        """The fused row kernel on the models' logits (opts.models: made in place first, and G
+        taken back to the raw logits' after)."""
         n = len(target)
         compute_grad = G is not None
+        if opts.models is not None:
+            CpuBackend.model_logits(work, n, opts.models)
         fused_kernel(work.s[:n], work.t[:n], target, 1.0 / opts.temperature, int(opts.divergence), opts.beta,
                      opts.weight_hard_loss, opts.w_soft_over_t, ce, jsd, G if compute_grad else _NO_G,
                      label_terms if compute_grad else _NO_TERMS, compute_grad)
+        if opts.models is not None and compute_grad:
+            CpuBackend.model_gradient(work, G, opts.models[0], target, label_terms)
 
     @staticmethod
     def row_stats(work, target, opts):

@@ -41,8 +41,9 @@ class CudaWork:
     logits_t: object
     ones: object         # [rows] of ones, for grad_bias's product (None without a student bias)
     fused: object        # the kernels.FusedKernel, or None: the three phase kernels run
-    # where the logits are the models' (LossOptions.models): the biases model_logits adds (bias_s
-    # and bias_t, which the kernels add, are then None)
+    # where the phase kernels take the models' logits (LossOptions.models): the biases
+    # model_logits adds (bias_s and bias_t, which the row kernels add, are then None); the fused
+    # kernel adds the biases and makes the models' logits itself
     model_bias: tuple = (None, None)
     # made by the fused kernel's first launch (after the call's first products), not by prepare:
     row_counter: object = None  # its counter of rows handed out
@@ -53,21 +54,23 @@ class Selection:
     their indices, and row_target their targets, any prefix of which can be read on the device
     before wait(), the call's one wait for the GPU, gives the Rows."""
 
-    def __init__(self, target, vocab, ignore_index, after):
+    def __init__(self, target, vocab, ignore_index, after, weights):
         self._target, self._vocab, self._ignore_index = target, vocab, ignore_index
-        self._pending = kernels.PendingSelection(target, vocab, ignore_index, after)
+        self._pending = kernels.PendingSelection(target, vocab, ignore_index, after, weights)
         self.rows, self.row_target = self._pending.rows, self._pending.row_target
 
     def wait(self, normalizer):
         """The Rows (normalizer(count): N); raises checks.target_error's ValueError for a bad
-        target."""
-        n = len(self._target)
-        count, first_bad, first_ignored = self._pending.wait()
+        target, then checks.weight_error's for a bad token weight."""
+        n, weights = len(self._target), self._pending.weights
+        count, first_bad, first_ignored, first_bad_weight = self._pending.wait()
         if first_bad < n:
             raise checks.target_error(first_bad, int(self._target[first_bad]), self._vocab, self._ignore_index)
+        if first_bad_weight < n:
+            raise checks.weight_error(first_bad_weight, float(weights[first_bad_weight]))
         valid_rows = None if count == n else self.rows[:count]
         return Rows(valid_rows, self._pending.row_target[:count], 1.0 / normalizer(count), count,
-                    leading=first_ignored)
+                    leading=first_ignored, weights=weights)
 
 
 @dataclasses.dataclass
@@ -174,13 +177,13 @@ class CudaBackend:
         return cupy.cuda.Device(device)
 
     @staticmethod
-    def select_rows(target, vocab, ignore_index, after=None):
+    def select_rows(target, vocab, ignore_index, after=None, weights=None):
         """The valid rows, by one kernel whose results the host reads once it has run (Selection);
         with `after` (mark's), beside the stream's work since (kernels.beside). (Reading all the
         targets, checking and selecting them on the host, copying the selection back and gathering
         the rows by CuPy took 0.15-0.25 ms more a step at T = 1024 with half of the rows ignored:
         docs/design.md, "Ignored rows".)"""
-        return Selection(target, vocab, ignore_index, after)
+        return Selection(target, vocab, ignore_index, after, weights)
 
     mark = staticmethod(kernels.mark)
 
@@ -243,13 +246,15 @@ class CudaBackend:
     def prepare(ws, wt, bs, bt, rows, fused, logits_s=None, models=None):
         """The buffers for chunks of `rows` rows (logits_s: the student logits', where
         logits_ahead made it); with fused (and a teacher vocabulary of at most FUSED_MAX_VOCAB),
-        the fused row kernel. models: LossOptions.models (the biases then model_logits')."""
+        the fused row kernel. models: LossOptions.models (without the fused kernel, the biases
+        then model_logits')."""
         vs, vt = ws.shape[0], wt.shape[0]
         fused = fused and vt <= FUSED_MAX_VOCAB
         biases = _padded_bias(bs, vs), _padded_bias(bt, vt)
+        in_passes = models is not None and not fused
         return CudaWork(
-            ws=ws, wt=wt, bias_s=None if models else biases[0], bias_t=None if models else biases[1],
-            model_bias=biases if models else (None, None),
+            ws=ws, wt=wt, bias_s=None if in_passes else biases[0], bias_t=None if in_passes else biases[1],
+            model_bias=biases if in_passes else (None, None),
             logits_s=cupy.empty((rows, leading_dim(vs)), np.float32) if logits_s is None else logits_s,
             logits_t=cupy.empty((rows, leading_dim(vt)), np.float32),
             ones=cupy.ones(rows, ws.dtype) if bs is not None else None,
@@ -296,7 +301,8 @@ class CudaBackend:
 
     @staticmethod
     def fused_rows(work, target, opts, ce, jsd, G, label_terms):
-        """The fused row kernel over the chunk's logits (G None: the loss alone)."""
+        """The fused row kernel over the chunk's logits (G None: the loss alone), on the models'
+        logits (opts.models: the kernel makes them, and G is the gradient in the raw logits)."""
         if work.row_counter is None:  # made at the first launch, not before the call's first product
             work.row_counter = cupy.empty(1, np.int32)  # zeroed by each launch
         kernels.launch_fused_rows(work.fused, len(target), *CudaBackend._row_inputs(work, target), opts, ce, jsd, G,

@@ -141,10 +141,16 @@ def launch_fused_rows(kernel, rows, logits_s, logits_t, bias_s, bias_t, target, 
         np.float32(opts.beta), np.float32(opts.one_minus_beta),
         np.float32(opts.weight_hard_loss), np.float32(opts.w_soft_over_t), ce, jsd, _pointer(G),
         np.int64(0 if G is None else G.shape[1]), _NULL if G is None else label_terms, row_counter,
-        *sources.soft_terms(opts.divergence, opts.beta))
+        *_model_args(opts.models or ((1.0, None), (1.0, None))), *sources.soft_terms(opts.divergence, opts.beta))
     shape = kernel.shape
     function((shape.cluster * min(rows, kernel.max_clusters),), (shape.threads,), args,
              shared_mem=shape.shared_bytes)
+
+
+def _model_args(models):
+    """(scale, cap, 1 / cap) of each (scale, cap) of models (LossOptions.models; a cap of None
+    as 0, its inverse 0), as the kernels take them."""
+    return tuple(np.float32(x) for scale, cap in models for x in (scale, cap or 0.0, 1.0 / cap if cap else 0.0))
 
 
 def launch_phase(phase, row_inputs, opts, *more_args):
@@ -203,8 +209,8 @@ def model_logits(logits, rows, v, bias, scale, cap):
     model's, in place: scale (logits + bias), then cap tanh(. / cap) where cap is not None."""
     if rows:
         function("gradient_sums", "model_logits")(
-            (rows,), (256,), (logits, np.int64(logits.shape[1]), np.int32(v), _pointer(bias), np.float32(scale),
-                              np.float32(cap or 0.0)))
+            (rows,), (256,), (logits, np.int64(logits.shape[1]), np.int32(v), _pointer(bias),
+                              *_model_args(((scale, cap),))))
 
 
 def model_gradient(G, logits, v, scale, cap, target, label_terms):
@@ -213,7 +219,8 @@ def model_gradient(G, logits, v, scale, cap, target, label_terms):
     if len(G):
         function("gradient_sums", sources.model_gradient(G.dtype))(
             (len(G),), (256,), (G, np.int64(G.shape[1]), logits, np.int64(logits.shape[1]), np.int32(v),
-                                np.float32(scale), np.float32(cap or 0.0), target, _pointer(label_terms)))
+                                np.float32(scale), np.float32(1.0 / cap if cap else 0.0), target,
+                                _pointer(label_terms)))
 
 
 def label_rows(label_terms, target, ws, inv_n, grad_input):
@@ -250,15 +257,15 @@ def label_scatter(label_terms, target, xs, inv_n, scale, grad_weight, grad_bias)
 # ---- the valid rows ----
 
 class _SelectionOutput:
-    """select_rows's three results (the count, the first bad row and the first ignored row) in 12
-    bytes of page-locked host memory, which the kernel writes straight into (with unified
+    """select_rows's three results (the count, the first bad row and the first ignored row) and
+    first_bad_weight's in 16 bytes of page-locked host memory, which the kernel writes straight into (with unified
     addressing, CUDA maps it into the devices' address space at the same address), and an event
     recorded after the kernel, which the host waits on (not on the stream: the products queued
     after the kernel keep running). One per thread and device, made once (an allocation a call
     took tens of µs inside a step)."""
 
     def __init__(self):
-        self.view = np.frombuffer(cupy.cuda.alloc_pinned_memory(12), np.int32, 3)  # keeps it alive
+        self.view = np.frombuffer(cupy.cuda.alloc_pinned_memory(16), np.int32, 4)  # keeps it alive
         self.address = np.uint64(self.view.ctypes.data)
         self.done = _new_event()
 
@@ -328,15 +335,17 @@ def kernel_ids(ids):
 class PendingSelection:
     """select_rows launched: rows [n] (the valid rows' indices first, in order; 0 past their count,
     so any prefix can be gathered before the count is known) and row_target [n] (their int32
-    targets; -1 where out of range and past the count, so any prefix can be read as labels).
-    wait() waits for the kernel and returns (count, first bad row, first ignored row), each row n
-    where there is none. With `after` (mark's event), the kernel runs beside the
+    targets; -1 where out of range and past the count, so any prefix can be read as labels); with
+    token weights, weights (float32 [n]) and first_bad_weight's check of them.
+    wait() waits for the kernels and returns (count, first bad row, first ignored row, first bad
+    weight), each n where there is none. With `after` (mark's event), the kernels run beside the
     current stream's work queued since that mark (a head's products), so wait() does not wait for
-    that work; else it is queued on the current stream, and wait() waits for what it holds too."""
+    that work; else they are queued on the current stream, and wait() waits for what it holds too."""
 
-    def __init__(self, targets, vocab, ignore_index, after=None):
+    def __init__(self, targets, vocab, ignore_index, after=None, weights=None):
         n = len(targets)
         self._out = _per_thread_and_device(_SelectionOutput)
+        self.weights = None
         with contextlib.nullcontext() if after is None else beside(after):
             # made beside too: a block of the current stream's arena may still be in use by its
             # work queued since `after` (a product's workspace, freed as soon as it was queued),
@@ -349,12 +358,17 @@ class PendingSelection:
                 (1,), (sources.SELECT_THREADS,),
                 (self._targets, np.int32(n), *_ignore_args(ignore_index), np.int64(vocab), self.rows,
                  self.row_target, self._out.address))
+            if weights is not None:
+                self.weights = cupy.ascontiguousarray(weights, dtype=np.float32)
+                function("targets", "first_bad_weight")((1,), (256,), (self.weights, np.int32(n),
+                                                                      self._out.address + np.uint64(12)))
             self._out.done.record()
 
     def wait(self):
         self._out.done.synchronize()
         self._targets = None
-        return tuple(int(x) for x in self._out.view)
+        count, first_bad, first_ignored, first_bad_weight = (int(x) for x in self._out.view)
+        return count, first_bad, first_ignored, first_bad_weight if self.weights is not None else len(self.rows)
 
 
 def mark_rows(targets, vocab, ignore_index, normalizer):

@@ -208,7 +208,7 @@ FAMILIES = {
                       + [label_scatter(d, np.float32) for d in _ALL_DTYPES]
                       + [label_scatter(d, d) for d in _16BIT] + [label_order()]),
     "targets": [select_rows(np.int32), select_rows(np.int64), gather_rows(16), gather_rows(2),
-                mark_rows(np.int32), mark_rows(np.int64), "zero_rows"],
+                mark_rows(np.int32), mark_rows(np.int64), "zero_rows", "first_bad_weight"],
     "topk_rows": ([topk_rows(d) for d in _ALL_DTYPES] + [topk_finish(), topk_slot_bits()]
                   + [topk_check(np.int32), topk_check(np.int64), teacher_topk()]),
     "topk_logits": [topk_logits()],

@@ -96,6 +96,26 @@ __device__ __forceinline__ float4 fill(float4 v, int from, int to, float x) {
   return make_float4(r[0] ? x : v.x, r[1] ? x : v.y, r[2] ? x : v.z, r[3] ? x : v.w);
 }
 
+// a model's logit from its raw one x (bias added): scale x, then cap tanh(. inv_cap) where cap > 0
+// (options.LossOptions.models; inv_cap = 1 / cap: a product in the fused kernel's loads, not a
+// division)
+__device__ __forceinline__ float model_logit(float x, float scale, float cap, float inv_cap) {
+  const float z = scale * x;
+  return cap > 0.0f ? cap * tanhf(z * inv_cap) : z;
+}
+
+// dz/dx of model_logit at its z: scale (1 - (z inv_cap)^2), the cap's tanh derivative (inv_cap 0:
+// no cap)
+__device__ __forceinline__ float model_derivative(float z, float scale, float inv_cap) {
+  const float u = z * inv_cap;
+  return scale * (1.0f - u * u);
+}
+
+__device__ __forceinline__ float4 model_logits4(float4 v, float scale, float cap, float inv_cap) {
+  return make_float4(model_logit(v.x, scale, cap, inv_cap), model_logit(v.y, scale, cap, inv_cap),
+                     model_logit(v.z, scale, cap, inv_cap), model_logit(v.w, scale, cap, inv_cap));
+}
+
 __device__ __forceinline__ float component(float4 v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }

@@ -33,8 +33,12 @@
 //
 // S [rows, lds], Tl [rows, ldt]: float32 logits without bias (lds, ldt multiples of 4: a row's
 // float4 at a column below round4(v) is inside its padded row). bias_s, bias_t: float32 biases
-// padded with zeros to a multiple of 4, or null. G [rows, ldg] in OUT's format, or null for the
-// loss alone: the gradient with respect to the student logits, without the 1/N of the mean. Where
+// padded with zeros to a multiple of 4, or null. scale_s, cap_s, inv_cap_s (the student's) and
+// scale_t, cap_t, inv_cap_t (the teacher's): the models' logits (LossOptions.models; common.cuh,
+// model_logit; a cap of 0: none), made from the biased logits as a row is loaded; the passes work
+// on them, and G is the gradient in the student's raw logits (times model_derivative). G [rows,
+// ldg] in OUT's format, or null for the loss alone: the gradient with respect to the student
+// logits, without the 1/N of the mean. Where
 // softmax(s)[y] < 1/2 the label's one-hot term -w_hard dominates G[y] and would be rounded with
 // it to 16 bits: it is left out of G and written to label_terms[row] instead (else 0), for the
 // caller to add exactly (label_scatter). CLUSTER * slice >= vt, slice <= 4 * THREADS * GROUPS.
@@ -59,6 +63,10 @@ struct FusedRow {
   unsigned rank;
   RowMath rm;
   bool label_apart, softmax_is_p;
+  // the student's model (LossOptions.models): the gradient in its raw logits is the gradient in z
+  // times model_derivative (common.cuh), applied where with_model
+  float model_scale, model_inv_cap;
+  bool with_model;
   float *ce_out, *jsd_out, *label_terms;
   void* G;
   long long ldg;
@@ -76,8 +84,8 @@ struct FusedRow {
   __device__ __forceinline__ void passes(const float* stats, const SoftPoly& poly) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // 2. the fast sums a and b (in reverse KL, a_rel), the precise sum and its weights' sum; t
-    //    becomes h, and s becomes p where softmax(s) == p (no temperature, no pad), so that pass 3
-    //    needs no exp
+    //    becomes h, and s becomes p where softmax(s) == p (no temperature, no pad) and z is not
+    //    needed after (no student cap), so that pass 3 needs no exp
     const float4 sums4 = MODE == JSD && soft_b < SMALL_B_BELOW ? column_sums<MODE, SOFTMAX_IS_P, true>(poly)
                                                                : column_sums<MODE, SOFTMAX_IS_P, false>(poly);
     const float4 mine = block_merge<THREADS>(sums4, make_float4(0.0f, 0.0f, 0.0f, 0.0f), sums_warp_merge<32, float4>,
@@ -102,6 +110,7 @@ struct FusedRow {
       const float precise = unrounded_precise<MODE>(sums.z, n, eps.x, eps.y, soft_b, rm);
       write_row_results(row, stats[3], row_soft(fast, precise, sums.w), label_apart, rm, G != nullptr, ce_out,
                         jsd_out, label_terms);
+      if (label_apart && with_model) label_terms[row] *= model_derivative(stats[3], model_scale, model_inv_cap);
     }
     // 3. the gradient row: the loop writes the groups of 4 student columns, without the
     //    label's one-hot term; after it, the thread that holds them writes the group that ends
@@ -171,6 +180,10 @@ struct FusedRow {
       const float softmax = SOFTMAX_IS_P ? p : softmax_of(sv[j], rm);
       out[j] = grad_value<MODE, SOFTMAX_IS_P>(softmax, p, hv[j], j == j_label, kl, rm);
     }
+    if (with_model) {  // sv: z (a capped model's s stays z: softmax_is_p false)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[j] *= model_derivative(sv[j], model_scale, model_inv_cap);
+    }
   }
 };
 
@@ -183,7 +196,8 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
                                          float w_hard, float w_soft_over_t, float* __restrict__ ce_out,
                                          float* __restrict__ jsd_out, void* G, long long ldg,
                                          float* __restrict__ label_terms, int* __restrict__ row_counter,
-                                         float soft_b, const SoftPoly& poly) {
+                                         float scale_s, float cap_s, float inv_cap_s, float scale_t, float cap_t,
+                                         float inv_cap_t, float soft_b, const SoftPoly& poly) {
   static_assert(CLUSTER < 32, "lane CLUSTER of warp 2 holds the pad columns' part of z");
   static_assert(THREADS >= 128, "warps 0, 1 and 2 merge one statistic each; a thread of warp 3 copies");
   constexpr int WARPS = THREADS / 32;
@@ -232,7 +246,11 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   f.ns = ns;
   f.lo = lo;
   f.rank = rank;
-  f.softmax_is_p = !tempered && vt == vs;
+  // a capped student's s stays z through pass 2, for its cap's derivative in pass 3
+  f.softmax_is_p = !tempered && vt == vs && cap_s == 0.0f;
+  f.with_model = scale_s != 1.0f || cap_s != 0.0f;
+  f.model_scale = scale_s;
+  f.model_inv_cap = inv_cap_s;
   f.ce_out = ce_out;
   f.jsd_out = jsd_out;
   f.label_terms = label_terms;
@@ -269,9 +287,11 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     if (s_bytes != 0) bulk_copy(smem_addr(next_row), S + row * lds + lo, s_bytes, copy_bar);
     if (t_bytes != 0) bulk_copy(smem_addr(next_row + GROUPS * THREADS), Tl + row * ldt + lo, t_bytes, copy_bar);
   };
-  // Rare, and the same in every row: biases, or a slice that ends inside a float4 of columns
+  // Rare, and the same in every row: biases, the models' logits (scaled, soft-capped: as
+  // gradient_sums.cu's model_logits makes them), or a slice that ends inside a float4 of columns
   // (whose values past the end must be -inf).
-  const bool adjust = bias_s != nullptr || bias_t != nullptr || n % 4 != 0 || ns % 4 != 0;
+  const bool model_t = scale_t != 1.0f || cap_t != 0.0f;
+  const bool adjust = bias_s != nullptr || bias_t != nullptr || n % 4 != 0 || ns % 4 != 0 || f.with_model || model_t;
 
   // This cluster's row and the next one: the first two by its index, then from row_counter.
   const int clusters = gridDim.x / CLUSTER;
@@ -300,10 +320,12 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
         const int c = f.column(k);
         if (c < n) {
           if (bias_t) f.t[k] = add4(f.t[k], *reinterpret_cast<const float4*>(bias_t + lo + c));
+          if (model_t) f.t[k] = model_logits4(f.t[k], scale_t, cap_t, inv_cap_t);
           if (c + 4 > n) f.t[k] = fill(f.t[k], n - c, 4, NEG_INF);
         }
         if (c < ns) {
           if (bias_s) f.s[k] = add4(f.s[k], *reinterpret_cast<const float4*>(bias_s + lo + c));
+          if (f.with_model) f.s[k] = model_logits4(f.s[k], scale_s, cap_s, inv_cap_s);
           if (c + 4 > ns) f.s[k] = fill(f.s[k], ns - c, 4, NEG_INF);
         }
       }
@@ -452,10 +474,12 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
       const int *target, int vs, int vt, int slice, int rows, float inv_temp, float beta,                 \
       float one_minus_beta,                                                                              \
       float w_hard, float w_soft_over_t, float *ce_out, float *jsd_out, void *G, long long ldg, float *label_terms, \
-      int *row_counter, float soft_b, SOFT_POLY_PARAMS
+      int *row_counter, float scale_s, float cap_s, float inv_cap_s, float scale_t, float cap_t, float inv_cap_t,  \
+      float soft_b, SOFT_POLY_PARAMS
 #define JSD_ROWS_CALL                                                                                      \
   S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, slice, rows, inv_temp, beta, one_minus_beta, w_hard,     \
-      w_soft_over_t, ce_out, jsd_out, G, ldg, label_terms, row_counter, soft_b, poly
+      w_soft_over_t, ce_out, jsd_out, G, ldg, label_terms, row_counter, scale_s, cap_s, inv_cap_s, scale_t, cap_t, inv_cap_t, \
+      soft_b, poly
 
 // MODE: the divergence, a kernel of its own each: with the three modes' bodies in one kernel,
 // ptxas spilled where each alone does not. MIN_CTAS: CTAs per SM that the register allocation

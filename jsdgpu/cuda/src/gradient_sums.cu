@@ -42,37 +42,31 @@ __global__ void scale_rows(const void* __restrict__ x, const float* __restrict__
 }
 
 // model_logits: a chunk's logits as a model's (options.LossOptions.models), in place: z = scale (z +
-// bias) (bias null: none), then cap tanh(z / cap) where cap > 0; logits float32 [rows, ld], the
-// first v columns, one block per row
+// bias) (bias null: none), then cap tanh(z / cap) where cap > 0 (common.cuh, model_logit: as the
+// fused kernel makes them); logits float32 [rows, ld], the first v columns, one block per row
 __global__ void model_logits(float* __restrict__ logits, long long ld, int v, const float* __restrict__ bias,
-                             float scale, float cap) {
+                             float scale, float cap, float inv_cap) {
   float* row = logits + blockIdx.x * ld;
-  for (int j = threadIdx.x; j < v; j += blockDim.x) {
-    const float z = scale * (row[j] + (bias ? bias[j] : 0.0f));
-    row[j] = cap > 0.0f ? cap * tanhf(z / cap) : z;
-  }
+  for (int j = threadIdx.x; j < v; j += blockDim.x)
+    row[j] = model_logit(row[j] + (bias ? bias[j] : 0.0f), scale, cap, inv_cap);
 }
 
 // model_gradient: G, the gradient in a model's logits z (model_logits'), to the gradient in its raw
-// logits, in place: times scale (1 - (z / cap)^2) (the cap's tanh derivative; scale alone where
-// cap <= 0); and each row's label term (kept out of G: label_terms non-null) times that factor at
-// its label (target[i] >= 0). G [rows, g_ld] in G_FMT, z float32 [rows, z_ld], v columns, one
-// block per row.
+// logits, in place: times model_derivative (scale alone where inv_cap is 0); and each row's label
+// term (kept out of G: label_terms non-null) times that factor at its label (target[i] >= 0).
+// G [rows, g_ld] in G_FMT, z float32 [rows, z_ld], v columns, one block per row.
 template <int G_FMT>
 __global__ void model_gradient(void* __restrict__ G, long long g_ld, const float* __restrict__ z, long long z_ld,
-                               int v, float scale, float cap, const int* __restrict__ target,
+                               int v, float scale, float inv_cap, const int* __restrict__ target,
                                float* __restrict__ label_terms) {
   const long long i = blockIdx.x;
   const float* zr = z + i * z_ld;
   for (int j = threadIdx.x; j < v; j += blockDim.x) {
-    const float t = cap > 0.0f ? zr[j] / cap : 0.0f;
-    const float g = load_value<G_FMT>(G, i * g_ld + j) * (scale * (1.0f - t * t));
+    const float g = load_value<G_FMT>(G, i * g_ld + j) * model_derivative(zr[j], scale, inv_cap);
     store4<G_FMT>(G, i * g_ld + j, &g, 1);
   }
-  if (threadIdx.x == 0 && label_terms && target[i] >= 0) {
-    const float t = cap > 0.0f ? zr[target[i]] / cap : 0.0f;
-    label_terms[i] *= scale * (1.0f - t * t);
-  }
+  if (threadIdx.x == 0 && label_terms && target[i] >= 0)
+    label_terms[i] *= model_derivative(zr[target[i]], scale, inv_cap);
 }
 
 // label_rows: grad_input[i] += *inv_n * label_terms[i] * ws[target[i]] for the rows whose label this

@@ -72,6 +72,25 @@ __device__ __forceinline__ void select_rows_body(const T* __restrict__ target, i
   }
 }
 
+// The first of n token weights that is not finite or is below 0 (n where there is none), into
+// *out: a default call's check of its weights, beside its first products like select_rows. One CTA.
+__global__ void first_bad_weight(const float* __restrict__ weights, int n, int* __restrict__ out) {
+  __shared__ int first;
+  if (threadIdx.x == 0) first = n;
+  __syncthreads();
+  int mine = n;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    if (!(weights[i] >= 0.0f && isfinite(weights[i]))) {  // NaN fails the first test
+      mine = i;
+      break;
+    }
+  }
+  mine = __reduce_min_sync(0xffffffffu, mine);
+  if ((threadIdx.x & 31) == 0 && mine < n) atomicMin(&first, mine);
+  __syncthreads();
+  if (threadIdx.x == 0) *out = first;
+}
+
 #define SELECT_ROWS_ARGS \
   int n, long long ignore_index, int has_ignore, long long vocab, int *rows, int *row_target, int *out
 // T: the targets' type (int or long long)
