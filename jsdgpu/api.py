@@ -8,7 +8,8 @@ backward (jsdgpu.call) turns the gradient sums it left into the gradients.
 
 from . import checks, parallel
 from .ahead import FirstProduct
-from .call import Context, backend_for, backward, bridged, forward_rows, runs_capturable, weighted_loss
+from .call import (Context, backend_for, backward, bridged, loss_of_call, rows_own, rows_own_backward,
+                   runs_capturable, weighted_loss)
 from .engine import run
 from .online import OnlineLoss
 from .options import LossOptions, RunOptions, split_options
@@ -34,7 +35,7 @@ def forward(student_input, student_weight, teacher_input, teacher_weight, target
 def forward_with(student_input, student_weight, teacher_input, teacher_weight, target,
                  student_bias, teacher_bias, loss_opts, run_opts, token_weights=None, row_scales=None):
     """forward with its options as a LossOptions and a RunOptions. row_scales: the front ends'
-    backward of reduction "none" (call.forward_rows): grad_output [T], a sum's rows' factors."""
+    backward of reduction "none" (call.rows_own_backward): grad_output [T], a sum's rows' factors."""
     arrays = dict(student_input=student_input, student_weight=student_weight,
                   teacher_input=teacher_input, teacher_weight=teacher_weight, target=target,
                   student_bias=student_bias, teacher_bias=teacher_bias, token_weights=token_weights,
@@ -43,8 +44,6 @@ def forward_with(student_input, student_weight, teacher_input, teacher_weight, t
 
 
 def _forward(arrays, opts, run_opts):
-    if run_opts.reduction == "none" and run_opts.compute_grad:
-        return forward_rows(_forward, arrays, opts, run_opts)
     # first of all, where this call is like the last: its first product (ahead.FirstProduct)
     first = FirstProduct(("online", run_opts), arrays["student_input"], arrays["student_weight"])
     comm = parallel.communicator(run_opts.vocab_parallel)
@@ -63,12 +62,15 @@ def _forward(arrays, opts, run_opts):
         xs, ws, xt, wt = (xp.ascontiguousarray(a) for a in (xs, ws, xt, wt))
         # the shard sizes cross the ranks first: the targets index the whole vocabulary
         shard = None if comm is None else parallel.shard_layout(comm, xp, ws.shape[0], wt.shape[0])
-        loss_rows = OnlineLoss(backend, ws, wt, bs, bt, arrays["target"], opts, run_opts, capturable, shard)
+        loss_rows = loss_of_call(lambda call_opts: OnlineLoss(backend, ws, wt, bs, bt, arrays["target"], opts,
+                                                              call_opts, capturable, shard), run_opts, xs.shape[0])
         loss_rows.token_weights, loss_rows.row_scales = arrays["token_weights"], arrays.get("row_scales")
         hard, soft, grads, rows = run(loss_rows, xs, xt, first)
         loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend,
                   run_opts.grad_weight_float32, device, None if rows.status is None else rows.status[1])
+    if rows_own(run_opts):
+        rows_own_backward(ctx, _forward, arrays, opts, run_opts)
     return loss, ctx
 
 

@@ -63,7 +63,9 @@ class Context:
         self._bridge = None  # set for framework tensors: the bridge, and an input tensor
         self._like = None
         self._done = False
-        self._recompute = None  # reduction "none": (row scales, out) -> the gradients (forward_rows)
+        self._rows_own = False  # reduction "none" with gradients: backward's grad_output is [T]
+        self._recompute = None  # with it, where forward computed no gradients: (row scales, out) ->
+                                # the gradients (rows_own_backward)
 
 
 def bridged(arrays, compute):
@@ -99,16 +101,33 @@ def runs_capturable(run_opts, kind):
     return capturing if run_opts.capturable is None else run_opts.capturable
 
 
-def forward_rows(forward, arrays, opts, run_opts):
-    """A call of the rows' own losses (reduction "none") with gradients, by forward(arrays, opts,
-    run_opts) (the online loss's or the top-k's, on native arrays): the rows' losses [T],
-    computed without gradients. Its ctx's backward(grad_output [T]) runs the call again as the
-    sum of the rows' losses, each times its grad_output (arrays' row_scales: the engine's), with
-    the gradients: grad_output is known only there, and grad_weight sums over the rows."""
-    loss, ctx = forward(arrays, opts, dataclasses.replace(run_opts, compute_grad=False))
-    sums = dataclasses.replace(run_opts, reduction="sum")
-    ctx._recompute = lambda scales, out: _backward(forward(dict(arrays, row_scales=scales), opts, sums)[1], 1.0, out)
-    return loss, ctx
+def rows_own(run_opts):
+    """Whether a call computes the rows' own losses (reduction "none") with gradients: its
+    backward's grad_output is [T], known only there."""
+    return run_opts.reduction == "none" and run_opts.compute_grad
+
+
+def loss_of_call(make_loss, run_opts, n_rows):
+    """make_loss(run_opts), the chunk loss of a call of n_rows rows; in a call of the rows' own
+    losses, with gradients only where it keeps them for backward (ChunkLoss.keeps_row_gradients),
+    else computing the rows' values alone (compute_grad False: rows_own_backward)."""
+    loss = make_loss(run_opts)
+    if rows_own(run_opts) and not loss.keeps_row_gradients(n_rows):
+        loss = make_loss(dataclasses.replace(run_opts, compute_grad=False))
+    return loss
+
+
+def rows_own_backward(ctx, forward, arrays, opts, run_opts):
+    """ctx of a call of the rows' own losses (rows_own), made by forward(arrays, opts, run_opts)
+    (the online loss's or the top-k's, on native arrays): its backward(grad_output [T]) scales the
+    gradients forward kept (loss_of_call) by each row's grad_output, or, where forward computed
+    the rows' values alone, runs the call again as the sum of the rows' losses, each times its
+    grad_output (arrays' row_scales: the engine's)."""
+    ctx._rows_own = True
+    if ctx._grads is None:
+        sums = dataclasses.replace(run_opts, reduction="sum")
+        ctx._recompute = lambda scales, out: _backward(forward(dict(arrays, row_scales=scales), opts, sums)[1],
+                                                       1.0, out)
 
 
 def weighted_loss(xp, opts, hard, soft):
@@ -128,7 +147,7 @@ def backward(ctx, grad_output=1.0, out=None):
         raise TypeError(f"ctx must be the Context that forward returned, got {type(ctx).__name__}")
     if ctx._done:
         raise RuntimeError("backward was already called on this ctx; call forward again")
-    if ctx._grads is None and ctx._recompute is None:
+    if ctx._grads is None and ctx._recompute is None:  # (rows_own_backward's, or none)
         raise ValueError("this ctx holds no gradients: forward ran with compute_grad=False")
     ctx._done = True
     bridge = ctx._bridge
@@ -146,12 +165,16 @@ def _backward(ctx, grad_output, out):
     backend = ctx._backend
     xp = backend.xp
     with backend.on_device(ctx._device):
-        if ctx._recompute is not None:  # the rows' own losses: grad_output [T] (a scalar: each row's)
+        if ctx._rows_own:  # the rows' own losses: grad_output [T] (a scalar: each row's)
             scales = xp.asarray(grad_output, dtype=np.float32)
             if scales.shape not in ((), (ctx._n_rows,)):
                 raise ValueError(f"grad_output must have shape ({ctx._n_rows},) with reduction='none', got "
                                  f"{tuple(scales.shape)}")
-            return ctx._recompute(xp.ascontiguousarray(xp.broadcast_to(scales, (ctx._n_rows,))), out)
+            scales = xp.ascontiguousarray(xp.broadcast_to(scales, (ctx._n_rows,)))
+            if ctx._recompute is not None:
+                return ctx._recompute(scales, out)
+            _scale_rows(g, scales if ctx._valid_rows is None else scales[ctx._valid_rows])
+            grad_output = 1.0
         if isinstance(grad_output, (int, float)):
             # a fill, not a copy from the host: a capture may not copy
             scale = None if grad_output == 1 else xp.full((), grad_output, np.float32)
@@ -177,3 +200,14 @@ def _backward(ctx, grad_output, out):
                 grad_input[...] = 0
             grad_input[ctx._valid_rows] = valid_rows_grad
     return grad_input, grad_weight, grad_bias
+
+
+def _scale_rows(g, scales):
+    """The gradients g kept by a call of the rows' own losses, each computed row's part times its
+    grad_output (scales, float32 [computed rows]): grad_input's rows, and G's rows held for
+    grad_weight's product (its row scales, and its label terms kept out of G)."""
+    assert g.held is not None and g.grad_bias is None, "kept only with G held and no bias (keeps_row_gradients)"
+    g.grad_input *= scales[:, None]
+    held = g.held
+    held.g_scale = scales if held.g_scale is None else held.g_scale * scales
+    held.label_terms = held.label_terms * scales

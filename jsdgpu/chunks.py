@@ -15,6 +15,11 @@ ROW_ALIGN = 128
 # the row kernel writes G over the logits (the online loss), more chunks cost what the sums
 # spare, or more (docs/design.md, "Chunks and G")
 HELD_MIN_ROWS = 8 * ROW_ALIGN
+# A call of the rows' own losses (reduction "none") holds G for all rows wherever that leaves
+# chunks of at least this many rows: else its backward computes the call again, two products of
+# every row and the row kernel more (docs/design.md, "Token weights and the sum"). Two cuBLAS
+# tiles of rows; not measured against the alternative.
+ROWS_OWN_MIN_ROWS = 2 * ROW_ALIGN
 
 
 def _split(n_rows, most):
@@ -27,7 +32,8 @@ def _split(n_rows, most):
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of its numbers, met again call after call
-def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, chunk_g_bytes, memory_budget, most_rows=None):
+def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, chunk_g_bytes, memory_budget, most_rows=None,
+                rows_own=False):
     """(rows per chunk, hold_g) for n_rows > 0 rows, with logits_bytes per row of a chunk, g_bytes
     per row of G held for all rows and chunk_g_bytes per row of G held per chunk (0 without
     gradients, or where G is written over the logits), chunks of at most most_rows rows (None:
@@ -35,7 +41,8 @@ def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, chunk_g_bytes, memory
     spares grad_weight's float32 sum over chunks; it is where G and the logits chunks fit the
     budget together and G takes no room that would cut the logits into more chunks (more chunks
     cost as much as the sum spares, or more: docs/design.md, "Chunks and G"), or, where G per
-    chunk takes room of its own, into chunks shorter than HELD_MIN_ROWS. chunk_size, where given,
+    chunk takes room of its own, into chunks shorter than HELD_MIN_ROWS; with rows_own (a call of
+    the rows' own losses), wherever it leaves chunks of ROWS_OWN_MIN_ROWS. chunk_size, where given,
     is the chunk."""
     held = n_rows * g_bytes
     if chunk_size is not None:
@@ -44,7 +51,8 @@ def plan_chunks(n_rows, chunk_size, logits_bytes, g_bytes, chunk_g_bytes, memory
     rows, n_chunks = _split(n_rows, min(most_rows, memory_budget // (logits_bytes + chunk_g_bytes)))
     if 0 < held < memory_budget:
         rows_held, n_chunks_held = _split(n_rows, min(most_rows, (memory_budget - held) // logits_bytes))
-        if n_chunks_held <= n_chunks or (chunk_g_bytes and rows_held >= HELD_MIN_ROWS):
+        if (n_chunks_held <= n_chunks or (chunk_g_bytes and rows_held >= HELD_MIN_ROWS)
+                or (rows_own and rows_held >= min(n_rows, ROWS_OWN_MIN_ROWS))):
             return rows_held, True
     return rows, False
 

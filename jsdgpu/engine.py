@@ -52,7 +52,7 @@ class ChunkLoss:
     most_rows = None        # a chunk's most rows (None: as the budget allows)
     token_weights = None    # the call's rows' weights, [rows] as given (None: ones)
     row_scales = None       # float32 [rows] times the weights, any values, unchecked: backward's
-                            # grad_output of a call of the rows' own losses (call.forward_rows)
+                            # grad_output of a call of the rows' own losses (call.rows_own_backward)
     takes_first_product = True  # whether its student logits may be queued ahead (ahead.FirstProduct)
     scales_g = False        # whether its G is stored with row scales (Gradients.g_scale)
     ahead = None
@@ -61,7 +61,17 @@ class ChunkLoss:
     def plan(self, n_rows):
         """(rows per chunk, hold_g) for n_rows > 0 rows (chunks.plan_chunks)."""
         run_opts = self.run_opts
-        return plan_chunks(n_rows, run_opts.chunk_size, *self.per_row, run_opts.budget(self.backend), self.most_rows)
+        rows_own = run_opts.reduction == "none" and run_opts.compute_grad
+        return plan_chunks(n_rows, run_opts.chunk_size, *self.per_row, run_opts.budget(self.backend), self.most_rows,
+                           rows_own)
+
+    def keeps_row_gradients(self, n_rows):
+        """Whether a call of the rows' own losses (reduction "none") of n_rows rows can compute its
+        gradients in forward, for backward to scale by each row's grad_output: where G is held
+        for all rows (grad_weight's product then takes the rows' scales with Xs's rows, and
+        grad_input's rows are each their own row's) and there is no bias (grad_bias is a sum over
+        the rows)."""
+        return n_rows > 0 and not self.has_bias and self.plan(n_rows)[1]
 
     def select(self, after=None):
         """The rows: in a default call the backend's select_rows (the valid rows, known once

@@ -12,7 +12,8 @@ import numpy as np
 
 from . import checks
 from .ahead import FirstProduct, expects_all_valid
-from .call import Context, backend_for, backward, bridged, forward_rows, runs_capturable, weighted_loss
+from .call import (Context, backend_for, backward, bridged, loss_of_call, rows_own, rows_own_backward,
+                   runs_capturable, weighted_loss)
 from .engine import ChunkLoss, chunk_g, run
 from .options import TopKOptions, backend_budget, split_options
 
@@ -45,8 +46,6 @@ def forward_topk_with(student_input, student_weight, teacher_indices, teacher_lo
 
 
 def _forward_topk(arrays, opts, run_opts):
-    if run_opts.reduction == "none" and run_opts.compute_grad:
-        return forward_rows(_forward_topk, arrays, opts, run_opts)
     # first of all, where this call is like the last: its first product (ahead.FirstProduct)
     first = FirstProduct(("topk", run_opts), arrays["student_input"], arrays["student_weight"])
     kind = checks.check_topk_arrays(arrays)
@@ -61,13 +60,16 @@ def _forward_topk(arrays, opts, run_opts):
     with backend.on_device(device):
         xs = xp.ascontiguousarray(xs)
         ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) below
-        loss_rows = TopKLoss(backend, xs, arrays, opts, run_opts, capturable)
+        loss_rows = loss_of_call(lambda call_opts: TopKLoss(backend, xs, arrays, opts, call_opts, capturable),
+                                 run_opts, xs.shape[0])
         loss_rows.token_weights, loss_rows.row_scales = arrays["token_weights"], arrays.get("row_scales")
         hard, soft, grads, rows = run(loss_rows, xs, ids, first)
         loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend, run_opts.grad_weight_float32,
                   device, None if rows.status is None else rows.status[1])
     ctx.bad_topk_row = loss_rows.bad_topk_row
+    if rows_own(run_opts):
+        rows_own_backward(ctx, _forward_topk, arrays, opts, run_opts)
     return loss, ctx
 
 

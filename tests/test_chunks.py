@@ -7,7 +7,7 @@ import pytest
 
 import jsdgpu
 from jsdgpu.ahead import HEAD_HISTORY, HEAD_ROWS
-from jsdgpu.chunks import HELD_MIN_ROWS, ROW_ALIGN, cut_chunks, plan_chunks
+from jsdgpu.chunks import HELD_MIN_ROWS, ROW_ALIGN, ROWS_OWN_MIN_ROWS, cut_chunks, plan_chunks
 from conftest import head_path_ignored, make_case, rel_err, to_numpy, to_xp
 
 
@@ -78,6 +78,12 @@ def test_plan_chunks():
     assert plan_chunks(8192, None, 10, 2, 2, 8192 * 2 + 10 * 1000, 512) == (512, True)
     assert plan_chunks(8192, None, 10, 2, 2, 8192 * 2 + 10 * 500, 768) == (6 * ROW_ALIGN, False)
     assert plan_chunks(8192, 4096, 10, 2, 2, 10**9, 2048) == (4096, True)
+    # a call of the rows' own losses holds G wherever chunks of ROWS_OWN_MIN_ROWS remain (16
+    # chunks of 512 rows where a sum's call takes 4 of 2048 without G held), not where they do not
+    assert plan_chunks(8192, None, 10, 2, 0, 8192 * 2 + 10 * 512, None, True) == (512, True)
+    assert plan_chunks(8192, None, 10, 2, 0, 8192 * 2 + 10 * 512) == (2048, False)
+    assert plan_chunks(8192, None, 10, 2, 0, 8192 * 2 + 10 * (ROWS_OWN_MIN_ROWS - 1), None, True)[1] is False
+    assert plan_chunks(100, None, 10, 2, 0, 200 + 10 * 100, None, True) == (100, True)  # fewer rows than that
 
 
 def test_head_sized_by_the_last_calls(monkeypatch):

@@ -150,20 +150,23 @@ def test_reductions_checked(rng):
 @pytest.mark.parametrize("loss", ["online", "topk"])
 @pytest.mark.parametrize("capturable", [False, True])
 @pytest.mark.parametrize("chunk_size,memory_budget", [(None, None), (4, 1)])
-def test_rows_own_losses_against_float64(xp, rng, loss, capturable, chunk_size, memory_budget):
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_own_losses_against_float64(xp, rng, loss, capturable, chunk_size, memory_budget, bias):
     """reduction "none": the loss, hard and soft parts per row ([T], 0 where ignored) and the
     gradients of backward(grad_output [T]) (a random upstream gradient, negative entries too) as
     the float64 reference's; a scalar grad_output is each row's; a grad_output of another shape
-    raises."""
+    raises. Both ways: the gradients kept from forward (G held, no bias) and the call run again
+    (a bias, or a budget that holds no G)."""
     T = int(rng.integers(1, 25))
     if loss == "online":
-        case, call, reference = make_case(rng, T=T, bias=True, ignored=0.3), jsdgpu.forward, jsdgpu.reference
+        case, call, reference = make_case(rng, T=T, bias=bias, ignored=0.3), jsdgpu.forward, jsdgpu.reference
     else:
-        case, call, reference = make_topk_case(rng, T=T), jsdgpu.forward_topk, jsdgpu.reference_topk
+        case, call, reference = make_topk_case(rng, T=T, bias=bias), jsdgpu.forward_topk, jsdgpu.reference_topk
     case["token_weights"] = token_weights(rng, T, "mixed")
     upstream = rng.standard_normal(T)
     out, ctx = call(**to_xp(case, xp), reduction="none", capturable=capturable, chunk_size=chunk_size,
                     memory_budget=memory_budget, beta=0.3)
+    assert (ctx._recompute is None) == (not bias and memory_budget is None)  # which way backward goes
     grads = jsdgpu.backward(ctx, xp.asarray(upstream, dtype=np.float32))
     ref = reference(**case, reduction="none", grad_output=upstream, beta=0.3)
     for got, want in ((out, ref[0]), (ctx.hard_loss, ref[1]), (ctx.soft_loss, ref[2])):
