@@ -33,6 +33,7 @@ import numpy as np
 
 from .ahead import queue_head
 from .backend import Gradients
+from .call import rows_own
 from .chunks import cut_chunks, plan_chunks
 
 
@@ -61,9 +62,8 @@ class ChunkLoss:
     def plan(self, n_rows):
         """(rows per chunk, hold_g) for n_rows > 0 rows (chunks.plan_chunks)."""
         run_opts = self.run_opts
-        rows_own = run_opts.reduction == "none" and run_opts.compute_grad
         return plan_chunks(n_rows, run_opts.chunk_size, *self.per_row, run_opts.budget(self.backend), self.most_rows,
-                           rows_own)
+                           rows_own(run_opts))
 
     def keeps_row_gradients(self, n_rows):
         """Whether a call of the rows' own losses (reduction "none") of n_rows rows can compute its
