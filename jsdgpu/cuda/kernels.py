@@ -258,11 +258,11 @@ def label_scatter(label_terms, target, xs, inv_n, scale, grad_weight, grad_bias)
 
 class _SelectionOutput:
     """select_rows's three results (the count, the first bad row and the first ignored row) and
-    first_bad_weight's in 16 bytes of page-locked host memory, which the kernel writes straight into (with unified
-    addressing, CUDA maps it into the devices' address space at the same address), and an event
-    recorded after the kernel, which the host waits on (not on the stream: the products queued
-    after the kernel keep running). One per thread and device, made once (an allocation a call
-    took tens of µs inside a step)."""
+    first_bad_weight's in 16 bytes of page-locked host memory, which the kernels write straight
+    into (with unified addressing, CUDA maps it into the devices' address space at the same
+    address), and an event recorded after them, which the host waits on (not on the stream: the
+    products queued after the kernels keep running). One per thread and device, made once (an
+    allocation a call took tens of µs inside a step)."""
 
     def __init__(self):
         self.view = np.frombuffer(cupy.cuda.alloc_pinned_memory(16), np.int32, 4)  # keeps it alive

@@ -478,8 +478,8 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
       float soft_b, SOFT_POLY_PARAMS
 #define JSD_ROWS_CALL                                                                                      \
   S, lds, Tl, ldt, bias_s, bias_t, target, vs, vt, slice, rows, inv_temp, beta, one_minus_beta, w_hard,     \
-      w_soft_over_t, ce_out, jsd_out, G, ldg, label_terms, row_counter, scale_s, cap_s, inv_cap_s, scale_t, cap_t, inv_cap_t, \
-      soft_b, poly
+      w_soft_over_t, ce_out, jsd_out, G, ldg, label_terms, row_counter, scale_s, cap_s, inv_cap_s, scale_t, \
+      cap_t, inv_cap_t, soft_b, poly
 
 // MODE: the divergence, a kernel of its own each: with the three modes' bodies in one kernel,
 // ptxas spilled where each alone does not. MIN_CTAS: CTAs per SM that the register allocation
