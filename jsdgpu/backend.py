@@ -111,7 +111,7 @@ class Backend(Protocol):
     def prepare(self, ws, wt, bs, bt, rows, fused, logits_s=None, models=None) -> Work:
         """The buffers for chunks of `rows` rows; logits_s: the student logits' buffer, where
         logits_ahead made it; models: LossOptions.models, where the logits are taken as the
-        models' (model_logits)."""
+        models' (by fused_rows, or by model_logits before the phases)."""
 
     def gradient_rows(self, work, g_rows, own_g):
         """G's memory for g_rows rows (own_g: apart from the logits, as G held for all rows)."""
@@ -131,7 +131,8 @@ class Backend(Protocol):
         derivative), in place, with the rows' label terms at their labels."""
 
     def fused_rows(self, work, target, opts, ce, jsd, G, label_terms):
-        """The whole row work in one kernel (where work.fused)."""
+        """The whole row work in one kernel (where work.fused), on the models' logits where
+        opts.models is not None (G then the gradient in the raw logits)."""
 
     def row_stats(self, work, target, opts):
         """Phase 1: stats [7, rows] (maxima and sums of exponentials of s, z and t; the label's
