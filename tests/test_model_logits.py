@@ -103,6 +103,23 @@ def test_teacher_topk_of_the_model(xp, rng):
     np.testing.assert_allclose(to_numpy(logprobs), np.take_along_axis(logq, want, axis=1), rtol=1e-5, atol=1e-5)
 
 
+def test_deep_in_the_cap(xp, rng):
+    """Logits deep in the cap (scale 40, caps of 0.5, logits of std 8: |scale x / c| in the
+    hundreds): the loss to float32, and the gradients, which the cap's derivative 1 - (z / c)^2
+    (from the float32 z) makes tiny, to about 2^-23 absolutely (docs/contract.md, "Numerics"), not
+    relatively; a row in the cap's linear range is exact relatively beside them."""
+    opts = dict(student_logit_scale=40.0, student_logit_softcap=0.5, teacher_logit_scale=40.0,
+                teacher_logit_softcap=0.5, beta=0.5)
+    case = make_case(rng, T=8, vs=53, vt=53, ignored=0.2, logit_std=8.0)
+    loss, ctx = jsdgpu.forward(**to_xp(case, xp), **opts)
+    grads = jsdgpu.backward(ctx)
+    ref = jsdgpu.reference(**case, **opts)
+    assert abs(float(loss) - ref[0]) <= 1e-5 * abs(ref[0])
+    for got, want in zip(grads, ref[3:]):
+        if want is not None:
+            assert np.abs(to_numpy(got) - want).max() <= 40.0 * 2.0**-23, np.abs(to_numpy(got) - want).max()
+
+
 @pytest.mark.parametrize("option,value", [("student_logit_scale", 0.0), ("teacher_logit_scale", -1.0),
                                           ("student_logit_softcap", 0.0), ("teacher_logit_softcap", float("nan")),
                                           ("student_logit_scale", float("inf"))])
