@@ -2,8 +2,8 @@
 row's whole work while the row is in the core's cache (statistics, KL sums, results and gradient
 row), and the three phases of the same work that vocab parallelism combines across ranks between
 (row statistics; KL sums; results and gradient). Their math is float64 (sums and per-column
-terms), with an exp and a log1p of their own (`_exp`, `_log1p`): branch-free polynomials that
-LLVM vectorizes, where libm's are a call per column (docs/design.md, "The CPU backend").
+terms), with an exp and a log of their own (`_exp`, `_log`): branch-free polynomials that LLVM
+vectorizes, where libm's are a call per column (docs/design.md, "The CPU backend").
 
 Non-finite inputs give non-finite results, as the contract says: the kernels are compiled without
 the no-NaN and no-infinity assumptions of fast math, keeping only reassociation (the vectorized
@@ -25,7 +25,8 @@ FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 _LOG2E = 1.4426950408889634
 _LN2_HI, _LN2_LO = 0.6931471803691238, 1.9082149292705877e-10  # ln 2 in two parts (Cody and Waite)
-_SQRT2 = 1.4142135623730951
+_SQRT_HALF_BITS = 0x3FE6A09E667F3BCD  # the bits of sqrt(1/2)
+_SMALLEST_NORMAL = 2.2250738585072014e-308
 
 
 @intrinsic
@@ -34,6 +35,14 @@ def _double_of_bits(typingctx, bits):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.DoubleType())
     return types.float64(types.int64), codegen
+
+
+@intrinsic
+def _bits_of_double(typingctx, x):
+    """The int64 whose bits are the float64 `x`."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+    return types.int64(types.float64), codegen
 
 
 @numba.njit(fastmath=FAST, inline="always")
@@ -51,32 +60,35 @@ def _exp(x):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _log1p(y):
-    """ln(1 + y) for y in [0, 1], to a few 1e-16 relative: 1 + y = 2^k f, f in [1/sqrt 2, sqrt 2],
-    and ln f = 2 atanh(u), u = (f - 1) / (f + 1) (|u| <= 0.172), by its series to u^23; u formed
-    from y itself (no rounding of 1 + y: right for the smallest y too)."""
-    high = 1.0 + y > _SQRT2
-    u = (y - 1.0) / (y + 3.0) if high else y / (2.0 + y)
+def _log(x):
+    """ln x for a normal x > 0, to a few 1e-16 relative: x = 2^k f, f in [sqrt(1/2), sqrt 2) (k
+    from the bits of x over those of sqrt(1/2)), and ln f = 2 atanh(u), u = (f - 1) / (f + 1)
+    (|u| <= 0.172), by its series to u^23."""
+    bits = _bits_of_double(x)
+    k = (bits - _SQRT_HALF_BITS) >> 52
+    f = _double_of_bits(bits - (k << 52))
+    u = (f - 1.0) / (f + 1.0)
     u2 = u * u
     s = ((((1.0 / 23.0 * u2 + 1.0 / 21.0) * u2 + 1.0 / 19.0) * u2 + 1.0 / 17.0) * u2 + 1.0 / 15.0) * u2 + 1.0 / 13.0
     s = (((((s * u2 + 1.0 / 11.0) * u2 + 1.0 / 9.0) * u2 + 1.0 / 7.0) * u2 + 1.0 / 5.0) * u2 + 1.0 / 3.0) * u2 + 1.0
-    return 2.0 * u * s + (_LN2_HI + _LN2_LO if high else 0.0)
+    n = np.float64(k)
+    return (n * _LN2_HI + 2.0 * u * s) + n * _LN2_LO
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _column(lp, lq, p, q, mode, log_1mb, log_b):
+def _column(lp, lq, p, q, mode, one_minus_beta, beta):
     """One column's shares of a = sum p (log p - log m) and b = sum q (log q - log m), with m the
     mixture (JSD), p (forward KL) or q (reverse KL), and h, what the gradient needs of the
-    teacher; from the column's log-probabilities lp, lq and probabilities p, q. log_1mb, log_b:
-    log(1 - beta) and log(beta)."""
+    teacher; from the column's log-probabilities lp, lq and probabilities p, q."""
     if mode == FORWARD_KL:
         lm = lp
         h = q
     elif mode == JSD:
-        # log m in log space: finite where p and q both underflow, or where (1 - beta) p does
-        u = log_1mb + lp
-        v = log_b + lq
-        lm = max(u, v) + _log1p(_exp(-abs(u - v)))
+        # log m of m itself (p and q are float64 to a few 1e-16: one log, where log space took an
+        # exp and a log1p); where m is not a normal float64, p and q are below 1e-307 and their
+        # shares nothing: any finite log m will do
+        m = one_minus_beta * p + beta * q
+        lm = _log(m) if m >= _SMALLEST_NORMAL else max(lp, lq)
         h = lp - lm
     else:
         lm = lq
@@ -142,7 +154,7 @@ def _row_stats(s, t, y, inv_temp, vs, vt, e_z, e_t):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _row_kl(s, t, inv_temp, mode, log_1mb, log_b, stats, p, h):
+def _row_kl(s, t, inv_temp, mode, beta, stats, p, h):
     """(a, b) of one row with its statistics (_row_stats'). Where p and h have room (the fused
     kernel's), they hold the student columns' exp(z - max z) and exp(t / T - max) (_row_stats),
     and their p and h are written over them (the gradient reads them there)."""
@@ -158,7 +170,7 @@ def _row_kl(s, t, inv_temp, mode, log_1mb, log_b, stats, p, h):
         lq = t[j] * inv_temp - lse_t
         pj = p[j] * inv_z if keep else _exp(lp)
         qj = h[j] * inv_t if keep else _exp(lq)
-        da, db, hj = _column(lp, lq, pj, qj, mode, log_1mb, log_b)
+        da, db, hj = _column(lp, lq, pj, qj, mode, 1.0 - beta, beta)
         a += da
         b += db
         if keep:
@@ -166,7 +178,7 @@ def _row_kl(s, t, inv_temp, mode, log_1mb, log_b, stats, p, h):
             h[j] = hj
     for j in range(vs, vt):  # the teacher's pad: z = 0
         lp, lq = -lse_z, t[j] * inv_temp - lse_t
-        da, db, _ = _column(lp, lq, _exp(lp), _exp(lq), mode, log_1mb, log_b)
+        da, db, _ = _column(lp, lq, _exp(lp), _exp(lq), mode, 1.0 - beta, beta)
         a += da
         b += db
     return a, b
@@ -199,12 +211,6 @@ def _gradient_row(s, y, lse_s, softmax_is_p, mode, beta, a, w_hard, w_soft_over_
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _log_weights(beta):
-    """(log(1 - beta), log(beta)), -inf for log(0)."""
-    return math.log1p(-beta) if beta < 1.0 else -np.inf, math.log(beta) if beta > 0.0 else -np.inf
-
-
-@numba.njit(fastmath=FAST, inline="always")
 def _results(s, i, y, stats, a, b, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms, write_grad,
              p, h):
     """Row i's CE and soft part from its statistics and KL sums a, b, and with write_grad its
@@ -227,13 +233,12 @@ def fused_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, 
     mean) and label term: the three phases' work on one row at a time, read from memory once."""
     n, vs = s.shape
     vt = t.shape[1]
-    log_1mb, log_b = _log_weights(beta)
     for i in numba.prange(n):
         y = target[i]
         p = np.empty(vs)  # exp(z - max z), then p (_row_stats, _row_kl)
         h = np.empty(vs)  # exp(t / T - max), then h
         stats = _row_stats(s[i], t[i], y, inv_temp, vs, vt, p, h)
-        a, b = _row_kl(s[i], t[i], inv_temp, mode, log_1mb, log_b, stats, p, h)
+        a, b = _row_kl(s[i], t[i], inv_temp, mode, beta, stats, p, h)
         _results(s[i], i, y, stats, a, b, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms,
                  write_grad, p, h)
 
@@ -261,10 +266,9 @@ def _stats_of(stats, i):
 def kl_kernel(s, t, inv_temp, mode, beta, stats, kl):
     """kl [2, n]: a and b of each row."""
     n = s.shape[0]
-    log_1mb, log_b = _log_weights(beta)
     none = np.empty(0)
     for i in numba.prange(n):
-        kl[0, i], kl[1, i] = _row_kl(s[i], t[i], inv_temp, mode, log_1mb, log_b, _stats_of(stats, i), none, none)
+        kl[0, i], kl[1, i] = _row_kl(s[i], t[i], inv_temp, mode, beta, _stats_of(stats, i), none, none)
 
 
 @numba.njit(parallel=True, fastmath=FAST, cache=True)
@@ -274,7 +278,6 @@ def finish_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, sta
     the mean; the label's one-hot term kept apart where it dominates (as the fused GPU kernel does,
     where G is 16-bit)."""
     n, vs = s.shape
-    log_1mb, log_b = _log_weights(beta)
     for i in numba.prange(n):
         row = _stats_of(stats, i)
         p = np.empty(vs if write_grad else 0)
@@ -283,6 +286,6 @@ def finish_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, sta
             p[j] = _exp(np.float64(s[i, j]) * inv_temp - row[1])
             h[j] = _exp(t[i, j] * inv_temp - row[2])
         if write_grad:
-            _row_kl(s[i], t[i], inv_temp, mode, log_1mb, log_b, row, p, h)  # (this rank's sums: not needed)
+            _row_kl(s[i], t[i], inv_temp, mode, beta, row, p, h)  # (this rank's sums: not needed)
         _results(s[i], i, target[i], row, kl[0, i], kl[1, i], inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd,
                   G, label_terms, write_grad, p, h)
