@@ -106,8 +106,8 @@ def test_teacher_topk_of_the_model(xp, rng):
 def test_deep_in_the_cap(xp, rng):
     """Logits deep in the cap (scale 40, caps of 0.5, logits of std 8: |scale x / c| in the
     hundreds): the loss to float32, and the gradients, which the cap's derivative 1 - (z / c)^2
-    (from the float32 z) makes tiny, to about 2^-23 absolutely (docs/contract.md, "Numerics"), not
-    relatively; a row in the cap's linear range is exact relatively beside them."""
+    (from the float32 z) makes tiny, to about scale 2^-23 absolutely (docs/contract.md,
+    "Numerics"), not relatively."""
     opts = dict(student_logit_scale=40.0, student_logit_softcap=0.5, teacher_logit_scale=40.0,
                 teacher_logit_softcap=0.5, beta=0.5)
     case = make_case(rng, T=8, vs=53, vt=53, ignored=0.2, logit_std=8.0)
