@@ -63,8 +63,8 @@ def _forward(arrays, opts, run_opts):
         # the shard sizes cross the ranks first: the targets index the whole vocabulary
         shard = None if comm is None else parallel.shard_layout(comm, xp, ws.shape[0], wt.shape[0])
         loss_rows = loss_of_call(lambda call_opts: OnlineLoss(backend, ws, wt, bs, bt, arrays["target"], opts,
-                                                              call_opts, capturable, shard), run_opts, xs.shape[0])
-        loss_rows.token_weights, loss_rows.row_scales = arrays["token_weights"], arrays.get("row_scales")
+                                                              call_opts, capturable, shard),
+                                 arrays, run_opts, xs.shape[0])
         hard, soft, grads, rows = run(loss_rows, xs, xt, first)
         loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend,

@@ -107,13 +107,15 @@ def rows_own(run_opts):
     return run_opts.reduction == "none" and run_opts.compute_grad
 
 
-def loss_of_call(make_loss, run_opts, n_rows):
-    """make_loss(run_opts), the chunk loss of a call of n_rows rows; in a call of the rows' own
-    losses, with gradients only where it keeps them for backward (ChunkLoss.keeps_row_gradients),
-    else computing the rows' values alone (compute_grad False: rows_own_backward)."""
+def loss_of_call(make_loss, arrays, run_opts, n_rows):
+    """make_loss(run_opts), the chunk loss of a call of n_rows rows, with the call's token weights
+    and row scales (arrays'); in a call of the rows' own losses, with gradients only where it
+    keeps them for backward (ChunkLoss.keeps_row_gradients), else computing the rows' values
+    alone (compute_grad False: rows_own_backward)."""
     loss = make_loss(run_opts)
     if rows_own(run_opts) and not loss.keeps_row_gradients(n_rows):
         loss = make_loss(dataclasses.replace(run_opts, compute_grad=False))
+    loss.token_weights, loss.row_scales = arrays["token_weights"], arrays.get("row_scales")
     return loss
 
 

@@ -249,6 +249,12 @@ def target_error(row, value, vocab, ignore_index):
                       f"ignore_index ({ignore_index})")
 
 
+def good_weights(xp, weights):
+    """Where the token weights (an xp array) are finite and >= 0: the values' check (the GPU's
+    default call runs the same one in targets.cu's first_bad_weight)."""
+    return xp.isfinite(weights) & (weights >= 0)
+
+
 def weight_error(row, value):
     """The ValueError for token_weights[row] = value, not finite or below 0."""
     return ValueError(f"token_weights must be finite and >= 0, got token_weights[{row}] = {value}")

@@ -31,6 +31,7 @@ and what it queues ahead of the host's wait of its own. The engine plans the chu
 
 import numpy as np
 
+from . import checks
 from .ahead import queue_head
 from .backend import Gradients
 from .call import rows_own
@@ -192,8 +193,7 @@ def row_weights(xp, token_weights, row_scales, rows):
     weights = rows.weights
     if token_weights is not None and rows.masked:
         weights = xp.ascontiguousarray(token_weights, dtype=np.float32)
-        good = xp.isfinite(weights) & (weights >= 0)
-        rows.inv_n = xp.where(good.all(), rows.inv_n, np.nan).astype(np.float32)
+        rows.inv_n = xp.where(checks.good_weights(xp, weights).all(), rows.inv_n, np.nan).astype(np.float32)
     if row_scales is not None:
         weights = row_scales if weights is None else weights * row_scales
     return weights if weights is None or rows.valid_rows is None else weights[rows.valid_rows]

@@ -61,8 +61,7 @@ def _forward_topk(arrays, opts, run_opts):
         xs = xp.ascontiguousarray(xs)
         ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) below
         loss_rows = loss_of_call(lambda call_opts: TopKLoss(backend, xs, arrays, opts, call_opts, capturable),
-                                 run_opts, xs.shape[0])
-        loss_rows.token_weights, loss_rows.row_scales = arrays["token_weights"], arrays.get("row_scales")
+                                 arrays, run_opts, xs.shape[0])
         hard, soft, grads, rows = run(loss_rows, xs, ids, first)
         loss = weighted_loss(xp, opts, hard, soft)
     ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend, run_opts.grad_weight_float32,

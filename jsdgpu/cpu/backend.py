@@ -72,7 +72,7 @@ class Selection:
         self._target = target
         self._weights = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32)
         if self._weights is not None:
-            bad = np.flatnonzero(~(np.isfinite(self._weights) & (self._weights >= 0)))
+            bad = np.flatnonzero(~checks.good_weights(np, self._weights))
             if len(bad):
                 raise checks.weight_error(int(bad[0]), float(self._weights[bad[0]]))
 
