@@ -64,7 +64,7 @@ def main():
     import cupy  # the GPU is needed from here on
 
     from jsdgpu.cuda import products
-    from jsdgpu.cuda.backend import leading_dim
+    from jsdgpu.cuda.steps import leading_dim
     bf16 = np.dtype(ml_dtypes.bfloat16)
     rng = np.random.default_rng(0)
     report = []

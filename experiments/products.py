@@ -46,7 +46,7 @@ def main():
     import harness
 
     from jsdgpu.cuda import products
-    from jsdgpu.cuda.backend import leading_dim
+    from jsdgpu.cuda.steps import leading_dim
     from jsdgpu.cuda.products import N, T
     V, HS, HT, bf16 = harness.V, harness.HS, harness.HT, harness.BF16
     ld = leading_dim(V)

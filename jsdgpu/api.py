@@ -7,10 +7,7 @@ backward (jsdgpu.call) turns the gradient sums it left into the gradients.
 """
 
 from . import checks, parallel
-from .ahead import FirstProduct
-from .call import (Context, backend_for, backward, bridged, loss_of_call, rows_own, rows_own_backward,
-                   runs_capturable, weighted_loss)
-from .engine import run
+from .call import backward, bridged, call_loss
 from .online import OnlineLoss
 from .options import LossOptions, RunOptions, split_options
 
@@ -44,34 +41,18 @@ def forward_with(student_input, student_weight, teacher_input, teacher_weight, t
 
 
 def _forward(arrays, opts, run_opts):
-    # first of all, where this call is like the last: its first product (ahead.FirstProduct)
-    first = FirstProduct(("online", run_opts), arrays["student_input"], arrays["student_weight"])
-    comm = parallel.communicator(run_opts.vocab_parallel)
-    kind = checks.check_arrays(arrays)
-    backend = backend_for(kind)
-    capturable = runs_capturable(run_opts, kind)
-    if capturable and comm is not None:
-        raise NotImplementedError("vocab_parallel in a capturable call: the shard layout is read on the "
-                                  "host; run vocab parallel with capturable=False, outside a capture")
-    xp = backend.xp
-    xs, ws, xt, wt = (arrays[k] for k in ("student_input", "student_weight", "teacher_input",
-                                          "teacher_weight"))
-    bs, bt = arrays["student_bias"], arrays["teacher_bias"]
-    device = xs.device.id if kind == "cupy" else None
-    with backend.on_device(device):
-        xs, ws, xt, wt = (xp.ascontiguousarray(a) for a in (xs, ws, xt, wt))
+    def loss_for(backend, capturable):
+        comm = parallel.communicator(run_opts.vocab_parallel)
+        if capturable and comm is not None:
+            raise NotImplementedError("vocab_parallel in a capturable call: the shard layout is read on the "
+                                      "host; run vocab parallel with capturable=False, outside a capture")
+        xs, ws, xt, wt = (backend.xp.ascontiguousarray(arrays[k]) for k in ("student_input", "student_weight",
+                                                                            "teacher_input", "teacher_weight"))
         # the shard sizes cross the ranks first: the targets index the whole vocabulary
-        shard = None if comm is None else parallel.shard_layout(comm, xp, ws.shape[0], wt.shape[0])
-        loss_rows = loss_of_call(lambda call_opts: OnlineLoss(backend, ws, wt, bs, bt, arrays["target"], opts,
-                                                              call_opts, capturable, shard),
-                                 arrays, run_opts, xs.shape[0])
-        hard, soft, grads, rows = run(loss_rows, xs, xt, first)
-        loss = weighted_loss(xp, opts, hard, soft)
-    ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend,
-                  run_opts.grad_weight_float32, device, None if rows.status is None else rows.status[1])
-    if rows_own(run_opts):
-        rows_own_backward(ctx, _forward, arrays, opts, run_opts)
-    return loss, ctx
+        shard = None if comm is None else parallel.shard_layout(comm, backend.xp, ws.shape[0], wt.shape[0])
+        return (lambda call_opts: OnlineLoss(backend, ws, wt, arrays["student_bias"], arrays["teacher_bias"],
+                                             arrays["target"], opts, call_opts, capturable, shard)), xs, xt
+    return call_loss("online", arrays, opts, run_opts, checks.check_arrays, loss_for, _forward)
 
 
 class JSDDistillLoss:

@@ -62,13 +62,16 @@ class Work(Protocol):
     fused: Any
 
 
-class Backend(Protocol):
-    """The steps of the chunk loop on one kind of array (NumPy or CuPy). opts is a LossOptions;
-    target the rows' int32 labels (-1 where the label is on another rank); ce, jsd and
-    label_terms per-row float32 outputs; G the rows' gradient w.r.t. the student logits, without
-    the 1/N of the mean, or None for the loss alone; inv_n 1/N, a float or a 0-d device array.
-    Both backends implement every method with these parameters, and no other public one
-    (tests/test_backend.py); a step a backend never takes raises NotImplementedError there."""
+class CallSteps(Protocol):
+    """The steps of a call that every loss takes, on one kind of array (NumPy or CuPy): the
+    selection of the valid rows, the student's logits queued ahead, and the products and sums of
+    the gradient. Common to the three parts of a backend: opts is a LossOptions; target the
+    rows' int32 labels (-1 where the label is on another rank); ce, jsd, soft and label_terms
+    per-row float32 outputs; G the rows' gradient w.r.t. the student logits, without the 1/N of
+    the mean, or None for the loss alone; inv_n 1/N, a float or a 0-d device array; work what
+    the loss's prepare made. Each part of both backends implements every method of its protocol
+    with these parameters, and no other public one (tests/test_backend.py); a step a backend
+    never takes raises NotImplementedError there."""
     xp: Any                     # the array module
     default_memory_budget: int  # bytes of per-chunk buffers where the caller gives none
     # whether a default call's first products run ahead of its selection, while the host waits
@@ -105,6 +108,37 @@ class Backend(Protocol):
     def scale_cast(self, a, scale, dtype, out=None):
         """a * scale (scale None for 1) in dtype (into out, where given)."""
 
+    def model_gradient(self, work, G, model, target, label_terms):
+        """After the row work: G, the gradient in the student's logits as its model's (model: its
+        (scale, cap)), to the gradient in its raw logits (times the scale and the cap's
+        derivative), in place, with the rows' label terms at their labels."""
+
+    def zero_masked_rows(self, G, target):
+        """G's rows whose target is -1 zeroed (masked rows)."""
+
+    def add_label_terms(self, work, label_terms, target, xs, inv_n, grads):
+        """The label terms the row kernel kept out of G, added exactly."""
+
+    def grad_products(self, work, G, xs, inv_n, grads, start, stop, input_made=False):
+        """grad_input rows [start, stop), and the chunk's part of the grad_weight and grad_bias
+        sums (the first chunk writes them, the others add); G's rows times grads.g_scale's, where
+        it is stored scaled. input_made: those rows of grad_input hold input_product's G @ Ws,
+        which is scaled here."""
+
+    def input_product(self, work, G, out):
+        """out = G @ Ws, unscaled (grad_products(input_made=True) scales it)."""
+
+    def hold_g(self, work, G, xs, inv_n, label_terms, target, g_scale=None) -> HeldG:
+        """What weight_product needs of G held for all rows (g_scale: Gradients.g_scale)."""
+
+    def weight_product(self, held, scale, dtype, out=None):
+        """grad_weight from held G, times scale (None for 1), in dtype (into out, where given)."""
+
+
+class OnlineRowWork(Protocol):
+    """The online loss's row work (jsdgpu.online): both models' logits a chunk, and the row
+    kernels over them, fused or in three phases."""
+
     def bytes_per_row(self, vs, vt, dtype, compute_grad, fused):
         """(logits, G held for all rows, G per chunk) bytes per row."""
 
@@ -125,11 +159,6 @@ class Backend(Protocol):
         model's scale times its biased logits, then soft-capped), in place, before the phases'
         row work (fused_rows makes them itself)."""
 
-    def model_gradient(self, work, G, model, target, label_terms):
-        """After the row work: G, the gradient in the student's logits as its model's (model: its
-        (scale, cap)), to the gradient in its raw logits (times the scale and the cap's
-        derivative), in place, with the rows' label terms at their labels."""
-
     def fused_rows(self, work, target, opts, ce, jsd, G, label_terms):
         """The whole row work in one kernel (where work.fused), on the models' logits where
         opts.models is not None (G then the gradient in the raw logits)."""
@@ -144,28 +173,10 @@ class Backend(Protocol):
     def row_finish(self, work, target, stats, kl, opts, ce, jsd, G, label_terms):
         """Phase 3: the rows' results and G."""
 
-    def grad_products(self, work, G, xs, inv_n, grads, start, stop, input_made=False):
-        """grad_input rows [start, stop), and the chunk's part of the grad_weight and grad_bias
-        sums (the first chunk writes them, the others add); G's rows times grads.g_scale's, where
-        it is stored scaled. input_made: those rows of grad_input hold input_product's G @ Ws,
-        which is scaled here."""
 
-    def input_product(self, work, G, out):
-        """out = G @ Ws, unscaled (grad_products(input_made=True) scales it)."""
-
-    def zero_masked_rows(self, G, target):
-        """G's rows whose target is -1 zeroed (masked rows)."""
-
-    def add_label_terms(self, work, label_terms, target, xs, inv_n, grads):
-        """The label terms the row kernel kept out of G, added exactly."""
-
-    def hold_g(self, work, G, xs, inv_n, label_terms, target, g_scale=None) -> HeldG:
-        """What weight_product needs of G held for all rows (g_scale: Gradients.g_scale)."""
-
-    def weight_product(self, held, scale, dtype, out=None):
-        """grad_weight from held G, times scale (None for 1), in dtype (into out, where given)."""
-
-    # ---- offline distillation (jsdgpu.topk): one head's logits and the top-k row work ----
+class TopKRowWork(Protocol):
+    """The top-k loss's row work (jsdgpu.topk) and teacher_topk's: the top-k's checks, one head's
+    logits, and the top-k row kernels."""
 
     def topk_check(self, ids, lq, vocab, bucket, capturable, after=None):
         """The checks of the teacher's top-k (checks.topk_problem's), started (after: as
@@ -217,3 +228,7 @@ class Backend(Protocol):
     def teacher_topk_rows(self, work, rows, k, temperature, ids, logprobs):
         """The k largest logits of each of the chunk's first `rows` rows, by descending value, and
         their log-softmax at temperature, into ids and logprobs."""
+
+
+class Backend(CallSteps, OnlineRowWork, TopKRowWork, Protocol):
+    """A backend: its three parts (jsdgpu.cpu.backend.CpuBackend, jsdgpu.cuda.backend.CudaBackend)."""

@@ -9,6 +9,8 @@ import importlib
 import numpy as np
 
 from . import checks
+from .ahead import FirstProduct
+from .engine import run
 
 # Modules of the DLPack producers the bridges take, and the bridge module of each.
 _BRIDGES = {"torch": "jsdgpu.torch", "jax": "jsdgpu.jax", "jaxlib": "jsdgpu.jax"}
@@ -101,10 +103,30 @@ def runs_capturable(run_opts, kind):
     return capturing if run_opts.capturable is None else run_opts.capturable
 
 
-def rows_own(run_opts):
-    """Whether a call computes the rows' own losses (reduction "none") with gradients: its
-    backward's grad_output is [T], known only there."""
-    return run_opts.reduction == "none" and run_opts.compute_grad
+def call_loss(name, arrays, opts, run_opts, check_arrays, loss_for, forward):
+    """One call of a loss on native arrays (forward's: api's online loss as "online", topk's as
+    "topk"): (loss, ctx). check_arrays(arrays) checks them and gives their kind; loss_for(backend,
+    capturable) makes what the loss needs on the call's device, (make_loss, xs, other): its
+    ChunkLoss for a RunOptions, the rows' student inputs and what goes with them through the
+    engine (the teacher's inputs, the top-k's ids); forward is the caller's, for a backward that
+    runs the call again (rows_own_backward)."""
+    # first of all, where this call is like the last: its first product (ahead.FirstProduct)
+    first = FirstProduct((name, run_opts), arrays["student_input"], arrays["student_weight"])
+    kind = check_arrays(arrays)
+    backend = backend_for(kind)
+    capturable = runs_capturable(run_opts, kind)
+    device = arrays["student_input"].device.id if kind == "cupy" else None
+    with backend.on_device(device):
+        make_loss, xs, other = loss_for(backend, capturable)
+        chunk_loss = loss_of_call(make_loss, arrays, run_opts, xs.shape[0])
+        hard, soft, grads, rows = run(chunk_loss, xs, other, first)
+        loss = weighted_loss(backend.xp, opts, hard, soft)
+    ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend, run_opts.grad_weight_float32,
+                  device, None if rows.status is None else rows.status[1])
+    ctx.bad_topk_row = chunk_loss.bad_topk_row
+    if run_opts.rows_own:
+        rows_own_backward(ctx, forward, arrays, opts, run_opts)
+    return loss, ctx
 
 
 def loss_of_call(make_loss, arrays, run_opts, n_rows):
@@ -113,14 +135,14 @@ def loss_of_call(make_loss, arrays, run_opts, n_rows):
     keeps them for backward (ChunkLoss.keeps_row_gradients), else computing the rows' values
     alone (compute_grad False: rows_own_backward)."""
     loss = make_loss(run_opts)
-    if rows_own(run_opts) and not loss.keeps_row_gradients(n_rows):
+    if run_opts.rows_own and not loss.keeps_row_gradients(n_rows):
         loss = make_loss(dataclasses.replace(run_opts, compute_grad=False))
     loss.token_weights, loss.row_scales = arrays["token_weights"], arrays.get("row_scales")
     return loss
 
 
 def rows_own_backward(ctx, forward, arrays, opts, run_opts):
-    """ctx of a call of the rows' own losses (rows_own), made by forward(arrays, opts, run_opts)
+    """ctx of a call of the rows' own losses (RunOptions.rows_own), made by forward(arrays, opts, run_opts)
     (the online loss's or the top-k's, on native arrays): its backward(grad_output [T]) scales the
     gradients forward kept (loss_of_call) by each row's grad_output, or, where forward computed
     the rows' values alone, runs the call again as the sum of the rows' losses, each times its

@@ -34,7 +34,6 @@ import numpy as np
 from . import checks
 from .ahead import queue_head
 from .backend import Gradients
-from .call import rows_own
 from .chunks import cut_chunks, plan_chunks
 
 
@@ -57,6 +56,7 @@ class ChunkLoss:
                             # grad_output of a call of the rows' own losses (call.rows_own_backward)
     takes_first_product = True  # whether its student logits may be queued ahead (ahead.FirstProduct)
     scales_g = False        # whether its G is stored with row scales (Gradients.g_scale)
+    bad_topk_row = None     # a capturable top-k call's first bad row of the top-k (TopKLoss)
     ahead = None
     work = None
 
@@ -64,7 +64,7 @@ class ChunkLoss:
         """(rows per chunk, hold_g) for n_rows > 0 rows (chunks.plan_chunks)."""
         run_opts = self.run_opts
         return plan_chunks(n_rows, run_opts.chunk_size, *self.per_row, run_opts.budget(self.backend), self.most_rows,
-                           rows_own(run_opts))
+                           run_opts.rows_own)
 
     def keeps_row_gradients(self, n_rows):
         """Whether a call of the rows' own losses (reduction "none") of n_rows rows can compute its

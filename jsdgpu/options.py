@@ -183,6 +183,12 @@ class RunOptions:
             raise ValueError(f"num_valid_tokens divides a mean: it has no meaning with reduction={self.reduction!r}")
 
     @property
+    def rows_own(self):
+        """Whether a call computes the rows' own losses (reduction "none") with gradients: its
+        backward's grad_output is [T], known only there."""
+        return self.reduction == "none" and self.compute_grad
+
+    @property
     def given_divisor(self):
         """N where the call does not count it: num_valid_tokens, 1 where nothing is divided (a sum,
         the rows' own losses); None (the valid rows' count)."""

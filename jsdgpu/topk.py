@@ -11,10 +11,9 @@ and the gradient row), then the gradient products: TopKLoss, a loss of the chunk
 import numpy as np
 
 from . import checks
-from .ahead import FirstProduct, expects_all_valid
-from .call import (Context, backend_for, backward, bridged, loss_of_call, rows_own, rows_own_backward,
-                   runs_capturable, weighted_loss)
-from .engine import ChunkLoss, chunk_g, run
+from .ahead import expects_all_valid
+from .call import backend_for, backward, bridged, call_loss
+from .engine import ChunkLoss, chunk_g
 from .options import TopKOptions, backend_budget, split_options
 
 
@@ -46,30 +45,15 @@ def forward_topk_with(student_input, student_weight, teacher_indices, teacher_lo
 
 
 def _forward_topk(arrays, opts, run_opts):
-    # first of all, where this call is like the last: its first product (ahead.FirstProduct)
-    first = FirstProduct(("topk", run_opts), arrays["student_input"], arrays["student_weight"])
-    kind = checks.check_topk_arrays(arrays)
-    if run_opts.vocab_parallel is not None:
-        raise NotImplementedError("vocab_parallel with the top-k loss: not built; the student's logits of one "
-                                  "GPU are needed")
-    capturable = runs_capturable(run_opts, kind)
-    backend = backend_for(kind)
-    xp = backend.xp
-    xs = arrays["student_input"]
-    device = xs.device.id if kind == "cupy" else None
-    with backend.on_device(device):
-        xs = xp.ascontiguousarray(xs)
-        ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) below
-        loss_rows = loss_of_call(lambda call_opts: TopKLoss(backend, xs, arrays, opts, call_opts, capturable),
-                                 arrays, run_opts, xs.shape[0])
-        hard, soft, grads, rows = run(loss_rows, xs, ids, first)
-        loss = weighted_loss(xp, opts, hard, soft)
-    ctx = Context(hard, soft, grads, rows.valid_rows, xs.shape[0], xs.dtype, backend, run_opts.grad_weight_float32,
-                  device, None if rows.status is None else rows.status[1])
-    ctx.bad_topk_row = loss_rows.bad_topk_row
-    if rows_own(run_opts):
-        rows_own_backward(ctx, _forward_topk, arrays, opts, run_opts)
-    return loss, ctx
+    def loss_for(backend, capturable):
+        if run_opts.vocab_parallel is not None:
+            raise NotImplementedError("vocab_parallel with the top-k loss: not built; the student's logits of one "
+                                      "GPU are needed")
+        xp = backend.xp
+        xs = xp.ascontiguousarray(arrays["student_input"])
+        ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) by the loss
+        return (lambda call_opts: TopKLoss(backend, xs, arrays, opts, call_opts, capturable)), xs, ids
+    return call_loss("topk", arrays, opts, run_opts, checks.check_topk_arrays, loss_for, _forward_topk)
 
 
 class TopKLoss(ChunkLoss):

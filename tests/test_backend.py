@@ -17,22 +17,27 @@ def _parameters(method, skip_self):
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])
 def test_backends_implement_the_contract(kind):
-    """Each backend has every method of jsdgpu.backend.Backend, with its parameters (names, kinds,
-    defaults), and no public method beyond it. (The CUDA backend's module imports without a GPU,
-    where CuPy is installed.)"""
-    from jsdgpu.backend import Backend
+    """Each backend is its three parts (the call's steps, the online loss's row work, the top-k
+    loss's), and each part has every method of its protocol in jsdgpu.backend, with its
+    parameters (names, kinds, defaults), and no public method beyond it. (The CUDA backend's
+    modules import without a GPU, where CuPy is installed.)"""
+    from jsdgpu import backend
     if kind == "cpu":
         from jsdgpu.cpu.backend import CpuBackend as B
     else:
         pytest.importorskip("cupy")
         from jsdgpu.cuda.backend import CudaBackend as B
-    contract = {name: f for name, f in vars(Backend).items() if inspect.isfunction(f) and not name.startswith("_")}
-    public = {name for name, f in vars(B).items() if not name.startswith("_") and callable(getattr(B, name))}
-    assert public == set(contract), (sorted(public - set(contract)), sorted(set(contract) - public))
-    for name, f in contract.items():
-        assert _parameters(getattr(B, name), False) == _parameters(f, True), name
+    protocols = (backend.CallSteps, backend.OnlineRowWork, backend.TopKRowWork)
+    assert backend.Backend.__bases__[:3] == protocols and len(B.__bases__) == 3
+    assert {name for name, f in vars(B).items() if not name.startswith("_")} == set()  # nothing of its own
+    for part, protocol in zip(B.__bases__, protocols):
+        contract = {name: f for name, f in vars(protocol).items() if inspect.isfunction(f) and not name.startswith("_")}
+        public = {name for name, f in vars(part).items() if not name.startswith("_") and callable(getattr(part, name))}
+        assert public == set(contract), (part.__name__, sorted(public - set(contract)), sorted(set(contract) - public))
+        for name, f in contract.items():
+            assert _parameters(getattr(part, name), False) == _parameters(f, True), name
     for name in ("xp", "default_memory_budget", "queues_ahead"):
-        assert hasattr(B, name), name
+        assert hasattr(B.__bases__[0], name), name
 
 
 def _select_rows(xp, target, vocab, ignore_index):

@@ -27,10 +27,10 @@ def test_chunk_sizes_agree(xp, rng, chunk_size, memory_budget):
 
 def test_grad_weight_summed_in_blocks_of_the_vocabulary(rng, monkeypatch):
     """The CPU backend adds a chunk's part of grad_weight PART_ROWS rows of the vocabulary at a
-    time (cpu.backend.grad_products): blocks that do not divide the vocabulary, over chunks with
+    time (cpu.steps.CpuSteps.grad_products): blocks that do not divide the vocabulary, over chunks with
     G per chunk, give the reference's gradients."""
-    from jsdgpu.cpu import backend
-    monkeypatch.setattr(backend, "PART_ROWS", 300)  # 1031 rows: blocks of 300, the last of 131
+    from jsdgpu.cpu import steps
+    monkeypatch.setattr(steps, "PART_ROWS", 300)  # 1031 rows: blocks of 300, the last of 131
     case = make_case(rng, T=17, bias=True, ignored=0.3)
     loss, ctx = jsdgpu.forward(**case, chunk_size=4, memory_budget=1, beta=0.4)
     assert ctx._grads.held is None

@@ -62,7 +62,7 @@ def test_chunk_of_more_than_2_31_logits(rng):
     assert rel_err(gi[rows].astype(cupy.float32) * (T / len(rows)), ref[3].get()) <= 2**-8
 
 
-FUSED_MAX = 131072  # jsdgpu.cuda.backend.FUSED_MAX_VOCAB: the fused kernel's widest teacher vocabulary
+FUSED_MAX = 131072  # jsdgpu.cuda.online_work.FUSED_MAX_VOCAB: the fused kernel's widest teacher vocabulary
 
 
 @pytest.mark.parametrize("vs, vt, beta, temperature", [
@@ -73,7 +73,8 @@ def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, beta, tempera
     columns (reverse KL: a column past the teacher's taken for a pad one makes the loss inf)
     and at its widest (every group of every thread full), and from the three phases just past
     it."""
-    from jsdgpu.cuda.backend import FUSED_MAX_VOCAB, CudaBackend
+    from jsdgpu.cuda.backend import CudaBackend
+    from jsdgpu.cuda.online_work import FUSED_MAX_VOCAB
     assert FUSED_MAX_VOCAB == FUSED_MAX
     case = gpu_case(rng, T=33, hs=64, ht=96, vs=vs, vt=vt, dtype=np.float32, bias=True,
                     logit_std=8.0, ignored=0.3)

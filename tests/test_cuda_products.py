@@ -30,7 +30,7 @@ def fresh_tuning(monkeypatch):
 def test_logits_against_float64(rng, fresh_tuning, dtype, tuning, workspace_mib):
     import cupy
 
-    from jsdgpu.cuda.backend import leading_dim
+    from jsdgpu.cuda.steps import leading_dim
     lt = fresh_tuning(tuning)
     h = int(rng.integers(8, 200))
     v = int(rng.integers(900, 1100))  # odd vocabularies too: the row pitch has padding
@@ -57,7 +57,7 @@ def test_a_rows_logits_are_the_same_bits_whatever_rows_they_are_computed_with(rn
     1000 rows, whichever the process met first; untuned, every class takes the reference."""
     import cupy
 
-    from jsdgpu.cuda.backend import leading_dim
+    from jsdgpu.cuda.steps import leading_dim
     lt = fresh_tuning(tuning)
     bf16 = DTYPES["bfloat16"]
     h, v = int(rng.integers(16, 300)), int(rng.integers(900, 1100))

@@ -86,8 +86,8 @@ def test_topk_bf16_queued_ahead(rng, monkeypatch, own, temperature):
     the weights times G's own row scales."""
     import cupy
 
-    from jsdgpu.cuda import backend
-    monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", own)
+    from jsdgpu.cuda import topk_work
+    monkeypatch.setattr(topk_work, "OWN_TOPK_PRODUCT", own)
     T = 300
     case = make_topk_case(rng, T=T, vs=5003, hs=256, k=40, dtype=BF16, ignored=0.0)
     for _ in range(3):

@@ -194,13 +194,13 @@ def test_first_row_work_queued_before_the_wait_where_the_rows_are_guessed_valid(
     import cupy
 
     import jsdgpu.topk
-    from jsdgpu.cuda import backend, topk_kernels
-    monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", own)
+    from jsdgpu.cuda import topk_kernels, topk_work
+    monkeypatch.setattr(topk_work, "OWN_TOPK_PRODUCT", own)
     guess, guesses, order = jsdgpu.topk.expects_all_valid, [], []
     monkeypatch.setattr(jsdgpu.topk, "expects_all_valid", lambda n: guesses.append(guess(n)) or guesses[-1])
-    product, check = topk_kernels.topk_logits, backend.PendingTopKCheck
+    product, check = topk_kernels.topk_logits, topk_work.PendingTopKCheck
     monkeypatch.setattr(topk_kernels, "topk_logits", lambda *a: order.append("product") or product(*a))
-    monkeypatch.setattr(backend, "PendingTopKCheck", lambda *a: order.append("check") or check(*a))
+    monkeypatch.setattr(topk_work, "PendingTopKCheck", lambda *a: order.append("check") or check(*a))
     T, dtype = 300, DTYPES["bfloat16"] if own else np.float32
 
     def call(case):
@@ -295,7 +295,7 @@ def test_own_product_with_slots_dense_in_its_tiles(rng, monkeypatch, launched, m
     against the reference; k past OWN_TOPK_MAX_SLOTS takes cuBLAS's product instead."""
     import cupy
 
-    from jsdgpu.cuda import backend
+    from jsdgpu.cuda import topk_work
     T, vs, k = 20, 3001, 600
     case = make_topk_case(rng, T=T, vs=vs, hs=128, k=k, dtype=DTYPES["bfloat16"], ignored=0.0)
     rest = np.setdiff1d(np.arange(vs), np.arange(256, 768))
@@ -305,11 +305,11 @@ def test_own_product_with_slots_dense_in_its_tiles(rng, monkeypatch, launched, m
         case["teacher_indices"][row] = rng.permutation(ids)
     assert all(len(set(ids)) == k for ids in dense.values())
     opts = dict(beta=0.5, weight_hard_loss=0.3, weight_soft_loss=0.7)
-    monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", True)
+    monkeypatch.setattr(topk_work, "OWN_TOPK_PRODUCT", True)
     check_against_reference(cupy, case, opts, missing_mass, DTYPES["bfloat16"])
     assert launched
     launched.clear()
-    monkeypatch.setattr(backend, "OWN_TOPK_MAX_SLOTS", k - 1)
+    monkeypatch.setattr(topk_work, "OWN_TOPK_MAX_SLOTS", k - 1)
     check_against_reference(cupy, case, opts, missing_mass, DTYPES["bfloat16"])
     assert not launched
 
@@ -323,10 +323,10 @@ def test_own_product_at_its_most_slots(rng, monkeypatch, launched, missing_mass)
     V = 131072 are read after it)."""
     import cupy
 
-    from jsdgpu.cuda import backend
-    k = backend.OWN_TOPK_MAX_SLOTS
+    from jsdgpu.cuda import topk_work
+    k = topk_work.OWN_TOPK_MAX_SLOTS
     case = make_topk_case(rng, T=5, vs=131072 + 1003, hs=128, k=k, dtype=DTYPES["bfloat16"], ignored=0.0)
-    monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", True)
+    monkeypatch.setattr(topk_work, "OWN_TOPK_PRODUCT", True)
     check_against_reference(cupy, case, dict(beta=0.5), missing_mass, DTYPES["bfloat16"])
     assert launched
 
@@ -345,7 +345,7 @@ def test_own_product_against_the_reference(rng, monkeypatch, launched, missing_m
     and topk_finish rescales the row: its scale 1), or whose rest is far below it."""
     import cupy
 
-    from jsdgpu.cuda import backend
+    from jsdgpu.cuda import topk_work
     T, vs, k = 300, 5003, 40
     case = make_topk_case(rng, T=T, vs=vs, hs=256, k=k, dtype=DTYPES["bfloat16"], ignored=0.1)
     edges = [0, 1, 255, 256, vs - 1]  # a first tile's ids, the tiles' edges, the last (distinct in the row)
@@ -360,7 +360,7 @@ def test_own_product_against_the_reference(rng, monkeypatch, launched, missing_m
     opts = dict(beta=beta, weight_hard_loss=weight_hard, weight_soft_loss=0.7)
 
     def call(own):
-        monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", own)
+        monkeypatch.setattr(topk_work, "OWN_TOPK_PRODUCT", own)
         loss, ctx = jsdgpu.forward_topk(**to_xp(case, cupy), missing_mass=missing_mass, chunk_size=chunk_size,
                                         capturable=capturable, **opts)
         return loss, jsdgpu.backward(ctx)
@@ -394,9 +394,9 @@ def test_own_product_by_default_from_its_rows(rng, monkeypatch, launched):
     or more (bf16, temperature 1, with gradients), cuBLAS's product below; both as the reference."""
     import cupy
 
-    from jsdgpu.cuda import backend
-    monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", None)
-    monkeypatch.setattr(backend, "OWN_TOPK_MIN_ROWS", 200)
+    from jsdgpu.cuda import topk_work
+    monkeypatch.setattr(topk_work, "OWN_TOPK_PRODUCT", None)
+    monkeypatch.setattr(topk_work, "OWN_TOPK_MIN_ROWS", 200)
     for T, own in ((199, False), (200, True)):
         launched.clear()
         case = make_topk_case(rng, T=T, hs=64, dtype=DTYPES["bfloat16"])
@@ -430,8 +430,8 @@ def test_benchmark_shape_gradients_near_bf16_rounding(rng, monkeypatch, temperat
     and as it is."""
     import cupy
 
-    from jsdgpu.cuda import backend
-    monkeypatch.setattr(backend, "OWN_TOPK_PRODUCT", own)
+    from jsdgpu.cuda import topk_work
+    monkeypatch.setattr(topk_work, "OWN_TOPK_PRODUCT", own)
     T, hs, vs, k = 1024, 2048, 128256, 64
     xs = cupy.asarray(rng.standard_normal((T, hs)), dtype=DTYPES["bfloat16"])
     ws = cupy.asarray(rng.standard_normal((vs, hs)) * 8.0 / np.sqrt(hs), dtype=DTYPES["bfloat16"])

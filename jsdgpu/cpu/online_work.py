@@ -1,0 +1,102 @@
+"""The CPU backend's row work of the online loss (jsdgpu.backend.OnlineRowWork): both models'
+float32 logits a chunk by NumPy's products, and the Numba row kernels of rows.py."""
+
+import dataclasses
+
+import numpy as np
+
+from .rows import finish_kernel, fused_kernel, kl_kernel, stats_kernel
+from .steps import CpuSteps, as_model_logits, f32
+
+
+@dataclasses.dataclass
+class CpuWork:
+    """One call's buffers: both heads in float32, and a chunk's logits (s, t)."""
+    ws: object
+    wt: object
+    bs: object
+    bt: object
+    s: object
+    t: object
+    fused: bool = False  # the fused row kernel (where no communicator combines ranks), else the three phases
+    part: object = None  # a block of a chunk's part of grad_weight, made at the second chunk (grad_products)
+
+
+# what the finish kernel takes for G and label_terms without gradients: arrays of the types Numba
+# compiled it for (one compiled kernel), which it does not touch
+_NO_G, _NO_TERMS = np.empty((0, 0), np.float32), np.empty(0, np.float32)
+
+
+class CpuOnlineRows:
+    """The online loss's row work; static methods, as every part of the backend."""
+    @staticmethod
+    def bytes_per_row(vs, vt, dtype, compute_grad, fused):
+        """Bytes per row of the logits chunk, of G held for all rows and of G per chunk (0
+        without gradients)."""
+        grad = 4 * vs if compute_grad else 0
+        return 4 * (vs + vt), grad, grad
+
+    @staticmethod
+    def prepare(ws, wt, bs, bt, rows, fused, logits_s=None, models=None):
+        s = np.empty((rows, ws.shape[0]), np.float32) if logits_s is None else logits_s
+        return CpuWork(f32(ws), f32(wt), f32(bs), f32(bt), s, np.empty((rows, wt.shape[0]), np.float32), fused)
+
+    @staticmethod
+    def gradient_rows(work, g_rows, own_g):
+        return np.empty((g_rows, work.ws.shape[0]), np.float32)
+
+    @staticmethod
+    def model_logits(work, rows, models):
+        """The chunk's first `rows` rows of both models' logits (biased already) as the models'
+        (models: LossOptions.models), in place."""
+        for z, model in zip((work.s[:rows], work.t[:rows]), models):
+            as_model_logits(z, *model)
+
+    @staticmethod
+    def logits(work, xs, xt, at=0, student=True):
+        """The logits of rows [at, at + len(xs)) of the chunk (the teacher's alone where not
+        student, as the protocol says; the CPU queues nothing ahead, so its calls ask for both)."""
+        rows = slice(at, at + xs.shape[0])
+        if student:
+            np.matmul(xs.astype(np.float32), work.ws.T, out=work.s[rows])
+            if work.bs is not None:
+                work.s[rows] += work.bs
+        np.matmul(xt.astype(np.float32), work.wt.T, out=work.t[rows])
+        if work.bt is not None:
+            work.t[rows] += work.bt
+
+    @staticmethod
+    def fused_rows(work, target, opts, ce, jsd, G, label_terms):
+        """The fused row kernel on the models' logits (opts.models: made in place first, and G
+        taken back to the raw logits' after)."""
+        n = len(target)
+        compute_grad = G is not None
+        if opts.models is not None:
+            CpuOnlineRows.model_logits(work, n, opts.models)
+        fused_kernel(work.s[:n], work.t[:n], target, 1.0 / opts.temperature, int(opts.divergence), opts.beta,
+                     opts.weight_hard_loss, opts.w_soft_over_t, ce, jsd, G if compute_grad else _NO_G,
+                     label_terms if compute_grad else _NO_TERMS, compute_grad)
+        if opts.models is not None and compute_grad:
+            CpuSteps.model_gradient(work, G, opts.models[0], target, label_terms)
+
+    @staticmethod
+    def row_stats(work, target, opts):
+        n = len(target)
+        stats = np.empty((7, n))
+        stats_kernel(work.s[:n], work.t[:n], target, 1.0 / opts.temperature, stats)
+        return stats
+
+    @staticmethod
+    def row_kl(work, target, stats, opts):
+        n = len(target)
+        kl = np.empty((2, n))
+        kl_kernel(work.s[:n], work.t[:n], 1.0 / opts.temperature, int(opts.divergence), opts.beta, stats, kl)
+        return kl
+
+    @staticmethod
+    def row_finish(work, target, stats, kl, opts, ce, jsd, G, label_terms):
+        n = len(target)
+        compute_grad = G is not None
+        finish_kernel(work.s[:n], work.t[:n], target, 1.0 / opts.temperature, int(opts.divergence), opts.beta,
+                      opts.weight_hard_loss, opts.w_soft_over_t, stats, kl, ce, jsd,
+                      G if compute_grad else _NO_G, label_terms if compute_grad else _NO_TERMS, compute_grad)
