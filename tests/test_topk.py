@@ -468,6 +468,30 @@ def test_extreme_scales_and_temperatures(xp, rng, scale, temperature, beta, miss
     check_against_reference(xp, case, opts, missing_mass, np.float32)
 
 
+@pytest.mark.parametrize("temperature", [0.05, 1.0])
+def test_forward_kl_with_a_rest_below_float32s_normals(xp, rng, temperature):
+    """Forward KL with the bucket, the student's mass outside the k ids 2^-100 to 2^-126 (its
+    argmax among them, the rest about 90 nats lower), so that each rest column's probability is
+    subnormal in float32 while the teacher's rest, 0.3, spreads over them by their shares: the
+    gradient of the rest's columns is formed from p / P_rest itself (a JSDGPU_SEED=986597038 draw
+    of test_extreme_scales_and_temperatures had such a row, where the GPU flushed those columns'
+    gradient away)."""
+    T, vs, k = 3, 301, 5
+    logits = np.empty((T, vs))
+    logits[:, :k] = [0.0, -10.0, -20.0, -30.0, -40.0]  # the ids' (z, at the temperature)
+    logits[:, k:] = -rng.uniform(88.0, 96.0, (T, vs - k))  # P_rest = 296 e^-92 or so: about 2^-124
+    ids = np.stack([rng.permutation(vs)[:k] for _ in range(T)]).astype(np.int32)
+    z = np.empty_like(logits)
+    for row in range(T):  # the ids' columns take the top values; the rest's are placed in the others
+        z[row, ids[row]] = logits[row, :k]
+        z[row, np.setdiff1d(np.arange(vs), ids[row])] = logits[row, k:]
+    case = dict(student_input=np.eye(T, dtype=np.float32), student_weight=(z.T * temperature).astype(np.float32),
+                teacher_indices=ids, teacher_logprobs=np.log(np.tile([0.3, 0.2, 0.1, 0.06, 0.04], (T, 1))).astype(
+                    np.float32), target=np.array([ids[0, 0], -100, ids[2, 3]]), student_bias=None)
+    check_against_reference(xp, case, dict(beta=0.0, temperature=temperature, weight_hard_loss=0.3,
+                                           weight_soft_loss=0.7), "bucket", np.float32)
+
+
 @pytest.mark.parametrize("shape", [dict(T=1, k=1), dict(T=1, k=64, vs=61), dict(T=9, k=1), dict(T=6, k=61, vs=61)])
 def test_edge_shapes(xp, rng, shape):
     """T = 1, k = 1, and k = Vs (the bucket's rest empty)."""

@@ -228,7 +228,12 @@ __device__ __forceinline__ unsigned group_slots(const unsigned* bitmap, int c) {
 // being p / P_rest; both 0 in the renormalize mode). p and r differ by a factor of the row, and so
 // do softmax and p without a temperature: the factors are folded in float64 where the result is a
 // float, so that a column takes one ex2 (no temperature), two (a temperature), or three (forward
-// KL with a rest too small for float32). Logsumexps in bits.
+// KL with a rest too small for float32: r's factor 1 / P_rest past float32's range, or P_rest
+// below 2^-100, where a rest column's p that counts, 2^-24 of P_rest or more, could be
+// subnormal and flushed, while r = p / P_rest is of order one). Logsumexps in bits.
+// -log2 P_rest beyond which forward KL's rest columns take r = p / P_rest as its own exponential
+constexpr double REST_P_MOST_BITS = 100.0;
+
 struct RestGradient {
   Split lse_s2, lse_p2, lse_r2;
   float scale2, w_hard, w_soft_over_t;
@@ -246,7 +251,11 @@ struct RestGradient {
     c = (float)C;
     e = (float)E;
     // fabs(NaN) <= x is false: a NaN row takes path 3, which makes its NaN
-    path = C == 0.0 || (scale2_ == LOG2E && fabs(E) <= FLT_MAX_FINITE) ? 1 : fabs(C) <= FLT_MAX_FINITE ? 2 : 3;
+    const bool rest_tiny = B != 0.0 && !(lse_p2_ - lse_r2_ <= REST_P_MOST_BITS);
+    path = rest_tiny                                                 ? 3
+           : C == 0.0 || (scale2_ == LOG2E && fabs(E) <= FLT_MAX_FINITE) ? 1
+           : fabs(C) <= FLT_MAX_FINITE                                 ? 2
+                                                                       : 3;
   }
 
   __device__ __forceinline__ float value(float x, bool onehot) const {
