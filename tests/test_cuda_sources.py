@@ -99,3 +99,12 @@ def test_soft_polynomial_is_good_to_float32(divergence, beta):
     y = float(b) * np.expm1(far)
     plain = phi if divergence != 1 else float(b) * phi - ((1 + y) * np.log1p(y) - y)
     np.testing.assert_allclose(sources._soft_term(Divergence(divergence), float(b), far) * far**2, plain, rtol=1e-9)
+
+
+def test_every_divergence_has_its_type():
+    """Each code of options.Divergence has its type in divergences.cuh, where a divergence's math
+    lives (docs/design.md, "Where a divergence's math lives"), and a branch of mode_dispatch."""
+    from jsdgpu.options import Divergence
+    text = (sources.SRC / "divergences.cuh").read_text()
+    for d in Divergence:
+        assert f"struct Divergence<{d.name}>" in text and f"f(Mode<{d.name}>())" in text, d.name

@@ -2,101 +2,20 @@
 row's whole work while the row is in the core's cache (statistics, KL sums, results and gradient
 row), and the three phases of the same work that vocab parallelism combines across ranks between
 (row statistics; KL sums; results and gradient). Their math is float64 (sums and per-column
-terms), with an exp and a log of their own (`_exp`, `_log`): branch-free polynomials that LLVM
-vectorizes, where libm's are a call per column (docs/design.md, "The CPU backend").
+terms), with an exp and a log of their own (fastmath.py); each divergence's terms are
+divergences.py's.
 
 Non-finite inputs give non-finite results, as the contract says: the kernels are compiled without
 the no-NaN and no-infinity assumptions of fast math, keeping only reassociation (the vectorized
-sums) and contraction, and `_exp` keeps a NaN."""
+sums) and contraction, and `exp64` keeps a NaN."""
 
 import math
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba.core import types
-from numba.extending import intrinsic
 
-from ..options import Divergence
-
-FORWARD_KL, JSD = int(Divergence.FORWARD_KL), int(Divergence.JSD)
-# fast math without nnan and ninf (a NaN or an infinity must reach the loss)
-FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
-
-_LOG2E = 1.4426950408889634
-_LN2_HI, _LN2_LO = 0.6931471803691238, 1.9082149292705877e-10  # ln 2 in two parts (Cody and Waite)
-_SQRT_HALF_BITS = 0x3FE6A09E667F3BCD  # the bits of sqrt(1/2)
-_SMALLEST_NORMAL = 2.2250738585072014e-308
-
-
-@intrinsic
-def _double_of_bits(typingctx, bits):
-    """The float64 whose bits are the int64 `bits`."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-    return types.float64(types.int64), codegen
-
-
-@intrinsic
-def _bits_of_double(typingctx, x):
-    """The int64 whose bits are the float64 `x`."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(64))
-    return types.int64(types.float64), codegen
-
-
-@numba.njit(fastmath=FAST, inline="always")
-def _exp(x):
-    """e^x to a few 1e-16 relative (0 below -708, where a float64 would be subnormal; NaN for a
-    NaN): x = n ln 2 + r, |r| <= ln(2) / 2, e^r by its Taylor series to r^13, 2^n from its bits."""
-    c = min(max(x, -708.0), 709.0)
-    n = math.floor(c * _LOG2E + 0.5)
-    r = (c - n * _LN2_HI) - n * _LN2_LO
-    e = (((((1.0 / 6227020800.0 * r + 1.0 / 479001600.0) * r + 1.0 / 39916800.0) * r + 1.0 / 3628800.0) * r
-          + 1.0 / 362880.0) * r + 1.0 / 40320.0) * r + 1.0 / 5040.0
-    e = ((((((e * r + 1.0 / 720.0) * r + 1.0 / 120.0) * r + 1.0 / 24.0) * r + 1.0 / 6.0) * r + 0.5) * r + 1.0) * r + 1.0
-    e *= _double_of_bits((np.int64(n) + 1023) << 52)
-    return x if x != x else (0.0 if x < -708.0 else e)
-
-
-@numba.njit(fastmath=FAST, inline="always")
-def _log(x):
-    """ln x for a normal x > 0, to a few 1e-16 relative: x = 2^k f, f in [sqrt(1/2), sqrt 2) (k
-    from the bits of x over those of sqrt(1/2)), and ln f = 2 atanh(u), u = (f - 1) / (f + 1)
-    (|u| <= 0.172), by its series to u^23."""
-    bits = _bits_of_double(x)
-    k = (bits - _SQRT_HALF_BITS) >> 52
-    f = _double_of_bits(bits - (k << 52))
-    u = (f - 1.0) / (f + 1.0)
-    u2 = u * u
-    s = ((((1.0 / 23.0 * u2 + 1.0 / 21.0) * u2 + 1.0 / 19.0) * u2 + 1.0 / 17.0) * u2 + 1.0 / 15.0) * u2 + 1.0 / 13.0
-    s = (((((s * u2 + 1.0 / 11.0) * u2 + 1.0 / 9.0) * u2 + 1.0 / 7.0) * u2 + 1.0 / 5.0) * u2 + 1.0 / 3.0) * u2 + 1.0
-    n = np.float64(k)
-    return (n * _LN2_HI + 2.0 * u * s) + n * _LN2_LO
-
-
-@numba.njit(fastmath=FAST, inline="always")
-def _column(lp, lq, p, q, mode, one_minus_beta, beta):
-    """One column's shares of a = sum p (log p - log m) and b = sum q (log q - log m), with m the
-    mixture (JSD), p (forward KL) or q (reverse KL), and h, what the gradient needs of the
-    teacher; from the column's log-probabilities lp, lq and probabilities p, q."""
-    if mode == FORWARD_KL:
-        lm = lp
-        h = q
-    elif mode == JSD:
-        # log m of m itself (p and q are float64 to a few 1e-16: one log, where log space took an
-        # exp and a log1p); where m is not a normal float64, p and q are below 1e-307 and their
-        # shares nothing: any finite log m will do
-        m = one_minus_beta * p + beta * q
-        lm = _log(m) if m >= _SMALLEST_NORMAL else max(lp, lq)
-        h = lp - lm
-    else:
-        lm = lq
-        h = lp - lq
-    # 0 log 0 = 0; "!= 0" so that a NaN reaches the loss
-    a = p * (lp - lm) if p != 0.0 else 0.0
-    b = q * (lq - lm) if q != 0.0 else 0.0
-    return a, b, h
+from .divergences import column, grad_dz, soft
+from .fastmath import FAST, exp64
 
 
 @numba.njit(fastmath=FAST, inline="always")
@@ -129,27 +48,27 @@ def _row_stats(s, t, y, inv_temp, vs, vt, e_z, e_t):
     keep = len(e_z) >= vs
     sum_s = 0.0
     for j in range(vs):
-        e = _exp(np.float64(s[j]) - ms)
+        e = exp64(np.float64(s[j]) - ms)
         sum_s += e
         if keep:
             e_z[j] = e
     if inv_temp == 1.0 and vt == vs:
         sum_z = sum_s
     else:
-        sum_z = (vt - vs) * _exp(-mz)
+        sum_z = (vt - vs) * exp64(-mz)
         for j in range(vs):
-            e = _exp(np.float64(s[j]) * inv_temp - mz)
+            e = exp64(np.float64(s[j]) * inv_temp - mz)
             sum_z += e
             if keep:
                 e_z[j] = e
     sum_t = 0.0
     for j in range(vs):  # (vt >= vs: the student is padded, never the teacher)
-        e = _exp(t[j] * inv_temp - mt)
+        e = exp64(t[j] * inv_temp - mt)
         sum_t += e
         if keep:
             e_t[j] = e
     for j in range(vs, vt):
-        sum_t += _exp(t[j] * inv_temp - mt)
+        sum_t += exp64(t[j] * inv_temp - mt)
     return ms, mz, mt, sum_s, sum_z, sum_t, (np.float64(s[y]) if y >= 0 else 0.0)
 
 
@@ -168,9 +87,9 @@ def _row_kl(s, t, inv_temp, mode, beta, stats, p, h):
     for j in range(vs):
         lp = np.float64(s[j]) * inv_temp - lse_z
         lq = t[j] * inv_temp - lse_t
-        pj = p[j] * inv_z if keep else _exp(lp)
-        qj = h[j] * inv_t if keep else _exp(lq)
-        da, db, hj = _column(lp, lq, pj, qj, mode, 1.0 - beta, beta)
+        pj = p[j] * inv_z if keep else exp64(lp)
+        qj = h[j] * inv_t if keep else exp64(lq)
+        da, db, hj = column(lp, lq, pj, qj, mode, 1.0 - beta, beta)
         a += da
         b += db
         if keep:
@@ -178,15 +97,10 @@ def _row_kl(s, t, inv_temp, mode, beta, stats, p, h):
             h[j] = hj
     for j in range(vs, vt):  # the teacher's pad: z = 0
         lp, lq = -lse_z, t[j] * inv_temp - lse_t
-        da, db, _ = _column(lp, lq, _exp(lp), _exp(lq), mode, 1.0 - beta, beta)
+        da, db, _ = column(lp, lq, exp64(lp), exp64(lq), mode, 1.0 - beta, beta)
         a += da
         b += db
     return a, b
-
-
-@numba.njit(fastmath=FAST, inline="always")
-def _soft(a, b, mode, beta):
-    return b if mode == FORWARD_KL else (beta * b + (1.0 - beta) * a if mode == JSD else a)
 
 
 @numba.njit(fastmath=FAST, inline="always")
@@ -200,11 +114,10 @@ def _label_apart(y, target_logit, lse_s):
 def _gradient_row(s, y, lse_s, softmax_is_p, mode, beta, a, w_hard, w_soft_over_t, label_apart, p, h, G):
     """G's row from the columns' p and h: w_hard (softmax(s) - onehot) + (w_soft / T) dz
     (softmax_is_p: no temperature and no pad, so that softmax(s) is p)."""
-    c_jsd = 1.0 - beta if mode == JSD else 1.0
     for j in range(len(G)):
         x = np.float64(s[j])
-        dz = p[j] - h[j] if mode == FORWARD_KL else c_jsd * p[j] * (h[j] - a)
-        softmax = p[j] if softmax_is_p else _exp(x - lse_s)
+        dz = grad_dz(p[j], h[j], a, mode, beta)
+        softmax = p[j] if softmax_is_p else exp64(x - lse_s)
         G[j] = w_hard * softmax + w_soft_over_t * dz
     if y >= 0 and not label_apart:
         G[y] -= w_hard
@@ -217,7 +130,7 @@ def _results(s, i, y, stats, a, b, inv_temp, mode, beta, w_hard, w_soft_over_t, 
     gradient row and label term from its columns' p and h."""
     lse_s, lse_z = stats[0] + math.log(stats[3]), stats[1] + math.log(stats[4])
     ce[i] = lse_s - stats[6]
-    jsd[i] = _soft(a, b, mode, beta)
+    jsd[i] = soft(a, b, mode, beta)
     if write_grad:
         apart = _label_apart(y, stats[6], lse_s)
         label_terms[i] = -w_hard if apart else 0.0
@@ -283,8 +196,8 @@ def finish_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, sta
         p = np.empty(vs if write_grad else 0)
         h = np.empty(vs if write_grad else 0)
         for j in range(len(p)):  # what _row_kl takes p and h from (the rows' statistics, all ranks')
-            p[j] = _exp(np.float64(s[i, j]) * inv_temp - row[1])
-            h[j] = _exp(t[i, j] * inv_temp - row[2])
+            p[j] = exp64(np.float64(s[i, j]) * inv_temp - row[1])
+            h[j] = exp64(t[i, j] * inv_temp - row[2])
         if write_grad:
             _row_kl(s[i], t[i], inv_temp, mode, beta, row, p, h)  # (this rank's sums: not needed)
         _results(s[i], i, target[i], row, kl[0, i], kl[1, i], inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd,

@@ -8,7 +8,7 @@ import math
 import numba
 import numpy as np
 
-from ..options import Divergence
+from .divergences import topk_rest_dz, topk_slot_dz, topk_terms
 
 
 @numba.njit(cache=True)
@@ -98,24 +98,8 @@ def topk_rows(s, ids, lq, target, opts, missing_mass, ce, soft, G):
     logp = z - row_logsumexp(z)[:, None]
     LP, LQ, used = topk_categories(logp, ids, lq, missing_mass)
     P, Q = np.exp(LP), np.exp(LQ)
-    beta, mode = opts.beta, opts.divergence
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        if mode == Divergence.FORWARD_KL:  # P u = -q
-            soft[:] = np.where(Q != 0, Q * (LQ - LP), 0.0).sum(axis=1)
-            u_bar = -Q.sum(axis=1)
-        else:
-            if mode == Divergence.REVERSE_KL:
-                u = LP - LQ
-                terms = np.where(P != 0, P * u, 0.0)
-                soft[:] = terms.sum(axis=1)
-            else:
-                LM = np.logaddexp(np.log1p(-beta) + LP, np.log(beta) + LQ)
-                u = (1 - beta) * (LP - LM)
-                terms = np.where(P != 0, P * u, 0.0)
-                soft[:] = (beta * np.where(Q != 0, Q * (LQ - LM), 0.0).sum(axis=1)
-                           + (1 - beta) * np.where(P != 0, P * (LP - LM), 0.0).sum(axis=1))
-            u = np.where(P != 0, u, 0.0)
-            u_bar = terms.sum(axis=1)
+        soft[:], u, u_bar = topk_terms(opts.divergence, opts.beta, LP, LQ, P, Q)
         soft[soft < 0] = 0.0  # a divergence is >= 0; below that by rounding alone (NaN passes)
         lse_s = row_logsumexp(s)
         rows = np.arange(n)
@@ -126,14 +110,9 @@ def topk_rows(s, ids, lq, target, opts, missing_mass, ce, soft, G):
         p = np.exp(logp)
         if missing_mass == "renormalize":  # the other ids are no category: no soft gradient
             dz = np.zeros_like(s)
-        elif mode == Divergence.FORWARD_KL:  # p_j (u_bar_neg - q_rest / P_rest)
-            dz = -u_bar[:, None] * p - Q[:, k:] * np.exp(logp - LP[:, k:])
         else:
-            dz = p * (u[:, k:] - u_bar[:, None])
-        if mode == Divergence.FORWARD_KL:
-            slot = -u_bar[:, None] * P[:, :k] - Q[:, :k]
-        else:
-            slot = P[:, :k] * (u[:, :k] - u_bar[:, None])
+            dz = topk_rest_dz(opts.divergence, p, logp, u, u_bar, LP, Q, k)
+        slot = topk_slot_dz(opts.divergence, P, Q, u, u_bar, k)
         r, c = np.nonzero(used[:, :k])
         dz[r, ids[r, c]] = slot[r, c]
         hard = np.exp(s - lse_s[:, None])

@@ -5,6 +5,7 @@
 #pragma once
 
 #define NEG_INF __int_as_float(0xff800000)
+#define D_INF __longlong_as_double(0x7ff0000000000000LL)
 #define FLT_MIN_NORMAL 1.17549435e-38f
 #define FLT_MAX_FINITE 3.40282347e+38f
 #define LOG2E 1.44269504088896341f

@@ -86,7 +86,7 @@ struct FusedRow {
     // 2. the fast sums a and b (in reverse KL, a_rel), the precise sum and its weights' sum; t
     //    becomes h, and s becomes p where softmax(s) == p (no temperature, no pad) and z is not
     //    needed after (no student cap), so that pass 3 needs no exp
-    const float4 sums4 = MODE == JSD && soft_b < SMALL_B_BELOW ? column_sums<MODE, SOFTMAX_IS_P, true>(poly)
+    const float4 sums4 = Divergence<MODE>::SMALL_B && soft_b < SMALL_B_BELOW ? column_sums<MODE, SOFTMAX_IS_P, true>(poly)
                                                                : column_sums<MODE, SOFTMAX_IS_P, false>(poly);
     const float4 mine = block_merge<THREADS>(sums4, make_float4(0.0f, 0.0f, 0.0f, 0.0f), sums_warp_merge<32, float4>,
                                              sums_warp_merge<tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER), float4>);
@@ -105,8 +105,8 @@ struct FusedRow {
     const float2 r = unrounded_sums<MODE>(sums.x, sums.y, eps.x, eps.y);
     rm.lse_s = stats[0];
     if (warp == 0 && lane == 0 && rank == 0) {
-      const float2 n = make_float2(MODE == REVERSE_KL ? stats[6] + r.x : r.x, r.y);  // a_n (not relative), b_n
-      const float fast = unrounded_soft_bits<MODE>(n, eps.x, eps.y, rm);
+      const float2 n = make_float2(Divergence<MODE>::RELATIVE_H ? stats[6] + r.x : r.x, r.y);  // a_n (not relative), b_n
+      const float fast = Divergence<MODE>::unrounded_soft_bits(n, eps.x, eps.y, rm);
       const float precise = unrounded_precise<MODE>(sums.z, n, eps.x, eps.y, soft_b, rm);
       write_row_results(row, stats[3], row_soft(fast, precise, sums.w), label_apart, rm, G != nullptr, ce_out,
                         jsd_out, label_terms);
@@ -301,7 +301,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   for (unsigned parity = 0; row < rows; parity ^= 1) {
     int after = 0;  // the row after next: thread 0 of rank 0 takes it; every CTA gets it below
     if (threadIdx.x == 0) {  // the one arrival of this row's phases; the pushes bring the bytes
-      mbar_expect_bytes(stats_bar, ((z_apart ? 3 : 2) + (MODE == REVERSE_KL)) * CLUSTER * sizeof(float4));
+      mbar_expect_bytes(stats_bar, ((z_apart ? 3 : 2) + (Divergence<MODE>::RELATIVE_H)) * CLUSTER * sizeof(float4));
       mbar_expect_bytes(f.sums_bar, CLUSTER * sizeof(float4));
       // 2 * clusters, from gridDim.x read again here (kept from above, ptxas spilled it)
       if (rank == 0) after = 2 * (grid_ctas() / CLUSTER) + atomicAdd(row_counter, 1);
@@ -336,14 +336,14 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     float max_s = NEG_INF, max_t = NEG_INF, t_at_max_s = NEG_INF;
 #pragma unroll
     for (int k = 0; k < GROUPS; ++k) {
-      if (MODE == REVERSE_KL)
+      if (Divergence<MODE>::RELATIVE_H)
         argmax4(f.s[k], f.t[k], max_s, t_at_max_s);
       else
         max_s = fmaxf(max_s, max4(f.s[k]));
       max_t = fmaxf(max_t, max4(f.t[k]));
     }
-    const float2 ref = MODE == REVERSE_KL ? ref_lanes(make_float2(max_s, t_at_max_s)) : make_float2(0.0f, 0.0f);
-    max_s = MODE == REVERSE_KL ? ref.x : warp_max(max_s);
+    const float2 ref = Divergence<MODE>::RELATIVE_H ? ref_lanes(make_float2(max_s, t_at_max_s)) : make_float2(0.0f, 0.0f);
+    max_s = Divergence<MODE>::RELATIVE_H ? ref.x : warp_max(max_s);
     max_t = warp_max(max_t);
     Lse ls = {max_s * LOG2E, 0.0f}, lz = {max_s * scale2, 0.0f}, lt = {max_t * scale2, 0.0f};
     // a warp with no column of s or t sums nothing (2^(-inf - -inf) would be NaN)
@@ -393,7 +393,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
               make_float4(mine.m, mine.s, stat == 1 && holds_label ? target_logit : 0.0f,
                           __int_as_float(after_of_rank)), stats_bar, lane);
       // the CTA's largest student logit and the teacher's there, by warp 0 beside s's statistic
-      const bool refs = MODE == REVERSE_KL && stat == 0;
+      const bool refs = Divergence<MODE>::RELATIVE_H && stat == 0;
       if (refs) {
         const float2 cta_ref = ref_lanes(lane < WARPS ? warp_ref[lane] : make_float2(NEG_INF, NEG_INF));
         if (lane < CLUSTER)
@@ -438,7 +438,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
       }
     }
     __syncthreads();
-    if (MODE == REVERSE_KL) {  // h_ref (row_math.cuh, "A sharp row"), once for the CTA
+    if (Divergence<MODE>::RELATIVE_H) {  // h_ref (row_math.cuh, "A sharp row"), once for the CTA
       if (threadIdx.x == 0)
         row_values[6] = row_values[2] - shifted_lse_t2(row_values[4], row_values[5], scale2, row_values[1], row_values[2]);
       __syncthreads();  // (with the shift in every thread, held through pass 2, the kernel spilled)
@@ -455,7 +455,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     // lse_s: set by passes (above)
     // c_h: reverse KL's h relative to h_ref (row_math.cuh, "A sharp row"): lse_t2 - h_ref - lse_z2
     f.rm = RowMath{scale2, 0.0f, row_values[1], row_values[2],
-                   MODE == REVERSE_KL ? (row_values[2] - row_values[6]) - row_values[1] : 0.0f,
+                   Divergence<MODE>::RELATIVE_H ? (row_values[2] - row_values[6]) - row_values[1] : 0.0f,
                    beta, one_minus_beta, w_hard, w_soft_over_t};
     f.label_apart = G != nullptr && label_dominates(row_values[3], row_values[0]);
     f.label_column = holds_label && !f.label_apart ? y - lo : -1;

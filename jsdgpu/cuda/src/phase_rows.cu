@@ -94,7 +94,7 @@ __device__ __forceinline__ RowMath phase_row_math(int mode, const float* stats, 
                (st[(long long)rows] + logf(st[4 * (long long)rows])) * LOG2E,
                (st[2 * (long long)rows] + logf(st[5 * (long long)rows])) * LOG2E,
                0.0f, beta, one_minus_beta, w_hard, w_soft_over_t};
-  if (mode == REVERSE_KL) r.c_h = shifted_lse_t2(st[0], st[7 * (long long)rows], r.scale2, r.lse_z2, r.lse_t2) - r.lse_z2;
+  if (relative_h(mode)) r.c_h = shifted_lse_t2(st[0], st[7 * (long long)rows], r.scale2, r.lse_z2, r.lse_t2) - r.lse_z2;
   return r;
 }
 
@@ -164,7 +164,7 @@ struct Finish {
     // the fast sums for the distributions as computed, normalized (where the fused kernel corrects
     // them by the logsumexps' recovered roundings): kl, the gradient's, is a_n
     const float a_n = sums.x / pq.x, b_n = sums.y / pq.y;
-    const float fast = MODE == REVERSE_KL ? h_ref + a_n : soft_bits<MODE>(a_n, b_n, rm);
+    const float fast = Divergence<MODE>::RELATIVE_H ? h_ref + a_n : Divergence<MODE>::soft_bits(a_n, b_n, rm);
     const bool label_apart = G != nullptr && y >= 0 && label_dominates(target_logit, rm.lse_s);
     if (threadIdx.x == 0)
       write_row_results(row, target_logit, row_soft(fast, sums.z, sums.w), label_apart, rm, G != nullptr, ce_out,

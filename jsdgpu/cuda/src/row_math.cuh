@@ -5,7 +5,8 @@
 // a and b are in bits; they turn into natural units (times ln 2) once per row.
 //
 // MODE (FORWARD_KL, JSD, REVERSE_KL) is a template parameter: the kernels' inner loops hold no
-// branch on it. Each kernel switches on its mode argument once (mode_dispatch).
+// branch on it. Each kernel switches on its mode argument once (mode_dispatch). What differs
+// between the divergences is Divergence<MODE>'s (divergences.cuh); what they share is here.
 #pragma once
 
 #include "common.cuh"
@@ -73,82 +74,37 @@ struct ColumnTerms {
 // the common one (b >= 1/6, where the series is never taken) holds no check of it in each column
 constexpr float SMALL_B_BELOW = 1.0f / 6.0f;
 
-// Whether the weight distribution is q (the divergence mirrored, above)
-template <int MODE>
-__device__ __forceinline__ bool weight_is_q(const RowMath& r) {
-  return MODE == REVERSE_KL || (MODE == JSD && r.beta > 0.5f);
-}
+#include "divergences.cuh"
 
 template <int MODE, bool SMALL_B = false>
 __device__ __forceinline__ ColumnTerms column_terms(float s, float t, const RowMath& r, float soft_b,
                                                     const SoftPoly& poly) {
-  const bool mirrored = weight_is_q<MODE>(r);
+  using D = Divergence<MODE>;
+  const bool mirrored = D::weight_is_q(r);
   const float lp = fmaf(s, r.scale2, -r.lse_z2), lq = fmaf(t, r.scale2, -r.lse_t2);
-  const float p = ex2(lp), q = ex2(lq);
+  Column c;
+  c.p = ex2(lp);
+  c.q = ex2(lq);
   // t - s is 0 where both are -inf (past the row's end: p = q = 0, and every term 0)
-  const float diff = s == t ? 0.0f : t - s;
-  const float dq2 = fmaf(diff, r.scale2, r.lse_z2 - r.lse_t2);  // log2(q / p)
-  const float d2 = mirrored ? -dq2 : dq2;                       // log2(o / w)
-  const float w = mirrored ? q : p;
+  c.diff = s == t ? 0.0f : t - s;
+  c.dq2 = fmaf(c.diff, r.scale2, r.lse_z2 - r.lse_t2);  // log2(q / p)
+  c.d2 = mirrored ? -c.dq2 : c.dq2;                      // log2(o / w)
+  c.w = mirrored ? c.q : c.p;
   // the smaller of w and o over the larger: at most 1, so nothing here overflows
-  const float ratio = ex2(-fabsf(d2));
-  const float o = d2 <= 0.0f ? w * ratio : (mirrored ? p : q);
+  c.ratio = ex2(-fabsf(c.d2));
+  c.o = c.d2 <= 0.0f ? c.w * c.ratio : (mirrored ? c.p : c.q);
   ColumnTerms k;
-  k.w = w;
-  k.p = p;
-  k.q = q;
-  float w_g = 0.0f;  // the JSD's w G(y), where |d| >= 1
-  if (MODE == JSD) {
-    // log2 of the mixture over the larger of w and o (in [log2 b, 0]: never a difference of two
-    // large logs), and so lw - lm and lo - lm
-    const float l2 = lg2(d2 <= 0.0f ? fmaf(soft_b, ratio, 1.0f - soft_b) : fmaf(1.0f - soft_b, ratio, soft_b));
-    const float h_w = -l2 - fmaxf(d2, 0.0f), h_o = fminf(d2, 0.0f) - l2;
-    k.h = mirrored ? h_o : h_w;
-    k.a = p * k.h;
-    k.b = q * (mirrored ? h_w : h_o);
-    if (SMALL_B && fabsf(d2) >= LOG2E) {
-      const float o_less_w = soft_b * (o - w);  // m - w
-      // (where b >= 1/6, |y| = b |e^d - 1| >= 1/10 here)
-      if (SMALL_B && o_less_w < 0.1f * w && o_less_w > -0.1f * w) {
-        // |y| < 1/10, y = b (o / w - 1): G(y) / y^2 = sum of (-y)^j / ((j + 1)(j + 2))
-        const float y = soft_b * (d2 <= 0.0f ? ratio - 1.0f : __frcp_rn(ratio) - 1.0f);
-        float g = 1.0f / 56.0f;
-        g = fmaf(g, y, -1.0f / 42.0f);
-        g = fmaf(g, y, 1.0f / 30.0f);
-        g = fmaf(g, y, -1.0f / 20.0f);
-        g = fmaf(g, y, 1.0f / 12.0f);
-        g = fmaf(g, y, -1.0f / 6.0f);
-        g = fmaf(g, y, 0.5f);
-        w_g = w * (y * y) * g;
-      } else {  // m ln(m / w) - (m - w)
-        w_g = fmaf(w + o_less_w, (l2 + fmaxf(d2, 0.0f)) * LN2, -o_less_w);
-      }
-    }
-  } else if (MODE == FORWARD_KL) {
-    k.h = q;
-    k.a = 0.0f;
-    k.b = q * dq2;
-  } else {
-    k.h = fmaf(-diff, r.scale2, r.c_h);
-    k.a = p * k.h;
-    k.b = 0.0f;
-  }
-  if (fabsf(d2) < LOG2E) {  // |d| < 1: P takes d in bits (sources.soft_terms)
-    float c = poly.c[SOFT_POLY_TERMS - 1];
+  k.w = c.w;
+  k.p = c.p;
+  k.q = c.q;
+  const float w_g = D::template column<SMALL_B>(c, r, soft_b, k);
+  if (fabsf(c.d2) < LOG2E) {  // |d| < 1: P takes d in bits (sources.soft_terms)
+    float cp = poly.c[SOFT_POLY_TERMS - 1];
 #pragma unroll
-    for (int j = SOFT_POLY_TERMS - 2; j >= 0; --j) c = fmaf(c, d2, poly.c[j]);
-    k.soft = w * (d2 * d2) * c;
-  } else if (MODE == JSD && !SMALL_B) {
-    // |d| >= 1 and b >= 1/6: the column's shares of the fast sums, (1 - beta) a + beta b, are
-    // w H_b(d) itself (their linear parts, (1 - b) (w - m) + b (o - m), are 0), and there they
-    // cancel by a factor of a few at most, the mixture's log is of a number at least 1/10 from 1
-    // (lg2's absolute error is small beside it) and the term is at least w H_b(+-1): right to a
-    // few 1e-6 of the term (each >= 0, so the sum likewise), in 2 instructions where the formula
-    // took 10 (it stays in the SMALL_B variant, whose G may need its series)
-    k.soft = LN2 * fmaf(r.beta, k.b, r.one_minus_beta * k.a);
+    for (int j = SOFT_POLY_TERMS - 2; j >= 0; --j) cp = fmaf(cp, c.d2, poly.c[j]);
+    k.soft = c.w * (c.d2 * c.d2) * cp;
   } else {
-    const float w_phi = fmaf(o, fmaf(d2, LN2, -1.0f), w);
-    k.soft = MODE == JSD ? fmaf(soft_b, w_phi, -w_g) : w_phi;
+    k.soft = D::template far_soft<SMALL_B>(c, k, r, soft_b, w_g);
   }
   return k;
 }
@@ -202,9 +158,10 @@ __device__ __forceinline__ float2 ref_lanes(float2 v) {
 template <int MODE, bool SOFTMAX_IS_P>
 __device__ __forceinline__ float grad_value(float softmax, float p, float h, bool onehot, float kl,
                                             const RowMath& r) {
-  const float k = MODE == FORWARD_KL ? r.w_soft_over_t : r.w_soft_over_t * ((MODE == JSD ? r.one_minus_beta : 1.0f) * LN2);
-  if (SOFTMAX_IS_P && MODE != FORWARD_KL && !onehot) return p * fmaf(k, h, fmaf(-k, kl, r.w_hard));
-  const float soft = MODE == FORWARD_KL ? k * (p - h) : k * p * (h - kl);
+  using D = Divergence<MODE>;
+  const float k = D::grad_factor(r);
+  if (SOFTMAX_IS_P && D::GRAD_OF_P && !onehot) return p * fmaf(k, h, fmaf(-k, kl, r.w_hard));
+  const float soft = D::grad_soft(k, p, h, kl);
   return fmaf(r.w_hard, softmax - (onehot ? 1.0f : 0.0f), soft);
 }
 
@@ -216,12 +173,6 @@ __device__ __forceinline__ float softmax_of(float s, const RowMath& r) { return 
 // where softmax(s)[label] < 1/2 it would dominate G[label] and be rounded with it.
 __device__ __forceinline__ bool label_dominates(float target_logit, float lse_s) {
   return target_logit - lse_s < -LN2;  // softmax(s)[label] < 1/2, without the exp
-}
-
-// The row's soft part in bits from its KL sums a and b (in bits)
-template <int MODE>
-__device__ __forceinline__ float soft_bits(float a, float b, const RowMath& r) {
-  return MODE == FORWARD_KL ? b : MODE == JSD ? r.beta * b + r.one_minus_beta * a : a;
 }
 
 // The fused kernel's sums a and b come from p and q as computed from the row's logsumexps rounded
@@ -238,13 +189,6 @@ __device__ __forceinline__ float2 unrounded_sums(float a, float b, float eps_z, 
   return make_float2(fmaf(a, eps_z * LN2, a), fmaf(b, eps_t * LN2, b));
 }
 
-template <int MODE>
-__device__ __forceinline__ float unrounded_soft_bits(float2 n, float eps_z, float eps_t, const RowMath& r) {
-  if (MODE == REVERSE_KL) return n.x + (eps_z - eps_t);
-  if (MODE == FORWARD_KL) return n.y + (eps_t - eps_z);
-  return soft_bits<MODE>(n.x, n.y, r);
-}
-
 // The precise sum's terms take d from the row's logsumexps as rounded, so every column's d is off
 // by the same delta = (eps_z - eps_t) ln 2 (for d = ln(q / p); -delta mirrored). The generalized
 // terms keep that out of a small divergence (second order there), but where a row's divergence is
@@ -255,8 +199,8 @@ __device__ __forceinline__ float unrounded_soft_bits(float2 n, float eps_z, floa
 template <int MODE>
 __device__ __forceinline__ float unrounded_precise(float precise, float2 a_b, float eps_z, float eps_t, float soft_b,
                                                    const RowMath& r) {
-  const bool mirrored = weight_is_q<MODE>(r);
-  const float slope = MODE == FORWARD_KL ? a_b.y : MODE == REVERSE_KL ? a_b.x : soft_b * (mirrored ? a_b.x : a_b.y);
+  const bool mirrored = Divergence<MODE>::weight_is_q(r);
+  const float slope = Divergence<MODE>::precise_slope(a_b, soft_b, r);
   const float delta = (eps_z - eps_t) * (LN2 * LN2);
   return fmaf(mirrored ? delta : -delta, slope, precise);
 }
@@ -289,21 +233,6 @@ __device__ __forceinline__ void write_row_results(long long row, float target_lo
 // elsewhere (then the sum is small)
 __device__ __forceinline__ float rounding_error(float bits, float m, float log_s) { return (bits - m) - log_s; }
 
-template <int M>
-struct Mode {
-  static constexpr int value = M;
-};
-
-// f(Mode<MODE>()) for the runtime mode
-template <typename F>
-__device__ __forceinline__ void mode_dispatch(int mode, F&& f) {
-  if (mode == FORWARD_KL)
-    f(Mode<FORWARD_KL>());
-  else if (mode == JSD)
-    f(Mode<JSD>());
-  else
-    f(Mode<REVERSE_KL>());
-}
 
 
 // sum over the four values of 2^(v * scale2 - m2)

@@ -6,8 +6,6 @@
 #include "reduce.cuh"
 #include "row_math.cuh"
 
-#define D_INF __longlong_as_double(0x7ff0000000000000LL)
-
 // ---- fixed-order merges over the block, the total in every thread ----
 
 struct DLse {
@@ -127,32 +125,6 @@ __device__ __forceinline__ Split split(double x) {
 }
 __device__ __forceinline__ float ex2_minus(float x, float scale, Split lse) { return ex2(fmaf(x, scale, -lse.hi) - lse.lo); }
 
-__device__ __forceinline__ double log_add_exp(double a, double b) {
-  if (isnan(a) || isnan(b)) return a + b;
-  const double m = fmax(a, b);
-  return m == -D_INF ? m : m + log1p(exp(-fabs(a - b)));
-}
-
-// One category's share of the divergence (d) and of u_bar (pu = P u), and u, for log P = lp,
-// log q = lq (natural); u is dD/dP up to a constant (which cancels in the gradient), and in forward
-// KL, where u = -q / P, the gradient takes P u = -q, so u is not formed.
-struct Category {
-  double d, pu, u;
-};
-
-template <int MODE>
-__device__ __forceinline__ Category category(double lp, double lq, double beta, double one_minus_beta,
-                                             double log_beta, double log_one_minus_beta) {
-  const double P = exp(lp), q = exp(lq);
-  if (MODE == FORWARD_KL) return {q != 0.0 ? q * (lq - lp) : 0.0, -q, 0.0};
-  if (MODE == REVERSE_KL) {
-    const double u = P != 0.0 ? lp - lq : 0.0;
-    return {P * u, P * u, u};
-  }
-  const double lm = log_add_exp(log_one_minus_beta + lp, log_beta + lq);
-  const double u = P != 0.0 ? one_minus_beta * (lp - lm) : 0.0;
-  return {beta * (q != 0.0 ? q * (lq - lm) : 0.0) + P * u, P * u, u};
-}
 
 // A thread's share of the row statistics, built over batches of its columns: the max of its
 // logits, the max of those that are no slot's id (the rest), and the sums of 2^(x scale - max

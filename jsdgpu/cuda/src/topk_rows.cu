@@ -279,13 +279,14 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     if (rlq[c] == NEG_INF) continue;
     double lp, lq;
     slot_logs(c, lp, lq);
-    const Category cat = category<MODE>(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta);
+    const Category cat = Divergence<MODE>::category(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta);
     sums.soft += cat.d;
     sums.pu += cat.pu;
     sums.pu_most = fmax(sums.pu_most, fabs(cat.pu));  // NaN: not kept, but u_bar is NaN then
   }
   sums = block_all<THREADS>(sums);
-  const Category rest = bucket ? category<MODE>(lp_rest, lq_rest, beta, one_minus_beta, log_beta, log_one_minus_beta)
+  const Category rest = bucket ? Divergence<MODE>::category(lp_rest, lq_rest, beta, one_minus_beta, log_beta,
+                                                              log_one_minus_beta)
                                : Category{0.0, 0.0, 0.0};
   const double soft = sums.soft + rest.d, u_bar = sums.pu + rest.pu;
   const bool label_apart = G != nullptr && target_logit - (float)lse_s < -LN2;  // softmax(s)[y] < 1/2
@@ -299,8 +300,8 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   // 4. the gradient row: every column as the rest's (RestGradient), then the slots' columns
   //    written over
   const double lse_s2 = lse_s * LOG2E, lse_p2 = lse_z2 + p_shift * LOG2E;
-  const RestGradient g(lse_s2, lse_p2, lse_rest2, bucket ? (MODE == FORWARD_KL ? -u_bar : rest.u - u_bar) : 0.0,
-                       bucket && MODE == FORWARD_KL ? -exp(lq_rest) : 0.0, scale2, w_hard, w_soft_over_t);
+  const RestGradient g(lse_s2, lse_p2, lse_rest2, bucket ? Divergence<MODE>::rest_a(u_bar, rest) : 0.0,
+                       bucket ? Divergence<MODE>::rest_b(lq_rest) : 0.0, scale2, w_hard, w_soft_over_t);
   const int label = label_apart ? -1 : y;  // where G takes the label's one-hot term
   // one pass: the rest's gradient is F 2^(x scale2 - L) = scale G~ (path 1 without a temperature,
   // path 2 with no hard part, as the caller asks); the slots' and label's values are below
@@ -370,9 +371,9 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     if (rlq[c] == NEG_INF) continue;
     double lp, lq;  // (its category made again: kept from the divergence's pass, no faster, docs/record.md)
     slot_logs(c, lp, lq);
-    const Category cat = category<MODE>(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta);
+    const Category cat = Divergence<MODE>::category(lp, lq, beta, one_minus_beta, log_beta, log_one_minus_beta);
     const double P = exp(lp);
-    const double dz = MODE == FORWARD_KL ? P * -u_bar - exp(lq) : P * (cat.u - u_bar);
+    const double dz = Divergence<MODE>::slot_dz(P, u_bar, cat, lq);
     const int id = rids[c];
     const float softmax = ex2_minus(slot_logit(c), LOG2E, g.lse_s2);
     const float value =
