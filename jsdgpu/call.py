@@ -1,6 +1,8 @@
-"""What every loss call shares (jsdgpu.api's online loss, jsdgpu.topk's): the backend by the
-arrays' kind, the framework bridge, the Context forward hands to backward, and backward, which
-turns the gradient sums the chunk engine left into the gradients (docs/contract.md, "API")."""
+"""What every loss call shares (jsdgpu.api's online loss, jsdgpu.topk's): its setup and run
+(call_loss: the first product queued ahead, the arrays' checks, the backend by their kind, the
+chunk engine on the loss), the framework bridge, the Context forward hands to backward, and
+backward, which turns the gradient sums the chunk engine left into the gradients
+(docs/contract.md, "API")."""
 
 import dataclasses
 import functools
