@@ -232,8 +232,11 @@ def _scale_rows(g, scales):
     """The gradients g kept by a call of the rows' own losses, each computed row's part times its
     grad_output (scales, float32 [computed rows]): grad_input's rows, and G's rows held for
     grad_weight's product (its row scales, and its label terms kept out of G)."""
-    assert g.held is not None and g.grad_bias is None, "kept only with G held and no bias (keeps_row_gradients)"
+    assert g.grad_bias is None, "kept only with no bias (keeps_row_gradients)"
     g.grad_input *= scales[:, None]
     held = g.held
+    if held is None:  # no row computed (every row ignored): the sums are zero, and stay so
+        assert len(scales) == 0, "kept only with G held (keeps_row_gradients)"
+        return
     held.g_scale = scales if held.g_scale is None else held.g_scale * scales
     held.label_terms = held.label_terms * scales

@@ -148,6 +148,21 @@ def test_reductions_checked(rng):
 
 
 @pytest.mark.parametrize("loss", ["online", "topk"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_rows_own_losses_of_ignored_rows_alone(xp, rng, loss, T):
+    """reduction "none" where every row is ignored: zero losses, and zero gradients for any
+    grad_output (forward keeps its gradients, of no row: a JSDGPU_SEED=17306165 draw of the test
+    below had T = 1, its one row ignored)."""
+    case = make_case(rng, T=T) if loss == "online" else make_topk_case(rng, T=T)
+    case["target"] = np.full(T, -100)
+    call = jsdgpu.forward if loss == "online" else jsdgpu.forward_topk
+    out, ctx = call(**to_xp(case, xp), reduction="none")
+    assert out.shape == (T,) and not to_numpy(out).any()
+    for g in jsdgpu.backward(ctx, xp.asarray(rng.standard_normal(T), dtype=np.float32)):
+        assert g is None or not to_numpy(g).any()
+
+
+@pytest.mark.parametrize("loss", ["online", "topk"])
 @pytest.mark.parametrize("capturable", [False, True])
 @pytest.mark.parametrize("chunk_size,memory_budget", [(None, None), (4, 1)])
 @pytest.mark.parametrize("bias", [False, True])
