@@ -225,6 +225,11 @@ class TopKRowWork(Protocol):
         rows of the student's input (the own product's finishing kernel takes it, after
         topk_own_logits)."""
 
+    def topk_rows_sharded(self, work, ids, lq, target, opts, missing_mass, shard, ce, soft, G, label_terms):
+        """topk_rows under vocab parallelism (shard: this rank's parallel.Shard): the rows' CE and
+        soft part, and this rank's columns of G (target: the labels as its columns, -1 where on
+        another rank; jsdgpu.topk_shards)."""
+
     def teacher_topk_rows(self, work, rows, k, temperature, ids, logprobs):
         """The k largest logits of each of the chunk's first `rows` rows, by descending value, and
         their log-softmax at temperature, into ids and logprobs."""

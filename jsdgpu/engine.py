@@ -57,6 +57,7 @@ class ChunkLoss:
     takes_first_product = True  # whether its student logits may be queued ahead (ahead.FirstProduct)
     scales_g = False        # whether its G is stored with row scales (Gradients.g_scale)
     bad_topk_row = None     # a capturable top-k call's first bad row of the top-k (TopKLoss)
+    shard = None            # under vocab parallelism, this rank's parallel.Shard of the vocabulary
     ahead = None
     work = None
 
@@ -100,11 +101,20 @@ class ChunkLoss:
         return self.backend.take_rows(valid_rows, xs, other)
 
     def local_target(self, target):
-        """The rows' labels as the row work takes them."""
-        return target
+        """The rows' labels as the row work takes them: under vocab parallelism, as columns of this
+        rank's shard, -1 where another rank holds the label."""
+        shard = self.shard
+        if shard is None:
+            return target
+        xp = self.backend.xp
+        owned = (target >= shard.v0) & (target < shard.v0 + self.vs)
+        return xp.where(owned, target - shard.v0, -1).astype(np.int32)
 
     def finished(self, grads):
-        """After the loop and the label terms: what the loss's gradient sums still need."""
+        """After the loop and the label terms: what the loss's gradient sums still need; under
+        vocab parallelism, grad_input summed over the ranks (each rank's is its shard's part)."""
+        if grads is not None and self.shard is not None:
+            self.shard.comm.allreduce(grads.grad_input, "sum")
 
     def outputs(self, n_rows, chunk, hold_g, G_all=None):
         """(G_all, ce, soft, Gradients, label_terms) for n_rows rows in chunks of `chunk` rows: G of

@@ -8,9 +8,9 @@ parallelism each rank holds a shard of the vocabulary, and the phases' per-row v
 combined across ranks between the phases; grad_input is summed across ranks at the end.
 """
 
-import numpy as np
 
 from .engine import ChunkLoss
+from .parallel import combine_stats
 
 
 class OnlineLoss(ChunkLoss):
@@ -35,15 +35,6 @@ class OnlineLoss(ChunkLoss):
 
     def products(self, xs, xt, at=0, student=True):
         self.backend.logits(self.work, xs, xt, at, student)
-
-    def local_target(self, target):
-        shard = self.shard
-        if shard is None:
-            return target
-        # the labels as columns of this rank's shard, -1 where not owned
-        xp = self.backend.xp
-        owned = (target >= shard.v0) & (target < shard.v0 + self.vs)
-        return xp.where(owned, target - shard.v0, -1).astype(np.int32)
 
     def gradient_rows(self, g_rows, hold_g):
         # around the phases the models' logits (scaled, soft-capped) stay in place through the row
@@ -85,25 +76,3 @@ class OnlineLoss(ChunkLoss):
 
     def gradient_products(self, out, G, xs, inv_n, start, stop, made_ahead):
         self.backend.grad_products(self.work, G, xs, inv_n, out[3], start, stop)
-
-    def finished(self, grads):
-        if grads is not None and self.comm is not None:
-            self.comm.allreduce(grads.grad_input, "sum")
-
-
-def combine_stats(xp, comm, stats):
-    """The row statistics of every rank's shard merged in place: stats [7 or 8, rows] as the row
-    kernels write them (maxima of s, z, t; sums of exp(x - max); the target logit; on the GPU,
-    the t of the column of the largest s, which becomes the t of the rank that holds the row's
-    largest s; the CPU's float64 sums need no reference column)."""
-    maxima, sums = stats[:3], stats[3:6]
-    local = maxima.copy()
-    comm.allreduce(maxima, "max")
-    # each rank's sums rescaled to the global max (every rank holds columns of s, z and t, so
-    # no part is empty: its max is finite unless its logits are not)
-    sums *= xp.exp(local - maxima)
-    comm.allreduce(stats[3:7], "sum")
-    if len(stats) > 7:  # the reference column's t: the largest of those of the ranks that hold
-        # the largest s (the kernels' own choice among columns that tie)
-        stats[7] = xp.where(local[0] == maxima[0], stats[7], -np.inf)
-        comm.allreduce(stats[7], "max")

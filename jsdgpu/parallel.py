@@ -110,3 +110,22 @@ def shard_layout(comm, xp, vs, vt):
             "each rank's teacher range, in rank order, at least one per rank; got student rows "
             f"{student.tolist()} for teacher rows {teacher.tolist()}")
     return Shard(comm, int(starts[comm.rank]), vs_total, int(student.max()), int(teacher.max()))
+
+
+def combine_stats(xp, comm, stats):
+    """The row statistics of every rank's shard merged in place: stats [7 or 8, rows] as the row
+    kernels write them (three maxima: of s, z and t, or the top-k's s, z and z over its rest,
+    jsdgpu.topk_shards; the sums of exp(x - max) of each; the target logit; on the GPU,
+    the t of the column of the largest s, which becomes the t of the rank that holds the row's
+    largest s; the CPU's float64 sums need no reference column)."""
+    maxima, sums = stats[:3], stats[3:6]
+    local = maxima.copy()
+    comm.allreduce(maxima, "max")
+    # each rank's sums rescaled to the global max (every rank holds columns of s, z and t, so
+    # no part is empty: its max is finite unless its logits are not)
+    sums *= xp.exp(local - maxima)
+    comm.allreduce(stats[3:7], "sum")
+    if len(stats) > 7:  # the reference column's t: the largest of those of the ranks that hold
+        # the largest s (the kernels' own choice among columns that tie)
+        stats[7] = xp.where(local[0] == maxima[0], stats[7], -np.inf)
+        comm.allreduce(stats[7], "max")

@@ -10,7 +10,7 @@ and the gradient row), then the gradient products: TopKLoss, a loss of the chunk
 
 import numpy as np
 
-from . import checks
+from . import checks, parallel
 from .ahead import expects_all_valid
 from .call import backend_for, backward, bridged, call_loss
 from .engine import ChunkLoss, chunk_g
@@ -24,8 +24,9 @@ def forward_topk(student_input, student_weight, teacher_indices, teacher_logprob
     fp16: the teacher's log-probabilities of those ids, used as given; -inf marks an unused slot).
     missing_mass: "bucket" (the teacher's and the student's mass outside the k ids as one more
     category) or "renormalize" (both renormalized over the k ids). token_weights: as forward's.
-    options: as forward's, but
-    vocab_parallel, which the top-k loss does not take. In a capturable call a bad row of the
+    options: as forward's; vocab_parallel: each rank holds the student head's rows of its range
+    of the vocabulary (jsdgpu.parallel; the ids are of the whole vocabulary), and its row work is
+    jsdgpu.topk_shards'. In a capturable call a bad row of the
     top-k, like a bad target, cannot raise: the loss and gradients are NaN, and ctx.bad_topk_row
     (a 0-d int32 device array) is the first such row, T where there is none (None in a default
     call). jsdgpu.backward(ctx) gives the student's gradients."""
@@ -46,13 +47,17 @@ def forward_topk_with(student_input, student_weight, teacher_indices, teacher_lo
 
 def _forward_topk(arrays, opts, run_opts):
     def loss_for(backend, capturable):
-        if run_opts.vocab_parallel is not None:
-            raise NotImplementedError("vocab_parallel with the top-k loss: not built; the student's logits of one "
-                                      "GPU are needed")
+        comm = parallel.communicator(run_opts.vocab_parallel)
+        if capturable and comm is not None:
+            raise NotImplementedError("vocab_parallel in a capturable call: the shard layout is read on the "
+                                      "host; run vocab parallel with capturable=False, outside a capture")
         xp = backend.xp
         xs = xp.ascontiguousarray(arrays["student_input"])
         ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) by the loss
-        return (lambda call_opts: TopKLoss(backend, xs, arrays, opts, call_opts, capturable)), xs, ids
+        # the shard sizes cross the ranks first: the ids and targets index the whole vocabulary
+        vs = arrays["student_weight"].shape[0]
+        shard = None if comm is None else parallel.shard_layout(comm, xp, vs, vs)
+        return (lambda call_opts: TopKLoss(backend, xs, arrays, opts, call_opts, capturable, shard)), xs, ids
     return call_loss("topk", arrays, opts, run_opts, checks.check_topk_arrays, loss_for, _forward_topk)
 
 
@@ -60,9 +65,11 @@ class TopKLoss(ChunkLoss):
     """The top-k loss of one call as a chunk loss (jsdgpu.engine): the student's head against the
     teacher's top-k (arrays: the call's, checked), whose ids go with the rows as the engine's
     `other`. Three products where the online loss has four; with the backend's own logits
-    product (topk_own_product), that product does most of the row work in its epilogue."""
+    product (topk_own_product), that product does most of the row work in its epilogue. Under
+    vocab parallelism (shard: this rank's parallel.Shard of the student's vocabulary) the row work
+    is jsdgpu.topk_shards', and grad_input is summed across the ranks at the end."""
 
-    def __init__(self, backend, xs, arrays, opts, run_opts, capturable):
+    def __init__(self, backend, xs, arrays, opts, run_opts, capturable, shard=None):
         xp = backend.xp
         self.backend, self.opts, self.run_opts, self.capturable = backend, opts, run_opts, capturable
         self.missing_mass, self.arrays, self.target = opts.missing_mass, arrays, arrays["target"]
@@ -70,15 +77,20 @@ class TopKLoss(ChunkLoss):
         self.bs = arrays["student_bias"]
         self.lq = xp.ascontiguousarray(arrays["teacher_logprobs"], dtype=np.float32)
         self.vs, self.hs = self.ws.shape
-        self.vocab, self.has_bias, self.n_all = self.vs, self.bs is not None, xs.shape[0]
+        self.shard = shard
+        self.vocab = self.vs if shard is None else shard.vs_total
+        self.has_bias, self.n_all = self.bs is not None, xs.shape[0]
         self.k = self.lq.shape[1]
         compute_grad = run_opts.compute_grad
-        self.own = backend.topk_own_product(opts, xs, self.ws, self.k, compute_grad)  # (no logits: topk_own_logits)
+        # (no logits: topk_own_logits; not under vocab parallelism, whose row work is its own)
+        self.own = shard is None and backend.topk_own_product(opts, xs, self.ws, self.k, compute_grad)
         self.takes_first_product = not self.own  # no student logits to queue ahead: the own product is
         # queued in queue_first, once the call's buffers are made
-        self.per_row = backend.topk_bytes_per_row(self.vs, self.ws.dtype, compute_grad, self.own, self.k)
+        # every rank must cut the same chunks: size them by the largest shard
+        widest = self.vs if shard is None else shard.max_vs
+        self.per_row = backend.topk_bytes_per_row(widest, self.ws.dtype, compute_grad, self.own, self.k)
         self.most_rows = backend.topk_chunk_rows(self.own)
-        self.scales_g = backend.topk_scales_g(opts, self.ws.dtype)
+        self.scales_g = shard is None and backend.topk_scales_g(opts, self.ws.dtype)
         self.check = self.bad_topk_row = None
         self.model = None if opts.models is None else opts.models[0]  # the student's (scale, cap), where not plain
 
@@ -88,7 +100,7 @@ class TopKLoss(ChunkLoss):
 
     def select(self, after=None):
         """The top-k's checks, then the rows (a default call reads both at one wait)."""
-        self.check = self.backend.topk_check(self.arrays["teacher_indices"], self.lq, self.vs,
+        self.check = self.backend.topk_check(self.arrays["teacher_indices"], self.lq, self.vocab,
                                              self.missing_mass == "bucket", self.capturable, after)
         return super().select(after)
 
@@ -124,8 +136,9 @@ class TopKLoss(ChunkLoss):
         reads nothing outside its row. (The head's product is queued: cuBLAS's by queue_head,
         the own one by queue_first, which this then always finishes, so that its buffers are
         clean again.)"""
-        if self.model is not None:  # its model_logits would stay on the head's logits where the guess
-            return                  # is wrong, and the loop's row work take them so again
+        if self.model is not None or self.shard is not None:  # (with a model: its model_logits would
+            return  # stay on the head's logits where the guess is wrong, and the loop's row work take
+            # them so again; under vocab parallelism, the row work's all-reduces wait for the rows)
         n_all = self.n_all
         hold_g = self.plan(n_all)[1]
         if self.ahead is None and expects_all_valid(n_all) and most == head:
@@ -158,8 +171,13 @@ class TopKLoss(ChunkLoss):
             backend.topk_own_logits(self.work, x, ids, lq, G)
         if model is not None:  # the student's logits scaled or soft-capped, G taken back to the raw ones
             backend.topk_model_logits(self.work, stop - start, model)
-        backend.topk_rows(self.work, ids, lq, target, self.opts, self.missing_mass, ce[start:stop], soft[start:stop],
-                          G, label_terms, grads.g_scale[start:stop] if self.scales_g and grads is not None else None, x)
+        if self.shard is not None:
+            backend.topk_rows_sharded(self.work, ids, lq, target, self.opts, self.missing_mass, self.shard,
+                                      ce[start:stop], soft[start:stop], G, label_terms)
+        else:
+            backend.topk_rows(self.work, ids, lq, target, self.opts, self.missing_mass, ce[start:stop],
+                              soft[start:stop], G, label_terms,
+                              grads.g_scale[start:stop] if self.scales_g and grads is not None else None, x)
         if model is not None and G is not None:
             backend.model_gradient(self.work, G, model, target, label_terms)
 

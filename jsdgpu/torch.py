@@ -377,11 +377,12 @@ def _fused_linear_topk_jsd(student_input: torch.Tensor, student_weight: torch.Te
 
 
 def _topk(xs, ws, ids, lq, target, bs, missing_mass, options, chunk_size, num_valid_tokens, compute_grad,
-          compute_dtype, token_weights=None, reduction="mean", row_scales=None):
+          compute_dtype, token_weights=None, reduction="mean", row_scales=None, vocab_parallel=None):
     """jsdgpu.forward_topk on the tensors, as _online."""
     cast = caster(compute_dtype)
     return topk.forward_topk_with(cast(xs), cast(ws), ids, lq, target, bs, _topk_options(options, missing_mass),
-                                  _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, None, reduction),
+                                  _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, vocab_parallel,
+                                               reduction),
                                   token_weights, row_scales)
 
 
@@ -403,13 +404,17 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
                                beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index,
                                temperature=DEFAULTS.temperature, chunk_size=None, return_soft_hard_loss=False,
                                num_valid_tokens=None, token_weights=None, reduction="mean", student_logit_scale=1.0,
-                               student_logit_softcap=None):
+                               student_logit_softcap=None, vocab_parallel=None):
     """The top-k loss as a function (see FusedLinearTopKJSDLoss): inputs [..., H], the teacher's
-    top-k [..., k], labels and token_weights [...]; the student's logit scale and soft cap. The weight and bias may be DTensors that FSDP2
-    shards (jsdgpu.torch_sharding)."""
-    student_input, student_weight, teacher_indices, teacher_logprobs, true_labels, student_bias = plain_inputs(
-        student_input=student_input, student_weight=student_weight, teacher_indices=teacher_indices,
-        teacher_logprobs=teacher_logprobs, true_labels=true_labels, student_bias=student_bias)[0].values()
+    top-k [..., k] (ids of the whole vocabulary), labels and token_weights [...]; the student's
+    logit scale and soft cap. The weight and bias may be DTensors that FSDP2 shards
+    (jsdgpu.torch_sharding); vocab_parallel: as fused_linear_jsd_loss's (a process group whose
+    ranks each hold a shard of the student head's rows, or a 1-D DeviceMesh over which the head is
+    a DTensor sharded by them)."""
+    plain, vocab_parallel = plain_inputs(
+        vocab_parallel, student_input=student_input, student_weight=student_weight, teacher_indices=teacher_indices,
+        teacher_logprobs=teacher_logprobs, true_labels=true_labels, student_bias=student_bias)
+    student_input, student_weight, teacher_indices, teacher_logprobs, true_labels, student_bias = plain.values()
     hs, k = student_input.shape[-1], teacher_indices.shape[-1]
     xs, target = student_input.reshape(-1, hs), true_labels.reshape(-1)
     ids, lq = teacher_indices.reshape(-1, k), teacher_logprobs.reshape(-1, teacher_logprobs.shape[-1])
@@ -420,13 +425,14 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
                                           weight_soft_loss, beta, temperature, ignore_index, student_logit_scale,
                                           1.0, student_logit_softcap, None)
     _topk_options(options, missing_mass)  # missing_mass's check, before any work
-    eager = _runs_eagerly(xs, student_weight, ids, lq, target, student_bias, weights)
+    # a process group is no operator argument: vocab parallel runs eagerly, traced or not
+    eager = vocab_parallel is not None or _runs_eagerly(xs, student_weight, ids, lq, target, student_bias, weights)
 
     def call(w_hard, w_soft, with_grads):
         if eager:
             return _Eager.apply(lambda: _topk(xs, student_weight, ids, lq, target, student_bias, missing_mass,
                                               (w_hard, w_soft, *options[2:]), chunk_size, num_valid_tokens,
-                                              with_grads, compute_dtype, weights, reduction),
+                                              with_grads, compute_dtype, weights, reduction, None, vocab_parallel),
                                 xs, student_weight, student_bias)
         return _fused_linear_topk_jsd(xs, student_weight, ids, lq, target, student_bias, missing_mass, w_hard, w_soft,
                                       *options[2:5], chunk_size, num_valid_tokens, with_grads and reduction != "none",
@@ -443,12 +449,13 @@ class FusedLinearTopKJSDLoss(torch.nn.Module):
 
     The attributes are read at every call. Through the operator jsdgpu::fused_linear_topk_jsd
     (torch.compile fullgraph, autocast over fp32 weights); inside a CUDA-graph capture the core
-    runs capturable by itself, and a bad row of the top-k makes the loss NaN (jsdgpu.forward_topk)."""
+    runs capturable by itself, and a bad row of the top-k makes the loss NaN (jsdgpu.forward_topk).
+    vocab_parallel: as FusedLinearJSDLoss's, the student's head alone sharded (eagerly)."""
 
     def __init__(self, weight_hard_loss=DEFAULTS.weight_hard_loss, weight_soft_loss=DEFAULTS.weight_soft_loss,
                  beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
                  missing_mass="bucket", chunk_size=None, return_soft_hard_loss=False, reduction="mean",
-                 student_logit_scale=1.0, student_logit_softcap=None):
+                 student_logit_scale=1.0, student_logit_softcap=None, vocab_parallel=None):
         super().__init__()
         # checked here too
         TopKOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_logit_scale,
@@ -459,6 +466,7 @@ class FusedLinearTopKJSDLoss(torch.nn.Module):
         self.weight_hard_loss, self.weight_soft_loss = weight_hard_loss, weight_soft_loss
         self.beta, self.ignore_index, self.temperature = beta, ignore_index, temperature
         self.chunk_size, self.return_soft_hard_loss, self.reduction = chunk_size, return_soft_hard_loss, reduction
+        self.vocab_parallel = vocab_parallel
 
     def forward(self, student_input, student_weight, teacher_indices, teacher_logprobs, true_labels,
                 student_bias=None, *, num_valid_tokens=None, token_weights=None):
@@ -469,7 +477,8 @@ class FusedLinearTopKJSDLoss(torch.nn.Module):
             weight_soft_loss=self.weight_soft_loss, beta=self.beta, ignore_index=self.ignore_index,
             temperature=self.temperature, chunk_size=self.chunk_size, return_soft_hard_loss=self.return_soft_hard_loss,
             num_valid_tokens=num_valid_tokens, token_weights=token_weights, reduction=self.reduction,
-            student_logit_scale=self.student_logit_scale, student_logit_softcap=self.student_logit_softcap)
+            student_logit_scale=self.student_logit_scale, student_logit_softcap=self.student_logit_softcap,
+            vocab_parallel=self.vocab_parallel)
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ import pytest
 import jsdgpu
 from conftest import BF16, DTYPES, assert_near_float64, make_case, rel_err, run_processes, to_numpy, to_xp
 from jsdgpu import parallel
+from test_topk import make_topk_case
 
 
 class ThreadRanks:
@@ -84,10 +85,17 @@ def split(case, bounds):
     return out
 
 
-def sharded(parts, xp, **options):
+def split_student(case, bounds):
+    """Each rank's inputs of the top-k loss: the student's rows [bounds[r], bounds[r + 1])."""
+    return [dict(case, student_weight=case["student_weight"][lo:hi],
+                 student_bias=None if case["student_bias"] is None else case["student_bias"][lo:hi])
+            for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def sharded(parts, xp, forward=jsdgpu.forward, **options):
     """forward and backward on every rank: [(loss, hard, soft, gi, gw, gb)] as NumPy."""
     def step(comm):
-        loss, ctx = jsdgpu.forward(**to_xp(parts[comm.rank], xp), vocab_parallel=comm, **options)
+        loss, ctx = forward(**to_xp(parts[comm.rank], xp), vocab_parallel=comm, **options)
         out = (loss, ctx.hard_loss, ctx.soft_loss)
         if options.get("compute_grad", True):
             out += jsdgpu.backward(ctx)
@@ -100,10 +108,11 @@ def sharded(parts, xp, **options):
     return results
 
 
-def assert_matches_single(case, xp, bounds, tol, **options):
-    loss, ctx = jsdgpu.forward(**to_xp(case, xp), **options)
+def assert_matches_single(case, xp, bounds, tol, forward=jsdgpu.forward, **options):
+    loss, ctx = forward(**to_xp(case, xp), **options)
     single = tuple(to_numpy(a) for a in (loss, ctx.hard_loss, ctx.soft_loss) + jsdgpu.backward(ctx))
-    ranks = sharded(split(case, bounds), xp, **options)
+    parts = split(case, bounds) if forward is jsdgpu.forward else split_student(case, bounds)
+    ranks = sharded(parts, xp, forward, **options)
     for r in ranks:  # every rank holds the same loss, bit for bit
         assert all(np.array_equal(a, b) for a, b in zip(r[:3], ranks[0][:3]))
     for got, want in zip(ranks[0][:3], single[:3]):
@@ -309,3 +318,39 @@ def test_two_gpus_equal_one(how, tmp_path, rng):
         tol = 2e-5 if dtype == "float32" else 2.0**-7
         assert max(errors) <= tol, (rank, seed, dtype, errors)
     assert all(len(v) == 1 for v in losses.values())  # both ranks hold the same loss
+
+
+TOPK_OPTIONS = [dict(beta=0.5), dict(beta=0.0, temperature=2.0), dict(beta=1.0, temperature=0.5),
+                dict(beta=0.3, missing_mass="renormalize"),
+                dict(beta=0.0, missing_mass="renormalize", weight_hard_loss=0.0, weight_soft_loss=1.0),
+                dict(beta=0.0, temperature=0.05, student_logit_scale=2.0, student_logit_softcap=30.0)]
+
+
+@pytest.mark.parametrize("index", range(len(TOPK_OPTIONS)))
+@pytest.mark.parametrize("n_ranks", [2, 3])
+def test_sharded_topk_equals_single(xp, rng, index, n_ranks):
+    """The top-k loss under vocab parallelism (jsdgpu.topk_shards): each rank the student's rows of
+    its range, the stored top-k's ids over the whole vocabulary, odd and uneven shards, biases on
+    alternate cases, ignored rows, unused slots, T not a multiple of the chunk; as one rank."""
+    case = make_topk_case(rng, T=11, vs=401, k=17, bias=index % 2 == 0, ignored=0.3, logit_std=4.0)
+    bounds = [0, 131, 260, 401] if n_ranks == 3 else [0, 203, 401]
+    assert_matches_single(case, xp, bounds, 2e-5, forward=jsdgpu.forward_topk, chunk_size=4,
+                          grad_weight_float32=True, **TOPK_OPTIONS[index])
+
+
+@pytest.mark.parametrize("missing_mass", ["bucket", "renormalize"])
+def test_sharded_topk_slots_hold_a_whole_shard(xp, rng, missing_mass):
+    """k = Vs: every id is a slot's, so no rank holds a column of the rest (the bucket's rest is
+    empty everywhere), and one rank holds no used slot in some rows."""
+    case = make_topk_case(rng, T=6, vs=37, k=37, ignored=0.0, unused=0.3)
+    assert_matches_single(case, xp, [0, 19, 37], 2e-5, forward=jsdgpu.forward_topk, grad_weight_float32=True,
+                          missing_mass=missing_mass, beta=0.5)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16])
+def test_sharded_topk_16bit(xp, rng, dtype):
+    """16-bit heads: the label's one-hot term kept apart from G where it would dominate, as on one
+    rank."""
+    case = make_topk_case(rng, T=9, vs=515, k=33, dtype=dtype, bias=True, ignored=0.2)
+    eps = 2.0**-8 if dtype == BF16 else 2.0**-11
+    assert_matches_single(case, xp, [0, 258, 515], 2 * eps, forward=jsdgpu.forward_topk, beta=0.5, temperature=2.0)

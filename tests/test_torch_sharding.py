@@ -3,7 +3,8 @@ the CPU. FSDP2: a student whose head is fully_shard'ed and read outside its own 
 one step with the fused loss; the loss and every gradient (the head's DTensor gradient gathered)
 equal those of one process on the whole batch, for the online and the top-k loss. Tensor
 parallelism: both heads DTensors sharded over the vocabulary on a 1-D mesh passed as
-vocab_parallel, the same hidden states on every rank; the loss and gradients equal one process's.
+vocab_parallel, the same hidden states on every rank (the top-k loss: the student's head alone);
+the loss and gradients equal one process's.
 A head sharded any other way raises, naming its placement."""
 
 import traceback
@@ -174,27 +175,32 @@ def test_a_head_sharded_otherwise_raises_naming_its_placement(tmp_path):
         assert "teacher_weight" in tensor_parallel and "plain Tensor" in tensor_parallel, tensor_parallel
 
 
-def _tp_rank(rank, world, rendezvous, seed, bias, results):
+def _tp_rank(rank, world, rendezvous, seed, bias, loss_kind, results):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from jsdgpu.torch import FusedLinearJSDLoss
+    from jsdgpu.torch import FusedLinearJSDLoss, FusedLinearTopKJSDLoss
     try:
         dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
         mesh = init_device_mesh("cpu", (world,))
         options = dict(beta=0.7, temperature=1.5)
-        x, xt, labels, _, _ = _batch(seed, T_RANK)
+        x, xt, labels, ids, lq = _batch(seed, T_RANK)
         labels[::5] = -100
         torch.manual_seed(seed)
         heads = {"ws": torch.randn(V, H) / H**0.5, "wt": torch.randn(V, H) / H**0.5}
         if bias:
             heads.update(bs=torch.randn(V) * 0.1, bt=torch.randn(V) * 0.1)
+        if loss_kind == "topk":  # the student's head alone
+            heads = {k: v for k, v in heads.items() if k in ("ws", "bs")}
 
         def step(heads, **more):
             xs = x.clone().requires_grad_()
-            loss = FusedLinearJSDLoss(**options, **more)(xs, heads["ws"], xt, heads["wt"], labels, heads.get("bs"),
-                                                         heads.get("bt"))
+            if loss_kind == "online":
+                loss = FusedLinearJSDLoss(**options, **more)(xs, heads["ws"], xt, heads["wt"], labels,
+                                                             heads.get("bs"), heads.get("bt"))
+            else:
+                loss = FusedLinearTopKJSDLoss(**options, **more)(xs, heads["ws"], ids, lq, labels, heads.get("bs"))
             loss.backward()
             return loss.detach(), xs.grad
         whole = {k: v.clone().requires_grad_(k in ("ws", "bs")) for k, v in heads.items()}
@@ -214,10 +220,11 @@ def _tp_rank(rank, world, rendezvous, seed, bias, results):
             dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("loss_kind", ["online", "topk"])
 @pytest.mark.parametrize("world,bias", [(2, True), (3, False)])
-def test_tensor_parallel_heads_equal_one_process(tmp_path, rng, world, bias):
+def test_tensor_parallel_heads_equal_one_process(tmp_path, rng, world, bias, loss_kind):
     seed = int(rng.integers(2**31))
-    out = _run(_tp_rank, world, tmp_path, seed, bias)
+    out = _run(_tp_rank, world, tmp_path, seed, bias, loss_kind)
     for rank, loss, whole_loss, errors, grad_type, _ in out:
         assert grad_type == "DTensor"
         assert abs(loss - whole_loss) <= 1e-5 * abs(whole_loss), (seed, rank, loss, whole_loss)
@@ -225,30 +232,35 @@ def test_tensor_parallel_heads_equal_one_process(tmp_path, rng, world, bias):
             assert err <= 1e-5, (seed, rank, name, err)
 
 
-def _fsdp_tp_rank(rank, world, rendezvous, seed, results):
+def _fsdp_tp_rank(rank, world, rendezvous, seed, loss_kind, results):
     """A 2 x 2 mesh (data parallel, tensor parallel): the student's head ColwiseParallel over the
     vocabulary on the tensor-parallel dimension and fully_shard'ed over the data-parallel one, the
-    teacher's head sharded over the vocabulary; each data-parallel pair its own part of the batch."""
+    teacher's head sharded over the vocabulary (the top-k loss: the stored top-k instead); each
+    data-parallel pair its own part of the batch."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from jsdgpu.torch import FusedLinearJSDLoss
+    from jsdgpu.torch import FusedLinearJSDLoss, FusedLinearTopKJSDLoss
     try:
         dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp = mesh["dp"].get_local_rank()
-        x, xt, labels, _, _ = _batch(seed, 2 * T_RANK)
+        x, xt, labels, ids, lq = _batch(seed, 2 * T_RANK)
         labels[::8] = -100  # three rows of each half: the halves' means, averaged, are the whole's
         whole, teacher_w = _models(seed, True)
         options = dict(beta=0.6, temperature=1.5)
 
         def step(student, rows, teacher, **more):
             h = student(x[rows])
-            loss = FusedLinearJSDLoss(**options, **more)(h, student.head.weight, xt[rows], teacher, labels[rows],
-                                                         student.head.bias)
+            if loss_kind == "online":
+                loss = FusedLinearJSDLoss(**options, **more)(h, student.head.weight, xt[rows], teacher, labels[rows],
+                                                             student.head.bias)
+            else:
+                loss = FusedLinearTopKJSDLoss(**options, **more)(h, student.head.weight, ids[rows], lq[rows],
+                                                                 labels[rows], student.head.bias)
             loss.backward()
             return loss.detach()
         whole_loss = step(whole, slice(None), teacher_w)
@@ -266,9 +278,10 @@ def _fsdp_tp_rank(rank, world, rendezvous, seed, results):
             dist.destroy_process_group()
 
 
-def test_fsdp2_and_tensor_parallel_on_a_2x2_mesh(tmp_path, rng):
+@pytest.mark.parametrize("loss_kind", ["online", "topk"])
+def test_fsdp2_and_tensor_parallel_on_a_2x2_mesh(tmp_path, rng, loss_kind):
     seed = int(rng.integers(2**31))
-    for rank, loss, whole_loss, errors, placements, grad_type in _run(_fsdp_tp_rank, 4, tmp_path, seed):
+    for rank, loss, whole_loss, errors, placements, grad_type in _run(_fsdp_tp_rank, 4, tmp_path, seed, loss_kind):
         assert "Shard(dim=0)" in placements and grad_type == "DTensor", (placements, grad_type)
         assert abs(loss - whole_loss) <= 1e-5 * abs(whole_loss), (seed, rank, loss, whole_loss)
         for name, err in errors.items():

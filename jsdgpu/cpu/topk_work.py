@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import checks
 from .steps import as_model_logits, f32
+from ..topk_shards import sharded_topk_rows
 from .topk import teacher_topk_rows, topk_rows
 
 
@@ -95,6 +96,15 @@ class CpuTopKRows:
     def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None, x=None):
         """The top-k row work (cpu/topk.py); the label's one-hot term stays in G (float32)."""
         topk_rows(work.s[:len(target)], ids, lq, target, opts, missing_mass, ce, soft, G)
+
+    @staticmethod
+    def topk_rows_sharded(work, ids, lq, target, opts, missing_mass, shard, ce, soft, G, label_terms):
+        """jsdgpu.topk_shards' row work on the chunk's float32 logits (biased); the label's one-hot
+        term stays in G (float32)."""
+        n = len(target)
+        g = sharded_topk_rows(np, work.s[:n], shard, ids, lq, target, opts, missing_mass, ce, soft, G is not None)
+        if G is not None:
+            G[...] = g
 
     @staticmethod
     def teacher_topk_rows(work, rows, k, temperature, ids, logprobs):

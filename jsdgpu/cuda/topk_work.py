@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from .. import checks
+from ..topk_shards import sharded_topk_rows
 from . import kernels, products, sources, topk_kernels
 from .steps import leading_dim, padded_bias
 
@@ -188,6 +189,27 @@ class CudaTopKRows:
         topk_kernels.topk_finish(target, vs, ids, lq, opts, missing_mass == "bucket", ce, soft, G, label_terms, g_scale,
                             own.partials, own.ref, own.slot_logits, x, work.ws, work.bias_s, own.bitmap, own.ready,
                             own.slots_before)
+
+    @staticmethod
+    def topk_rows_sharded(work, ids, lq, target, opts, missing_mass, shard, ce, soft, G, label_terms):
+        """jsdgpu.topk_shards' row work, in CuPy's array operations (no kernel of its own), on the
+        chunk's logits with their bias; a 16-bit G keeps the label's one-hot term apart where it
+        would dominate (label_terms), as topk_rows does."""
+        n, vs = len(target), work.ws.shape[0]
+        s = work.logits_s[:n, :vs]
+        if work.bias_s is not None:
+            s = s + work.bias_s[:vs]
+        sixteen = G is not None and G.dtype != np.float32
+        g = sharded_topk_rows(cupy, s, shard, ids, lq, target, opts, missing_mass, ce, soft, G is not None,
+                              label_terms if sixteen else None)
+        if g is None:
+            return
+        if not sixteen:
+            G[:, :vs] = g
+            return
+        padded = cupy.zeros(G.shape, np.float32)  # G's rows whole (its pad columns 0), cast in one pass
+        padded[:, :vs] = g
+        kernels.scale_cast(padded, None, G.dtype, G)
 
     @staticmethod
     def teacher_topk_rows(work, rows, k, temperature, ids, logprobs):
