@@ -42,10 +42,7 @@ def forward_with(student_input, student_weight, teacher_input, teacher_weight, t
 
 def _forward(arrays, opts, run_opts):
     def loss_for(backend, capturable):
-        comm = parallel.communicator(run_opts.vocab_parallel)
-        if capturable and comm is not None:
-            raise NotImplementedError("vocab_parallel in a capturable call: the shard layout is read on the "
-                                      "host; run vocab parallel with capturable=False, outside a capture")
+        comm = parallel.call_communicator(run_opts.vocab_parallel, capturable)
         xs, ws, xt, wt = (backend.xp.ascontiguousarray(arrays[k]) for k in ("student_input", "student_weight",
                                                                             "teacher_input", "teacher_weight"))
         # the shard sizes cross the ranks first: the targets index the whole vocabulary

@@ -8,7 +8,6 @@ parallelism each rank holds a shard of the vocabulary, and the phases' per-row v
 combined across ranks between the phases; grad_input is summed across ranks at the end.
 """
 
-
 from .engine import ChunkLoss
 from .parallel import combine_stats
 

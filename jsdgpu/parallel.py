@@ -92,6 +92,16 @@ def communicator(comm):
     return None if comm.size == 1 else comm
 
 
+def call_communicator(vocab_parallel, capturable):
+    """communicator(vocab_parallel) for a call; NotImplementedError where the call is capturable,
+    which vocab parallelism is not (the shard layout is read on the host)."""
+    comm = communicator(vocab_parallel)
+    if capturable and comm is not None:
+        raise NotImplementedError("vocab_parallel in a capturable call: the shard layout is read on the "
+                                  "host; run vocab parallel with capturable=False, outside a capture")
+    return comm
+
+
 def shard_layout(comm, xp, vs, vt):
     """This rank's Shard, from one all-reduce of every rank's shard sizes (vs student rows, vt
     teacher rows). Every rank sees the same sizes, so a bad layout raises on every rank."""

@@ -47,10 +47,7 @@ def forward_topk_with(student_input, student_weight, teacher_indices, teacher_lo
 
 def _forward_topk(arrays, opts, run_opts):
     def loss_for(backend, capturable):
-        comm = parallel.communicator(run_opts.vocab_parallel)
-        if capturable and comm is not None:
-            raise NotImplementedError("vocab_parallel in a capturable call: the shard layout is read on the "
-                                      "host; run vocab parallel with capturable=False, outside a capture")
+        comm = parallel.call_communicator(run_opts.vocab_parallel, capturable)
         xp = backend.xp
         xs = xp.ascontiguousarray(arrays["student_input"])
         ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) by the loss

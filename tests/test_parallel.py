@@ -354,3 +354,19 @@ def test_sharded_topk_16bit(xp, rng, dtype):
     case = make_topk_case(rng, T=9, vs=515, k=33, dtype=dtype, bias=True, ignored=0.2)
     eps = 2.0**-8 if dtype == BF16 else 2.0**-11
     assert_matches_single(case, xp, [0, 258, 515], 2 * eps, forward=jsdgpu.forward_topk, beta=0.5, temperature=2.0)
+
+
+@pytest.mark.parametrize("loss", ["online", "topk"])
+def test_a_capturable_call_takes_no_vocab_parallel(rng, loss):
+    """A capturable call (no host synchronization) cannot read the shard layout on the host."""
+    class TwoRanks:
+        rank, size = 0, 2
+
+        def allreduce(self, a, op):
+            raise AssertionError("no collective before the check")
+    if loss == "online":
+        case, call = make_case(rng, T=4), jsdgpu.forward
+    else:
+        case, call = make_topk_case(rng, T=4), jsdgpu.forward_topk
+    with pytest.raises(NotImplementedError, match="capturable"):
+        call(**case, vocab_parallel=TwoRanks(), capturable=True)
