@@ -109,7 +109,7 @@ def row_kernel_bandwidth(T, V):
     ce, jsd, terms = (np.empty(T, np.float32) for _ in range(3))
 
     def rows():
-        fused_kernel(s, t, target, 1.0, 1, 0.5, 0.5, 0.5, ce, jsd, G, terms, True)
+        fused_kernel(s, t, target, 1.0, 1, 0.5, 0.5, 0.5, ce, jsd, G, terms, True, 1.0, 0.0)
     a = np.ones(2**28, np.float32)
     b = np.empty_like(a)
     best = {}

@@ -121,3 +121,15 @@ def test_mark_rows(xp, rng, T, dtype):
         bad = backend_for("numpy" if xp is np else "cupy").mark_rows(xp.asarray(target), vocab, ignore_index, 5.0)
         assert to_numpy(bad.status)[1] == first and np.isnan(float(bad.inv_n))
         assert (to_numpy(bad.target)[first:] == -1).all()
+
+
+def test_cpu_fused_kernel_writes_g_over_the_student_logits():
+    """As on the GPU: with the fused row kernel a chunk's G is the student logits' memory, which
+    the budget then does not count; G held for all rows, or without the fused kernel, is apart."""
+    from jsdgpu.cpu.backend import CpuBackend as B
+    assert B.bytes_per_row(100, 120, np.float32, True, True) == (880, 400, 0)
+    assert B.bytes_per_row(100, 120, np.float32, True, False) == (880, 400, 400)
+    w = np.zeros((100, 8), np.float32)
+    for fused, own_g, shared in ((True, False, True), (True, True, False), (False, False, False)):
+        work = B.prepare(w, np.zeros((120, 8), np.float32), None, None, 16, fused)
+        assert np.shares_memory(B.gradient_rows(work, 16, own_g), work.s) == shared

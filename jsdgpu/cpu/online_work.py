@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 
 from .rows import finish_kernel, fused_kernel, kl_kernel, stats_kernel
-from .steps import CpuSteps, as_model_logits, f32
+from .steps import as_model_logits, f32
 
 
 @dataclasses.dataclass
@@ -31,10 +31,10 @@ class CpuOnlineRows:
     """The online loss's row work; static methods, as every part of the backend."""
     @staticmethod
     def bytes_per_row(vs, vt, dtype, compute_grad, fused):
-        """Bytes per row of the logits chunk, of G held for all rows and of G per chunk (0
-        without gradients)."""
+        """Bytes per row of the logits chunk, of G held for all rows, and of G per chunk (0 where
+        the fused kernel writes it over the student's logits; both 0 without gradients)."""
         grad = 4 * vs if compute_grad else 0
-        return 4 * (vs + vt), grad, grad
+        return 4 * (vs + vt), grad, 0 if fused else grad
 
     @staticmethod
     def prepare(ws, wt, bs, bt, rows, fused, logits_s=None, models=None):
@@ -43,6 +43,11 @@ class CpuOnlineRows:
 
     @staticmethod
     def gradient_rows(work, g_rows, own_g):
+        """G for g_rows rows: with the fused kernel the student logits' memory (it writes a
+        column's gradient once it has read the column), unless own_g (G held for all rows, or
+        kept apart from the logits)."""
+        if work.fused and not own_g:
+            return work.s[:g_rows]
         return np.empty((g_rows, work.ws.shape[0]), np.float32)
 
     @staticmethod
@@ -67,17 +72,18 @@ class CpuOnlineRows:
 
     @staticmethod
     def fused_rows(work, target, opts, ce, jsd, G, label_terms):
-        """The fused row kernel on the models' logits (opts.models: made in place first, and G
-        taken back to the raw logits' after)."""
+        """The fused row kernel on the models' logits (opts.models: made in place first; the
+        kernel takes G back to the raw logits', with the student model's derivative)."""
         n = len(target)
         compute_grad = G is not None
+        scale, inv_cap = 1.0, 0.0
         if opts.models is not None:
             CpuOnlineRows.model_logits(work, n, opts.models)
+            scale, cap = opts.models[0]
+            inv_cap = 0.0 if cap is None else 1.0 / cap
         fused_kernel(work.s[:n], work.t[:n], target, 1.0 / opts.temperature, int(opts.divergence), opts.beta,
                      opts.weight_hard_loss, opts.w_soft_over_t, ce, jsd, G if compute_grad else _NO_G,
-                     label_terms if compute_grad else _NO_TERMS, compute_grad)
-        if opts.models is not None and compute_grad:
-            CpuSteps.model_gradient(work, G, opts.models[0], target, label_terms)
+                     label_terms if compute_grad else _NO_TERMS, compute_grad, scale, inv_cap)
 
     @staticmethod
     def row_stats(work, target, opts):

@@ -111,39 +111,54 @@ def _label_apart(y, target_logit, lse_s):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _gradient_row(s, y, lse_s, softmax_is_p, mode, beta, a, w_hard, w_soft_over_t, label_apart, p, h, G):
+def _model_derivative(z, model_scale, model_inv_cap):
+    """dz / dx of a model's logit z = c tanh(scale x / c), from z: scale (1 - (z / c)^2); scale
+    alone where there is no cap (inv_cap 0), 1 for the plain logits."""
+    zc = np.float64(z) * model_inv_cap
+    return model_scale * (1.0 - zc * zc)
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _gradient_row(s, y, lse_s, softmax_is_p, mode, beta, a, w_hard, w_soft_over_t, label_apart, p, h, model_scale,
+                  model_inv_cap, label_derivative, G):
     """G's row from the columns' p and h: w_hard (softmax(s) - onehot) + (w_soft / T) dz
-    (softmax_is_p: no temperature and no pad, so that softmax(s) is p)."""
+    (softmax_is_p: no temperature and no pad, so that softmax(s) is p), times the student model's
+    derivative where its logits are the model's (label_derivative: the derivative at the label).
+    G may be s's own memory: a column's s is read before its G is written."""
     for j in range(len(G)):
         x = np.float64(s[j])
         dz = grad_dz(p[j], h[j], a, mode, beta)
         softmax = p[j] if softmax_is_p else exp64(x - lse_s)
-        G[j] = w_hard * softmax + w_soft_over_t * dz
+        G[j] = (w_hard * softmax + w_soft_over_t * dz) * _model_derivative(x, model_scale, model_inv_cap)
     if y >= 0 and not label_apart:
-        G[y] -= w_hard
+        G[y] -= w_hard * label_derivative
 
 
 @numba.njit(fastmath=FAST, inline="always")
 def _results(s, i, y, stats, a, b, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms, write_grad,
-             p, h):
+             p, h, model_scale, model_inv_cap):
     """Row i's CE and soft part from its statistics and KL sums a, b, and with write_grad its
-    gradient row and label term from its columns' p and h."""
+    gradient row and label term from its columns' p and h, in the raw logits where the student's
+    are its model's (model_scale, model_inv_cap: _model_derivative's)."""
     lse_s, lse_z = stats[0] + math.log(stats[3]), stats[1] + math.log(stats[4])
     ce[i] = lse_s - stats[6]
     jsd[i] = soft(a, b, mode, beta)
     if write_grad:
         apart = _label_apart(y, stats[6], lse_s)
-        label_terms[i] = -w_hard if apart else 0.0
+        label_derivative = _model_derivative(s[y], model_scale, model_inv_cap) if y >= 0 else 1.0
+        label_terms[i] = -w_hard * label_derivative if apart else 0.0
         # softmax(s) is p where z is s (no temperature) and no pad widens z's sum (here or on
         # another rank)
         _gradient_row(s, y, lse_s, inv_temp == 1.0 and lse_z == lse_s, mode, beta, a, w_hard, w_soft_over_t, apart,
-                      p, h, G[i])
+                      p, h, model_scale, model_inv_cap, label_derivative, G[i])
 
 
 @numba.njit(parallel=True, fastmath=FAST, cache=True)
-def fused_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms, write_grad):
+def fused_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms, write_grad,
+                 model_scale, model_inv_cap):
     """Each row's CE and soft part, and with write_grad its gradient row (without the 1/N of the
-    mean) and label term: the three phases' work on one row at a time, read from memory once."""
+    mean; in the raw logits where s is the student model's: _model_derivative) and label term:
+    the three phases' work on one row at a time, read from memory once. G may be s's memory."""
     n, vs = s.shape
     vt = t.shape[1]
     for i in numba.prange(n):
@@ -153,7 +168,7 @@ def fused_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, 
         stats = _row_stats(s[i], t[i], y, inv_temp, vs, vt, p, h)
         a, b = _row_kl(s[i], t[i], inv_temp, mode, beta, stats, p, h)
         _results(s[i], i, y, stats, a, b, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms,
-                 write_grad, p, h)
+                 write_grad, p, h, model_scale, model_inv_cap)
 
 
 # ---- the three phases (vocab parallelism: each rank's shard, combined between them) ----
@@ -201,4 +216,4 @@ def finish_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, sta
         if write_grad:
             _row_kl(s[i], t[i], inv_temp, mode, beta, row, p, h)  # (this rank's sums: not needed)
         _results(s[i], i, target[i], row, kl[0, i], kl[1, i], inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd,
-                  G, label_terms, write_grad, p, h)
+                  G, label_terms, write_grad, p, h, 1.0, 0.0)  # (the models' passes are around the phases)
