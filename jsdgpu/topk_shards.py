@@ -12,7 +12,6 @@ from .cpu.divergences import topk_rest_dz, topk_slot_dz, topk_terms
 from .parallel import combine_stats
 
 
-
 def _logsumexp(xp, x):
     """logsumexp of each row of float64 x, -inf for a row of -infs."""
     m = x.max(axis=1)
