@@ -30,6 +30,10 @@ __device__ __forceinline__ double log_add_exp(double a, double b) {
   return m == -D_INF ? m : m + log1p(exp(-fabs(a - b)));
 }
 
+// w Phi(d) = w + o (d - 1), Phi(d) = 1 + e^d (d - 1): the KLs' precise term where |d| >= 1, and
+// the JSD's Phi part in its small-b variant
+__device__ __forceinline__ float w_phi(const Column& c) { return fmaf(c.o, fmaf(c.d2, LN2, -1.0f), c.w); }
+
 // What each divergence supplies (row_math.cuh's comment, "one column's terms", has the math):
 //   RELATIVE_H: whether the gradient's h is relative to a reference column (reverse KL's sharp
 //     rows: row_math.cuh, "A sharp row"); the kernels then find that column and shift h and kl.
@@ -65,7 +69,7 @@ struct Divergence<FORWARD_KL> {
   }
   template <bool SMALL>
   __device__ static __forceinline__ float far_soft(const Column& c, const ColumnTerms&, const RowMath&, float, float) {
-    return fmaf(c.o, fmaf(c.d2, LN2, -1.0f), c.w);  // w Phi(d) = w + o (d - 1)
+    return w_phi(c);
   }
   __device__ static __forceinline__ float grad_factor(const RowMath& r) { return r.w_soft_over_t; }
   __device__ static __forceinline__ float grad_soft(float k, float p, float h, float) { return k * (p - h); }
@@ -99,9 +103,9 @@ struct Divergence<REVERSE_KL> {
   }
   template <bool SMALL>
   __device__ static __forceinline__ float far_soft(const Column& c, const ColumnTerms&, const RowMath&, float, float) {
-    return fmaf(c.o, fmaf(c.d2, LN2, -1.0f), c.w);
+    return w_phi(c);
   }
-  __device__ static __forceinline__ float grad_factor(const RowMath& r) { return r.w_soft_over_t * (1.0f * LN2); }
+  __device__ static __forceinline__ float grad_factor(const RowMath& r) { return r.w_soft_over_t * LN2; }
   __device__ static __forceinline__ float grad_soft(float k, float p, float h, float kl) { return k * p * (h - kl); }
   __device__ static __forceinline__ float soft_bits(float a, float, const RowMath&) { return a; }
   __device__ static __forceinline__ float unrounded_soft_bits(float2 n, float eps_z, float eps_t, const RowMath&) {
@@ -170,8 +174,7 @@ struct Divergence<JSD> {
       // formula took 10 (it stays in the small-b variant, whose G may need its series)
       return LN2 * fmaf(r.beta, k.b, r.one_minus_beta * k.a);
     }
-    const float w_phi = fmaf(c.o, fmaf(c.d2, LN2, -1.0f), c.w);
-    return fmaf(soft_b, w_phi, -w_g);  // H_b(d) = b Phi(d) - G(b (e^d - 1))
+    return fmaf(soft_b, w_phi(c), -w_g);  // H_b(d) = b Phi(d) - G(b (e^d - 1))
   }
   __device__ static __forceinline__ float grad_factor(const RowMath& r) {
     return r.w_soft_over_t * (r.one_minus_beta * LN2);

@@ -125,7 +125,6 @@ __device__ __forceinline__ Split split(double x) {
 }
 __device__ __forceinline__ float ex2_minus(float x, float scale, Split lse) { return ex2(fmaf(x, scale, -lse.hi) - lse.lo); }
 
-
 // A thread's share of the row statistics, built over batches of its columns: the max of its
 // logits, the max of those that are no slot's id (the rest), and the sums of 2^(x scale - max
 // scale) of s, z and the rest (bits). A batch's max comes first, then its sums with no
@@ -194,6 +193,10 @@ struct ThreadStats {
 // the slot bits of the 4 columns of a float4 group that starts at column c (a multiple of 4) of bitmap
 __device__ __forceinline__ unsigned group_slots(const unsigned* bitmap, int c) { return bitmap[c >> 5] >> (c & 31) & 15u; }
 
+// -log2 P_rest beyond which forward KL's rest columns take r = p / P_rest as its own exponential
+// (RestGradient's path 3, below)
+constexpr double REST_P_MOST_BITS = 100.0;
+
 // The gradient of a column that is no slot's id: w_hard (softmax - onehot) + w_soft_over_t dz,
 // with dz = A p + B r (p = 2^(z - lse_p2), normalized as the categories are; r = 2^(z - lse_r2);
 // in the bucket mode A = u_rest - u_bar and B = 0, or in forward KL A = -u_bar and B = -q_rest, r
@@ -203,9 +206,6 @@ __device__ __forceinline__ unsigned group_slots(const unsigned* bitmap, int c) {
 // KL with a rest too small for float32: r's factor 1 / P_rest past float32's range, or P_rest
 // below 2^-100, where a rest column's p that counts, 2^-24 of P_rest or more, could be
 // subnormal and flushed, while r = p / P_rest is of order one). Logsumexps in bits.
-// -log2 P_rest beyond which forward KL's rest columns take r = p / P_rest as its own exponential
-constexpr double REST_P_MOST_BITS = 100.0;
-
 struct RestGradient {
   Split lse_s2, lse_p2, lse_r2;
   float scale2, w_hard, w_soft_over_t;
