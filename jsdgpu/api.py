@@ -42,11 +42,9 @@ def forward_with(student_input, student_weight, teacher_input, teacher_weight, t
 
 def _forward(arrays, opts, run_opts):
     def loss_for(backend, capturable):
-        comm = parallel.call_communicator(run_opts.vocab_parallel, capturable)
         xs, ws, xt, wt = (backend.xp.ascontiguousarray(arrays[k]) for k in ("student_input", "student_weight",
                                                                             "teacher_input", "teacher_weight"))
-        # the shard sizes cross the ranks first: the targets index the whole vocabulary
-        shard = None if comm is None else parallel.shard_layout(comm, backend.xp, ws.shape[0], wt.shape[0])
+        shard = parallel.call_shard(run_opts.vocab_parallel, capturable, backend.xp, ws.shape[0], wt.shape[0])
         return (lambda call_opts: OnlineLoss(backend, ws, wt, arrays["student_bias"], arrays["teacher_bias"],
                                              arrays["target"], opts, call_opts, capturable, shard)), xs, xt
     return call_loss("online", arrays, opts, run_opts, checks.check_arrays, loss_for, _forward)

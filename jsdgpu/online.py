@@ -19,17 +19,16 @@ class OnlineLoss(ChunkLoss):
     def __init__(self, backend, ws, wt, bs, bt, target, opts, run_opts, capturable, shard=None):
         self.backend, self.opts, self.run_opts, self.capturable = backend, opts, run_opts, capturable
         self.ws, self.wt, self.bs, self.bt, self.target, self.shard = ws, wt, bs, bt, target, shard
-        self.comm = None if shard is None else shard.comm
         self.vs, self.hs = ws.shape
         self.has_bias = bs is not None
         self.vocab = self.vs if shard is None else shard.vs_total
         # every rank must cut the same chunks: size them by the largest shard
         widest = (self.vs, wt.shape[0]) if shard is None else (shard.max_vs, shard.max_vt)
         self.models = opts.models
-        self.per_row = backend.bytes_per_row(*widest, ws.dtype, run_opts.compute_grad, fused=self.comm is None)
+        self.per_row = backend.bytes_per_row(*widest, ws.dtype, run_opts.compute_grad, fused=shard is None)
 
     def prepare(self, most, buffers):
-        self.work = self.backend.prepare(self.ws, self.wt, self.bs, self.bt, most, fused=self.comm is None,
+        self.work = self.backend.prepare(self.ws, self.wt, self.bs, self.bt, most, fused=self.shard is None,
                                          models=self.models, **buffers)
 
     def products(self, xs, xt, at=0, student=True):
@@ -61,7 +60,8 @@ class OnlineLoss(ChunkLoss):
             backend.model_gradient(work, G, models[0], target, label_terms)
 
     def _rows(self, work, target, ce, jsd, G, label_terms):
-        backend, comm, opts = self.backend, self.comm, self.opts
+        backend, opts = self.backend, self.opts
+        comm = None if self.shard is None else self.shard.comm
         if work.fused:  # prepare gave the fused kernel only where there is no communicator
             backend.fused_rows(work, target, opts, ce, jsd, G, label_terms)
             return

@@ -92,14 +92,18 @@ def communicator(comm):
     return None if comm.size == 1 else comm
 
 
-def call_communicator(vocab_parallel, capturable):
-    """communicator(vocab_parallel) for a call; NotImplementedError where the call is capturable,
-    which vocab parallelism is not (the shard layout is read on the host)."""
+def call_shard(vocab_parallel, capturable, xp, vs, vt):
+    """A call's Shard (shard_layout's, vs and vt this rank's student and teacher rows), or None
+    without vocab parallelism; NotImplementedError where the call is capturable, which vocab
+    parallelism is not (the shard layout is read on the host). The shard sizes cross the ranks
+    before any other work: the targets (and the top-k's ids) index the whole vocabulary."""
     comm = communicator(vocab_parallel)
-    if capturable and comm is not None:
+    if comm is None:
+        return None
+    if capturable:
         raise NotImplementedError("vocab_parallel in a capturable call: the shard layout is read on the "
                                   "host; run vocab parallel with capturable=False, outside a capture")
-    return comm
+    return shard_layout(comm, xp, vs, vt)
 
 
 def shard_layout(comm, xp, vs, vt):

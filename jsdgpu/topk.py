@@ -47,13 +47,11 @@ def forward_topk_with(student_input, student_weight, teacher_indices, teacher_lo
 
 def _forward_topk(arrays, opts, run_opts):
     def loss_for(backend, capturable):
-        comm = parallel.call_communicator(run_opts.vocab_parallel, capturable)
         xp = backend.xp
         xs = xp.ascontiguousarray(arrays["student_input"])
         ids = xp.ascontiguousarray(arrays["teacher_indices"], dtype=np.int32)  # checked in [0, Vs) by the loss
-        # the shard sizes cross the ranks first: the ids and targets index the whole vocabulary
-        vs = arrays["student_weight"].shape[0]
-        shard = None if comm is None else parallel.shard_layout(comm, xp, vs, vs)
+        vs = arrays["student_weight"].shape[0]  # (the student's head alone: its rows as the teacher's too)
+        shard = parallel.call_shard(run_opts.vocab_parallel, capturable, xp, vs, vs)
         return (lambda call_opts: TopKLoss(backend, xs, arrays, opts, call_opts, capturable, shard)), xs, ids
     return call_loss("topk", arrays, opts, run_opts, checks.check_topk_arrays, loss_for, _forward_topk)
 
