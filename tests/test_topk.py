@@ -53,7 +53,7 @@ def rest_slack(case, opts, missing_mass, G=None):
     reference's gradient in the logits): (that, the gradient's relative error that the same
     error of log q_rest makes, in norm), where a row's error is at most w_soft / T / N times
     2 P_rest times it (the rest's columns' u, and every column's u_bar)."""
-    value, rows = 0.0, []
+    rows = []
     if missing_mass == "bucket" and opts.get("beta") == 1.0:
         lq = case["teacher_logprobs"].astype(np.float64)
         z = head_logits(case, "student") / opts.get("temperature", 1.0)
