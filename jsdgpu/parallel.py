@@ -135,9 +135,9 @@ def combine_stats(xp, comm, stats):
     maxima, sums = stats[:3], stats[3:6]
     local = maxima.copy()
     comm.allreduce(maxima, "max")
-    # each rank's sums rescaled to the global max (every rank holds columns of s, z and t, so
-    # no part is empty: its max is finite unless its logits are not)
-    sums *= xp.exp(local - maxima)
+    # each rank's sums rescaled to the global max; a rank's empty part (max -inf: the top-k's rest
+    # where each of its columns is a used slot's) is a sum of 0, and stays 0 (not 0 times NaN)
+    sums *= xp.exp(local - xp.where(local == -np.inf, xp.zeros_like(maxima), maxima))
     comm.allreduce(stats[3:7], "sum")
     if len(stats) > 7:  # the reference column's t: the largest of those of the ranks that hold
         # the largest s (the kernels' own choice among columns that tie)

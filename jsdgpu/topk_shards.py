@@ -48,10 +48,10 @@ def sharded_topk_rows(xp, s, shard, ids, lq, target, opts, missing_mass, ce, sof
     rows = xp.arange(n)
     stats = xp.empty((7, n))
     stats[0], stats[1] = s.max(axis=1), z.max(axis=1)
-    stats[2] = z_rest.max(axis=1)  # -inf where every column here is a slot's: its sum's terms are 0
+    stats[2] = z_rest.max(axis=1)  # -inf where every column here is a used slot's: its sum is 0
     stats[3] = xp.exp(s - stats[0][:, None]).sum(axis=1)
     stats[4] = xp.exp(z - stats[1][:, None]).sum(axis=1)
-    stats[5] = xp.exp(z_rest - stats[2][:, None]).sum(axis=1)
+    stats[5] = xp.exp(z_rest - xp.where(stats[2] == -np.inf, 0.0, stats[2])[:, None]).sum(axis=1)
     stats[6] = xp.where(owned, s[rows, label], 0.0)
     slot_z = xp.where(here, xp.take_along_axis(z, col, axis=1), 0.0)
     combine_stats(xp, shard.comm, stats)

@@ -347,6 +347,19 @@ def test_sharded_topk_slots_hold_a_whole_shard(xp, rng, missing_mass):
                           missing_mass=missing_mass, beta=0.5)
 
 
+def test_sharded_topk_rest_on_one_rank_alone(xp, rng):
+    """The bucket's rest on the second rank alone: every id of the first rank's is a used slot's,
+    and a few of the second rank's are not (their slots unused), so the first rank's part of the
+    rest's sum is empty (its maximum -inf), and the whole rest is the second rank's."""
+    case = make_topk_case(rng, T=6, vs=37, k=37, ignored=0.0, unused=0.0)
+    ids, lq = case["teacher_indices"], case["teacher_logprobs"]
+    for row in range(6):
+        second = np.flatnonzero(ids[row] >= 19)
+        lq[row, rng.choice(second, size=int(rng.integers(1, 4)), replace=False)] = -np.inf
+    assert_matches_single(case, xp, [0, 19, 37], 2e-5, forward=jsdgpu.forward_topk, grad_weight_float32=True,
+                          missing_mass="bucket", beta=0.5)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, BF16])
 def test_sharded_topk_16bit(xp, rng, dtype):
     """16-bit heads: the label's one-hot term kept apart from G where it would dominate, as on one
