@@ -6,11 +6,14 @@ phase kernels (vocab parallelism, teacher vocabularies past 131072), on 2048 row
 benchmark's vocabulary whose teacher logits are the student's plus noise of a given std: from
 independent rows (mean row JSD about 0.7 nats) down to 1e-4 nats, for the JSD, the two KLs and a
 temperature, with gradients. Logits of std 4, float32, written straight into the chunk's buffers
-(no products). Needs a GPU.
+(no products). Needs a GPU. --vocab: both vocabularies (past 131072 the fused kernel's wide
+shape; past 262144 the phase kernels alone); --configs: some of the options' rows.
 
     python experiments/row_kernel_divergence.py [--rows 2048] [--repeats 30]
+    python experiments/row_kernel_divergence.py --vocab 151936 262144 --configs jsd "forward KL"
 
-Answer (one H200, the row kernel's table in docs/design.md, "Small divergences"): printed last.
+Answer (one H200, the row kernel's table in docs/design.md, "Small divergences", and at wider
+vocabularies "Wide vocabularies"): printed last.
 """
 
 import argparse
@@ -29,16 +32,28 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--vocab", type=int, nargs="+")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     a = p.parse_args()
     import cupy  # needs the GPU: after --help
+
+    import harness
+    rng = cupy.random.default_rng(0)
+    print("| V | options | teacher | mean row soft part, nats | fused µs per 1024 rows | × the independent row's "
+          "| phases µs per 1024 rows | phases ÷ fused | largest relative difference of the rows' soft parts |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for V in a.vocab or [harness.V]:
+        table(rng, a.rows, V, a.configs, a.repeats)
+
+
+def table(rng, T, V, configs, repeats):
+    """The table's rows of vocabulary V (at most 262144: the fused kernel's widest)."""
+    import cupy
     import numpy as np
 
     import harness
     import jsdgpu
     from jsdgpu.cuda.backend import CudaBackend as B
-
-    T, V = a.rows, harness.V
-    rng = cupy.random.default_rng(0)
     weight = cupy.empty((V, 8), harness.BF16)  # prepare reads the heads' shape and dtype alone
     work = B.prepare(weight, weight, None, None, T, fused=True)
     G = B.gradient_rows(work, T, own_g=True)
@@ -46,28 +61,25 @@ def main():
     ce, jsd, terms = (cupy.empty(T, np.float32) for _ in range(3))
     student = rng.standard_normal((T, V), dtype=np.float32) * 4.0
     work.logits_s[:, :V] = student
-
-    print("| options | teacher | mean row soft part, nats | fused µs per 1024 rows | × the independent row's "
-          "| phases µs per 1024 rows | phases ÷ fused |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, options in CONFIGS.items():
-        opts = jsdgpu.LossOptions(**options)
+    for name in configs:
+        opts = jsdgpu.LossOptions(**CONFIGS[name])
         base = None
         for noise in NOISE:
             fresh = rng.standard_normal((T, V), dtype=np.float32)
             work.logits_t[:, :V] = fresh * 4.0 if noise is None else student + noise * fresh
             fused = harness.time_ms(lambda i: B.fused_rows(work, target, opts, ce, jsd, G, terms), 1, 5,
-                                    a.repeats, warm_s=0.3)
-            soft = float(jsd.mean())
+                                    repeats, warm_s=0.3)
+            soft, fused_soft = float(jsd.mean()), jsd.copy()
 
             def phases(i):
                 stats = B.row_stats(work, target, opts)
                 B.row_finish(work, target, stats, B.row_kl(work, target, stats, opts), opts, ce, jsd, G, terms)
-            phase = harness.time_ms(phases, 1, 3, max(5, a.repeats // 3))
+            phase = harness.time_ms(phases, 1, 3, max(5, repeats // 3))
+            differ = float(cupy.abs(jsd - fused_soft).max() / cupy.abs(jsd).max())
             per = 1024 / T * 1000
             base = base or fused
-            print(f"| {name} | {'independent' if noise is None else f'student + {noise} N(0, 1)'} | {soft:.2e} "
-                  f"| {fused * per:.0f} | {fused / base:.3f} | {phase * per:.0f} | {phase / fused:.2f} |", flush=True)
+            print(f"| {V} | {name} | {'independent' if noise is None else f'student + {noise} N(0, 1)'} | {soft:.2e} "
+                  f"| {fused * per:.0f} | {fused / base:.3f} | {phase * per:.0f} | {phase / fused:.2f} | {differ:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

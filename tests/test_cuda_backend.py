@@ -62,25 +62,29 @@ def test_chunk_of_more_than_2_31_logits(rng):
     assert rel_err(gi[rows].astype(cupy.float32) * (T / len(rows)), ref[3].get()) <= 2**-8
 
 
-FUSED_MAX = 131072  # jsdgpu.cuda.online_work.FUSED_MAX_VOCAB: the fused kernel's widest teacher vocabulary
+FUSED_MAX = 131072, 262144  # jsdgpu.cuda.sources: the fused kernel's widest teacher vocabulary, each shape
 
 
 @pytest.mark.parametrize("vs, vt, beta, temperature", [
-    (V, V + 77, 1.0, 2.0), (V, V + 77, 0.3, 1.0), (FUSED_MAX, FUSED_MAX, 0.3, 1.0),
-    (FUSED_MAX - 5, FUSED_MAX + 1, 0.3, 1.0)])
+    (V, V + 77, 1.0, 2.0), (V, V + 77, 0.3, 1.0), (FUSED_MAX[0], FUSED_MAX[0], 0.3, 1.0),
+    (FUSED_MAX[0] - 5, FUSED_MAX[0] + 1, 0.3, 1.0), (FUSED_MAX[0] + 3, FUSED_MAX[0] + 3, 1.0, 2.0),
+    (151936, 151936, 0.3, 1.0), (FUSED_MAX[1], FUSED_MAX[1], 0.3, 1.0), (FUSED_MAX[1] - 5, FUSED_MAX[1] + 1, 0.3, 1.0)])
 def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, beta, temperature):
     """The reference's answer from the fused kernel at the benchmark vocabulary with teacher pad
     columns (reverse KL: a column past the teacher's taken for a pad one makes the loss inf)
-    and at its widest (every group of every thread full), and from the three phases just past
-    it."""
+    and at the widest of each of its shapes (every group of every thread full), from its wide
+    shape just past the first one's widest and at Qwen's vocabulary, and from the three phases
+    just past the wide shape's widest."""
+    from jsdgpu.cuda import sources
     from jsdgpu.cuda.backend import CudaBackend
     from jsdgpu.cuda.online_work import FUSED_MAX_VOCAB
-    assert FUSED_MAX_VOCAB == FUSED_MAX
+    assert (sources.FUSED.max_vocab, sources.FUSED_WIDE.max_vocab) == FUSED_MAX == (FUSED_MAX[0], FUSED_MAX_VOCAB)
     case = gpu_case(rng, T=33, hs=64, ht=96, vs=vs, vt=vt, dtype=np.float32, bias=True,
                     logit_std=8.0, ignored=0.3)
     work = CudaBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1,
                                fused=True)
-    assert (work.fused is not None) == (vt <= FUSED_MAX)
+    shape = None if work.fused is None else work.fused.shape
+    assert shape == (sources.FUSED if vt <= FUSED_MAX[0] else sources.FUSED_WIDE if vt <= FUSED_MAX[1] else None)
     ref = jsdgpu.reference(**case, beta=beta, temperature=temperature)
     loss, ctx = jsdgpu.forward(**case, beta=beta, temperature=temperature)
     gi, gw, gb = jsdgpu.backward(ctx)
@@ -89,18 +93,19 @@ def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, beta, tempera
         assert rel_err(got.get(), want.get()) <= 1e-4
 
 
-def test_rows_handed_out_to_the_clusters(rng):
+@pytest.mark.parametrize("vt", [1040, FUSED_MAX[0] + 8])
+def test_rows_handed_out_to_the_clusters(rng, vt):
     """One chunk of T rows for T around multiples of the fused kernel's clusters (each takes its
-    first two rows by its index, the rest from a counter as it asks): every row's loss and
-    gradient, as the reference's."""
+    first two rows by its index, the rest from a counter as it asks), in each of its shapes:
+    every row's loss and gradient, as the reference's."""
     import cupy
     from jsdgpu.cuda.backend import CudaBackend
-    case = gpu_case(rng, vs=1031, vt=1040)
+    case = gpu_case(rng, vs=1031, vt=vt)
     clusters = CudaBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1,
                                    fused=True).fused.max_clusters
     for T in (1, clusters - 1, clusters, clusters + 1, 2 * clusters - 1, 2 * clusters, 2 * clusters + 1,
               5 * clusters + 3):
-        case = make_case(rng, T=T, hs=32, ht=48, vs=1031, vt=1040, bias=True, logit_std=4.0)
+        case = make_case(rng, T=T, hs=32, ht=48, vs=1031, vt=vt, bias=True, logit_std=4.0)
         ref = jsdgpu.reference(**case, beta=0.3)
         loss, ctx = jsdgpu.forward(**to_xp(case, cupy), beta=0.3, chunk_size=T)
         gi, gw, gb = jsdgpu.backward(ctx)

@@ -35,13 +35,15 @@ def test_grid_against_float64(xp, rng, dtype, scale, temperature, beta):
     assert_near_float64(case, dtype, opts, loss, ctx.hard_loss, ctx.soft_loss, jsdgpu.backward(ctx))
 
 
+@pytest.mark.parametrize("vt", [131072 + 9, 262144 + 9])
 @pytest.mark.parametrize("scale", [8.0, 40.0])
 @pytest.mark.parametrize("beta", [0.5, 1.0])
-def test_sharp_rows_past_the_fused_kernels_widest_teacher(xp, rng, scale, beta):
-    """Sharp rows (temperature 0.05, a KL of hundreds of bits) with a teacher vocabulary wider
-    than the fused kernel takes (131072): on the GPU the three phase kernels, which take reverse
-    KL's gradient relative to the reference column too."""
-    case = make_case(rng, T=5, hs=16, ht=16, vs=515, vt=131072 + 9, bias=True, logit_std=scale)
+def test_sharp_rows_of_wide_teachers(xp, rng, scale, beta, vt):
+    """Sharp rows (temperature 0.05, a KL of hundreds of bits) with teacher vocabularies wider
+    than the fused kernel's first shape takes (131072: on the GPU its wide shape) and than its wide
+    one takes (262144: the three phase kernels, which take reverse KL's gradient relative to the
+    reference column too)."""
+    case = make_case(rng, T=5, hs=16, ht=16, vs=515, vt=vt, bias=True, logit_std=scale)
     opts = dict(beta=beta, temperature=0.05, weight_hard_loss=0.3, weight_soft_loss=0.7)
     loss, ctx = jsdgpu.forward(**to_xp(case, xp), chunk_size=2, **opts)
     assert_near_float64(case, "float32", opts, loss, ctx.hard_loss, ctx.soft_loss, jsdgpu.backward(ctx))
@@ -73,9 +75,9 @@ def test_small_soft_parts_keep_their_precision(xp, rng, temperature, beta, scale
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_rows_near_and_far_in_one_chunk(xp, rng, dtype, beta, memory_budget):
     """Half of the rows with a teacher that nearly agrees with the student (soft parts of about
-    1e-7: on the GPU the fused kernel leaves those rows to the phase kernels, which write their
-    G over their own logits where G is not held apart) and half with an unrelated teacher, in
-    one chunk: every row's loss and gradient as the reference's."""
+    1e-7, which the fused kernel's precise sum forms in the pass that forms the others') and half
+    with an unrelated teacher, in one chunk, G held apart or written over the logits: every row's
+    loss and gradient as the reference's."""
     case = make_case(rng, T=40, hs=16, ht=16, vs=1031, vt=1031, dtype=DTYPES[dtype], bias=True, logit_std=2.0,
                      ignored=0.1)
     near = rng.random(40) < 0.5

@@ -92,10 +92,11 @@ class FusedKernel:
         ptr = function.kernel.ptr
         if shape.cluster > 8:  # beyond the portable cluster size: allowed on Hopper, asked for explicitly
             driver.funcSetAttribute(ptr, _FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-        # By default the H200 fits 14 clusters of 16 CTAs (each on 16 SMs, two clusters' CTAs per
-        # SM: 116 SMs in use); load balancing lets one more in, on 8 SMs of its own. That one runs
-        # slower, and the kernel hands out rows as they are asked for, so it takes fewer:
-        # -10% time per row at 2048 rows (docs/design.md, "The fused row kernel").
+        # By default the H200 fits 14 clusters of the narrow shape's 16 CTAs (each on 16 SMs, two
+        # clusters' CTAs per SM: 116 SMs in use); load balancing lets one more in, on 8 SMs of its
+        # own. That one runs slower, and the kernel hands out rows as they are asked for, so it
+        # takes fewer: -10% time per row at 2048 rows (docs/design.md, "The fused row kernel").
+        # (The wide shape, a CTA an SM: 7 clusters, one per GPC, either way.)
         driver.funcSetAttribute(ptr, _FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE,
                                 _CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING)
         function.max_dynamic_shared_size_bytes = shape.shared_bytes

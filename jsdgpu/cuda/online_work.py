@@ -9,10 +9,10 @@ import cupy
 import numpy as np
 
 from . import kernels, products
-from .sources import FUSED
+from .sources import FUSED_WIDE, fused_shape
 from .steps import leading_dim, padded_bias
 
-FUSED_MAX_VOCAB = FUSED.max_vocab  # 131072 columns; wider rows take the phase kernels
+FUSED_MAX_VOCAB = FUSED_WIDE.max_vocab  # 262144 columns; wider rows take the phase kernels
 
 
 @dataclasses.dataclass
@@ -57,8 +57,8 @@ class CudaOnlineRows:
     def prepare(ws, wt, bs, bt, rows, fused, logits_s=None, models=None):
         """The buffers for chunks of `rows` rows (logits_s: the student logits', where
         logits_ahead made it); with fused (and a teacher vocabulary of at most FUSED_MAX_VOCAB),
-        the fused row kernel. models: LossOptions.models (without the fused kernel, the biases
-        then model_logits')."""
+        the fused row kernel of the teacher vocabulary's shape (sources.fused_shape). models:
+        LossOptions.models (without the fused kernel, the biases then model_logits')."""
         vs, vt = ws.shape[0], wt.shape[0]
         fused = fused and vt <= FUSED_MAX_VOCAB
         biases = padded_bias(bs, vs), padded_bias(bt, vt)
@@ -69,7 +69,7 @@ class CudaOnlineRows:
             logits_s=cupy.empty((rows, leading_dim(vs)), np.float32) if logits_s is None else logits_s,
             logits_t=cupy.empty((rows, leading_dim(vt)), np.float32),
             ones=cupy.ones(rows, ws.dtype) if bs is not None else None,
-            fused=kernels.fused_kernel(cupy.cuda.Device().id, ws.dtype) if fused else None)
+            fused=kernels.fused_kernel(cupy.cuda.Device().id, ws.dtype, fused_shape(vt)) if fused else None)
 
     @staticmethod
     def gradient_rows(work, g_rows, own_g):

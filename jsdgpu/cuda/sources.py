@@ -49,6 +49,17 @@ class FusedShape:
 # 16 CTAs of 512 threads, 4 groups each: up to 131072 columns, two CTAs per SM (64 registers a
 # thread); the other shapes measured slower (docs/design.md, "The fused row kernel")
 FUSED = FusedShape()
+# Wider teacher vocabularies (Qwen's 151936, Gemma's 256000 and 262144): 16 CTAs of 1024 threads,
+# one per SM, so that a row's columns are held by the registers of 16 SMs: up to 262144 columns
+# (docs/design.md, "Wide vocabularies"); wider rows take the phase kernels
+FUSED_WIDE = FusedShape(threads=1024, min_ctas=1)
+
+
+def fused_shape(vt):
+    """The fused kernel's shape for a teacher vocabulary of vt columns; None past the widest."""
+    return FUSED if vt <= FUSED.max_vocab else FUSED_WIDE if vt <= FUSED_WIDE.max_vocab else None
+
+
 PHASE_THREADS = 256  # one CTA of these per row in each phase kernel
 SELECT_THREADS, SELECT_ITEMS = 1024, 8  # select_rows: one CTA, tiles of 8192 targets
 MARK_THREADS = 1024  # mark_rows: one CTA
@@ -200,7 +211,8 @@ _ALL_DTYPES = tuple(FORMATS)
 _16BIT = _ALL_DTYPES[1:]
 # Every instantiation the library launches, by family (the source file's stem)
 FAMILIES = {
-    "fused_rows": [fused_rows(d, m) for d in _ALL_DTYPES for m in Divergence],
+    "fused_rows": [fused_rows(d, m, shape) for shape in (FUSED, FUSED_WIDE) for d in _ALL_DTYPES
+                   for m in Divergence],
     "phase_rows": [phase_stats(), phase_kl()] + [phase_finish(d) for d in _ALL_DTYPES],
     "gradient_sums": ([scale_cast(d) for d in _16BIT] + [label_rows(d) for d in _ALL_DTYPES]
                       + [scale_rows(d) for d in _ALL_DTYPES] + ["model_logits"]
