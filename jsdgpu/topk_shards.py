@@ -40,18 +40,19 @@ def sharded_topk_rows(xp, s, shard, ids, lq, target, opts, missing_mass, ce, sof
     here = used & (col >= 0) & (col < vl)  # the used slots whose id is this rank's
     col = xp.where(here, col, 0)
     slot_rows = xp.broadcast_to(xp.arange(n)[:, None], (n, k))
-    in_slot = xp.zeros((n, vl), dtype=bool)
-    in_slot[slot_rows[here], col[here]] = True
-    z_rest = xp.where(in_slot, -np.inf, z)
     owned = target >= 0
     label = xp.where(owned, target, 0).astype(np.int64)
     rows = xp.arange(n)
-    stats = xp.empty((7, n))
+    stats = xp.zeros((7, n))  # renormalized: no rest, whose maximum and sum (2 and 5) stay 0
     stats[0], stats[1] = s.max(axis=1), z.max(axis=1)
-    stats[2] = z_rest.max(axis=1)  # -inf where every column here is a used slot's: its sum is 0
     stats[3] = xp.exp(s - stats[0][:, None]).sum(axis=1)
     stats[4] = xp.exp(z - stats[1][:, None]).sum(axis=1)
-    stats[5] = xp.exp(z_rest - xp.where(stats[2] == -np.inf, 0.0, stats[2])[:, None]).sum(axis=1)
+    if missing_mass == "bucket":
+        in_slot = xp.zeros((n, vl), dtype=bool)
+        in_slot[slot_rows[here], col[here]] = True
+        z_rest = xp.where(in_slot, -np.inf, z)
+        stats[2] = z_rest.max(axis=1)  # -inf where every column here is a used slot's: its sum is 0
+        stats[5] = xp.exp(z_rest - xp.where(stats[2] == -np.inf, 0.0, stats[2])[:, None]).sum(axis=1)
     stats[6] = xp.where(owned, s[rows, label], 0.0)
     slot_z = xp.where(here, xp.take_along_axis(z, col, axis=1), 0.0)
     combine_stats(xp, shard.comm, stats)

@@ -65,16 +65,22 @@ def test_chunk_of_more_than_2_31_logits(rng):
 FUSED_MAX = 131072, 262144  # jsdgpu.cuda.sources: the fused kernel's widest teacher vocabulary, each shape
 
 
-@pytest.mark.parametrize("vs, vt, beta, temperature", [
-    (V, V + 77, 1.0, 2.0), (V, V + 77, 0.3, 1.0), (FUSED_MAX[0], FUSED_MAX[0], 0.3, 1.0),
-    (FUSED_MAX[0] - 5, FUSED_MAX[0] + 1, 0.3, 1.0), (FUSED_MAX[0] + 3, FUSED_MAX[0] + 3, 1.0, 2.0),
-    (151936, 151936, 0.3, 1.0), (FUSED_MAX[1], FUSED_MAX[1], 0.3, 1.0), (FUSED_MAX[1] - 5, FUSED_MAX[1] + 1, 0.3, 1.0)])
-def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, beta, temperature):
+REVERSE_T2, JSD = dict(beta=1.0, temperature=2.0), dict(beta=0.3)
+CAPS = dict(beta=0.5, student_logit_scale=1.5, student_logit_softcap=5.0, teacher_logit_softcap=30.0)
+
+
+@pytest.mark.parametrize("vs, vt, options", [
+    (V, V + 77, REVERSE_T2), (V, V + 77, JSD), (FUSED_MAX[0], FUSED_MAX[0], JSD),
+    (FUSED_MAX[0] - 5, FUSED_MAX[0] + 1, JSD), (FUSED_MAX[0] + 3, FUSED_MAX[0] + 3, REVERSE_T2),
+    (151936, 151936, JSD), (151936 - 9, 151936, CAPS), (FUSED_MAX[1], FUSED_MAX[1], JSD),
+    (FUSED_MAX[1] - 5, FUSED_MAX[1] + 1, JSD), (FUSED_MAX[1] + 1, FUSED_MAX[1] + 1, CAPS)])
+def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, options):
     """The reference's answer from the fused kernel at the benchmark vocabulary with teacher pad
     columns (reverse KL: a column past the teacher's taken for a pad one makes the loss inf)
     and at the widest of each of its shapes (every group of every thread full), from its wide
-    shape just past the first one's widest and at Qwen's vocabulary, and from the three phases
-    just past the wide shape's widest."""
+    shape just past the first one's widest and at Qwen's vocabulary (with soft caps: the models'
+    logits formed in the kernel), and from the three phases just past the wide shape's widest
+    (with soft caps: the passes around them)."""
     from jsdgpu.cuda import sources
     from jsdgpu.cuda.backend import CudaBackend
     from jsdgpu.cuda.online_work import FUSED_MAX_VOCAB
@@ -85,8 +91,8 @@ def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, beta, tempera
                                fused=True)
     shape = None if work.fused is None else work.fused.shape
     assert shape == (sources.FUSED if vt <= FUSED_MAX[0] else sources.FUSED_WIDE if vt <= FUSED_MAX[1] else None)
-    ref = jsdgpu.reference(**case, beta=beta, temperature=temperature)
-    loss, ctx = jsdgpu.forward(**case, beta=beta, temperature=temperature)
+    ref = jsdgpu.reference(**case, **options)
+    loss, ctx = jsdgpu.forward(**case, **options)
     gi, gw, gb = jsdgpu.backward(ctx)
     assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0]
     for got, want in zip((gi, gw, gb), ref[3:]):

@@ -110,12 +110,16 @@ def _label_apart(y, target_logit, lse_s):
     return y >= 0 and math.exp(target_logit - lse_s) < 0.5
 
 
-@numba.njit(fastmath=FAST, inline="always")
-def _model_derivative(z, model_scale, model_inv_cap):
+def model_derivative(z, model_scale, model_inv_cap):
     """dz / dx of a model's logit z = c tanh(scale x / c), from z: scale (1 - (z / c)^2); scale
-    alone where there is no cap (inv_cap 0), 1 for the plain logits."""
-    zc = np.float64(z) * model_inv_cap
+    alone where there is no cap (inv_cap 0), 1 for the plain logits. Of a number or an array (the
+    phases' pass over G: CpuSteps.model_gradient); compiled for the kernels below (z float32 and
+    inv_cap float64: in float64)."""
+    zc = z * model_inv_cap
     return model_scale * (1.0 - zc * zc)
+
+
+_model_derivative = numba.njit(fastmath=FAST, inline="always")(model_derivative)
 
 
 @numba.njit(fastmath=FAST, inline="always")

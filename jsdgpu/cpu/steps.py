@@ -9,6 +9,7 @@ import numpy as np
 from .. import checks
 from ..backend import HeldG, Rows
 from ..options import divisor
+from .rows import model_derivative
 
 
 def f32(a):
@@ -114,7 +115,7 @@ class CpuSteps:
             if label_terms is not None:
                 label_terms *= np.float32(scale)
             return
-        factor = scale * (1.0 - np.square(work.s[:len(G)] / np.float32(cap)))
+        factor = model_derivative(work.s[:len(G)], np.float32(scale), np.float32(1.0 / cap))
         G *= factor
         if label_terms is not None:
             owned = np.flatnonzero(target >= 0)

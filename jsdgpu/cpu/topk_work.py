@@ -1,5 +1,6 @@
 """The CPU backend's row work of the top-k loss and teacher_topk (jsdgpu.backend.TopKRowWork):
-the top-k's checks, one head's float32 logits by NumPy's product, and the Numba kernels of
+the top-k's checks, one head's float32 logits by NumPy's product, the rows' work by
+jsdgpu.topk_shards (NumPy, float64; with or without vocab parallelism) and the teacher's top-k by
 topk.py."""
 
 import dataclasses
@@ -7,9 +8,22 @@ import dataclasses
 import numpy as np
 
 from .. import checks
-from .steps import as_model_logits, f32
+from ..parallel import Shard
 from ..topk_shards import sharded_topk_rows
-from .topk import teacher_topk_rows, topk_rows
+from .steps import as_model_logits, f32
+from .topk import teacher_topk_rows
+
+
+class _OneRank:
+    """The whole vocabulary on this rank: topk_shards' all-reduces have nothing to combine."""
+    rank, size = 0, 1
+
+    @staticmethod
+    def allreduce(a, op):
+        pass
+
+
+_ONE_RANK = _OneRank()
 
 
 @dataclasses.dataclass
@@ -94,8 +108,12 @@ class CpuTopKRows:
 
     @staticmethod
     def topk_rows(work, ids, lq, target, opts, missing_mass, ce, soft, G, label_terms, g_scale=None, x=None):
-        """The top-k row work (cpu/topk.py); the label's one-hot term stays in G (float32)."""
-        topk_rows(work.s[:len(target)], ids, lq, target, opts, missing_mass, ce, soft, G)
+        """The top-k row work: jsdgpu.topk_shards' on a shard of the whole vocabulary (the
+        categories' code of vocab parallelism's, in one place); the label's one-hot term stays in
+        G (float32)."""
+        vs = work.ws.shape[0]
+        CpuTopKRows.topk_rows_sharded(work, ids, lq, target, opts, missing_mass, Shard(_ONE_RANK, 0, vs, vs, vs),
+                                      ce, soft, G, label_terms)
 
     @staticmethod
     def topk_rows_sharded(work, ids, lq, target, opts, missing_mass, shard, ce, soft, G, label_terms):
