@@ -3,6 +3,7 @@
     python bench/bench_run.py                   # both tables; writes bench/results/<device>_run.{json,md}
     python bench/bench_run.py --tokens 2048 --impls jsdgpu gemm_floor --out /tmp/r
     python bench/bench_run.py --no-run --tokens 2048 8192 --name h200_fresh   # the distributions, fresh
+    python bench/bench_run.py --vocab 151936 --name h200_qwen_vocab   # both vocabularies Qwen's
 
 The benchmark's own inputs (bench.py: student and teacher drawn independently, every row's JSD
 near its largest, a fresh process at one shape) are the easy case. Here, at the benchmark's
@@ -145,16 +146,19 @@ def main(argv=None):
                         "effect is their times here against a default run's")
     p.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results")
     p.add_argument("--name", help="result file name (default: the device's name, then _run)")
+    p.add_argument("--vocab", type=int, help="both vocabularies, in place of harness.V (128256)")
     a = p.parse_args(argv)
 
     import cupy  # the GPU is needed from here on
 
     import harness
+    if a.vocab:
+        harness.V = a.vocab  # read by harness's and this file's functions as they run
     impls = [i for i in a.impls if i in OPTIONAL or harness.available(i)]
     name = a.name or harness.device_name() + "_run"
     result = dict(device=harness.device_name(), date=time.strftime("%Y-%m-%d"),
                   command="python bench/bench_run.py " + " ".join(argv or sys.argv[1:]), impls=impls,
-                  distributions=[], run=[])
+                  vocab=harness.V, distributions=[], run=[])
     a.out.mkdir(parents=True, exist_ok=True)
 
     def save():
@@ -193,7 +197,7 @@ def main(argv=None):
 def render(result):
     """The two tables of a result, as markdown."""
     lines = [f"`{result['command']}` ({result['device']}, {result['date']}), forward + backward, bf16, "
-             "V = 128256, hidden 2048 / 4096.", "",
+             f"V = {result.get('vocab', 128256)}, hidden 2048 / 4096.", "",
              "The run: ten steps in turn, the row JSD falling, 0-40% of the rows ignored, after calls at "
              "other shapes; the floor is the four products at each step's valid rows.", "",
              "| T a step | mean row JSD, first / last step | jsdgpu, ms for the ten | floor | × floor "
