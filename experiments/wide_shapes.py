@@ -1,18 +1,21 @@
 """Which fused-kernel shape should take a teacher vocabulary wider than 131072 columns?
 
-Past 131072 a row's columns need the registers of more than 8 SMs: CTAs of 1024 threads, one per
-SM, 16384 columns each. This times clusters of several sizes (each at least the vocabulary's
-CTAs) on rows of the given vocabularies, against the three phase kernels, their outputs compared
-with the phases': the JSD with G, teacher = student + 0.6 N(0, 1) at logit std 4, float32 logits
-written straight into the chunk's buffers. Needs a GPU.
+Past 131072 a row's columns need more than the registers of 8 SMs: a fifth group a thread in
+shared memory (up to 163840 columns), or CTAs of 1024 threads, one per SM, 16384 columns each.
+This times the library's shapes that hold each vocabulary (sources.FUSED_SHAPES) and, on request,
+clusters of other sizes of CTAs of 1024 threads, against the three phase kernels, their outputs
+compared with the phases': the JSD with G, teacher = student + 0.6 N(0, 1) at logit std 4, float32
+logits written straight into the chunk's buffers. Needs a GPU.
 
-    python experiments/wide_shapes.py [--vocab 151936 201088 262144] [--clusters 10 12 13 16]
+    python experiments/wide_shapes.py [--vocab 151936 201088 262144] [--clusters 10 12 13]
 
-Answer (one H200, 2026-12-04; docs/design.md, "Wide vocabularies"): the GPU runs 7 clusters of
-each size at once (one per GPC), so the largest is the fastest: at V = 151936 1078 µs per 1024
-rows with clusters of 16 against 1117-1248 with 10-13 and 1323 for the phases; at 201088 1219
-(16) and 1254 (13) against 1765; at 262144 1343 against 2278. The outputs are the phases' to
-float32's rounding (G, bf16: to its last bit).
+Answer (one H200, 2026-12-04; docs/design.md, "Wide vocabularies"): the shape with a fifth group
+in shared memory runs 15 clusters at once, 692 µs per 1024 rows at V = 151936 and 711 at 163840,
+against 1091 and 1099 with clusters of 16 CTAs of 1024 threads and 1319 and 1438 for the phases.
+The GPU runs 7 clusters of CTAs of 1024 threads at once (one per GPC) whatever their size, so the
+largest is the fastest: at 151936 1078 with 16 CTAs against 1117-1248 with 10-13 (--clusters);
+at 201088 1219 (16) against 1765 for the phases, at 262144 1343 against 2278. The outputs are
+the phases' to float32's rounding (G, bf16: to its last bit).
 """
 
 import argparse
@@ -27,7 +30,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocab", type=int, nargs="+", default=[151936, 201088, 262144])
-    p.add_argument("--clusters", type=int, nargs="+", default=[10, 12, 13, 16])
+    p.add_argument("--clusters", type=int, nargs="*", default=[],
+                   help="clusters of these many CTAs of 1024 threads (one per SM), beside the library's shapes")
     p.add_argument("--rows", type=int, default=2048)
     a = p.parse_args()
     import cupy  # needs the GPU: after --help
@@ -61,8 +65,9 @@ def main():
         want = [x.astype(np.float32) for x in (ce, jsd, G[:, :V])]
         per = 1024 / T * 1000
         print(f"| {V} | phases | | {phase_ms * per:.0f} | 1.00 | |", flush=True)
-        for c in a.clusters:
-            shape = sources.FusedShape(cluster=c, threads=1024, groups=4, min_ctas=1)
+        shapes = list(sources.FUSED_SHAPES) + [sources.FusedShape(cluster=c, threads=1024, min_ctas=1)
+                                               for c in a.clusters]
+        for shape in shapes:
             if shape.max_vocab < V:
                 continue
             fused = dataclasses.replace(work, fused=kernels.fused_kernel(device, weight.dtype, shape))
@@ -71,7 +76,8 @@ def main():
                                  warm_s=0.3)
             got = [x.astype(np.float32) for x in (ce, jsd, G[:, :V])]
             diff = ", ".join(f"{float(cupy.abs(g - w).max() / cupy.abs(w).max()):.1e}" for g, w in zip(got, want))
-            print(f"| {V} | {c} CTAs of 1024 | {fused.fused.max_clusters} | {ms * per:.0f} | {ms / phase_ms:.2f} "
+            kind = f"{shape.cluster} CTAs of {shape.threads}, {shape.groups} + {shape.extra} groups"
+            print(f"| {V} | {kind} | {fused.fused.max_clusters} | {ms * per:.0f} | {ms / phase_ms:.2f} "
                   f"| {diff} |", flush=True)
 
 

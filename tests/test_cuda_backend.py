@@ -62,9 +62,7 @@ def test_chunk_of_more_than_2_31_logits(rng):
     assert rel_err(gi[rows].astype(cupy.float32) * (T / len(rows)), ref[3].get()) <= 2**-8
 
 
-FUSED_MAX = 131072, 262144  # jsdgpu.cuda.sources: the fused kernel's widest teacher vocabulary, each shape
-
-
+FUSED_MAX = 131072, 163840, 262144  # jsdgpu.cuda.sources: the widest teacher vocabulary of each fused shape
 REVERSE_T2, JSD = dict(beta=1.0, temperature=2.0), dict(beta=0.3)
 CAPS = dict(beta=0.5, student_logit_scale=1.5, student_logit_softcap=5.0, teacher_logit_softcap=30.0)
 
@@ -73,24 +71,26 @@ CAPS = dict(beta=0.5, student_logit_scale=1.5, student_logit_softcap=5.0, teache
     (V, V + 77, REVERSE_T2), (V, V + 77, JSD), (FUSED_MAX[0], FUSED_MAX[0], JSD),
     (FUSED_MAX[0] - 5, FUSED_MAX[0] + 1, JSD), (FUSED_MAX[0] + 3, FUSED_MAX[0] + 3, REVERSE_T2),
     (151936, 151936, JSD), (151936 - 9, 151936, CAPS), (FUSED_MAX[1], FUSED_MAX[1], JSD),
-    (FUSED_MAX[1] - 5, FUSED_MAX[1] + 1, JSD), (FUSED_MAX[1] + 1, FUSED_MAX[1] + 1, CAPS)])
+    (FUSED_MAX[1] - 5, FUSED_MAX[1] + 1, REVERSE_T2), (201088, 201088, CAPS), (FUSED_MAX[2], FUSED_MAX[2], JSD),
+    (FUSED_MAX[2] - 5, FUSED_MAX[2] + 1, JSD), (FUSED_MAX[2] + 1, FUSED_MAX[2] + 1, CAPS)])
 def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, options):
     """The reference's answer from the fused kernel at the benchmark vocabulary with teacher pad
-    columns (reverse KL: a column past the teacher's taken for a pad one makes the loss inf)
-    and at the widest of each of its shapes (every group of every thread full), from its wide
-    shape just past the first one's widest and at Qwen's vocabulary (with soft caps: the models'
-    logits formed in the kernel), and from the three phases just past the wide shape's widest
-    (with soft caps: the passes around them)."""
+    columns (reverse KL: a column past the teacher's taken for a pad one makes the loss inf),
+    from each of its shapes at its widest (every group of every thread full) and just past the
+    narrower one's widest, at Qwen's and GPT-OSS's vocabularies (with soft caps: the models' logits
+    formed in the kernel), and from the three phases just past the widest shape's widest (with
+    soft caps: the passes around them)."""
     from jsdgpu.cuda import sources
     from jsdgpu.cuda.backend import CudaBackend
     from jsdgpu.cuda.online_work import FUSED_MAX_VOCAB
-    assert (sources.FUSED.max_vocab, sources.FUSED_WIDE.max_vocab) == FUSED_MAX == (FUSED_MAX[0], FUSED_MAX_VOCAB)
+    shapes = sources.FUSED, sources.FUSED_EXTRA, sources.FUSED_WIDE
+    assert tuple(s.max_vocab for s in shapes) == FUSED_MAX and FUSED_MAX_VOCAB == FUSED_MAX[2]
     case = gpu_case(rng, T=33, hs=64, ht=96, vs=vs, vt=vt, dtype=np.float32, bias=True,
                     logit_std=8.0, ignored=0.3)
     work = CudaBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1,
                                fused=True)
     shape = None if work.fused is None else work.fused.shape
-    assert shape == (sources.FUSED if vt <= FUSED_MAX[0] else sources.FUSED_WIDE if vt <= FUSED_MAX[1] else None)
+    assert shape == next((s for s, most in zip(shapes, FUSED_MAX) if vt <= most), None)
     ref = jsdgpu.reference(**case, **options)
     loss, ctx = jsdgpu.forward(**case, **options)
     gi, gw, gb = jsdgpu.backward(ctx)
@@ -99,7 +99,7 @@ def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, options):
         assert rel_err(got.get(), want.get()) <= 1e-4
 
 
-@pytest.mark.parametrize("vt", [1040, FUSED_MAX[0] + 8])
+@pytest.mark.parametrize("vt", [1040, FUSED_MAX[0] + 8, FUSED_MAX[1] + 8])
 def test_rows_handed_out_to_the_clusters(rng, vt):
     """One chunk of T rows for T around multiples of the fused kernel's clusters (each takes its
     first two rows by its index, the rest from a counter as it asks), in each of its shapes:

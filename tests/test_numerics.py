@@ -35,14 +35,14 @@ def test_grid_against_float64(xp, rng, dtype, scale, temperature, beta):
     assert_near_float64(case, dtype, opts, loss, ctx.hard_loss, ctx.soft_loss, jsdgpu.backward(ctx))
 
 
-@pytest.mark.parametrize("vt", [131072 + 9, 262144 + 9])
+@pytest.mark.parametrize("vt", [131072 + 9, 163840 + 9, 262144 + 9])
 @pytest.mark.parametrize("scale", [8.0, 40.0])
 @pytest.mark.parametrize("beta", [0.5, 1.0])
 def test_sharp_rows_of_wide_teachers(xp, rng, scale, beta, vt):
     """Sharp rows (temperature 0.05, a KL of hundreds of bits) with teacher vocabularies wider
-    than the fused kernel's first shape takes (131072: on the GPU its wide shape) and than its wide
-    one takes (262144: the three phase kernels, which take reverse KL's gradient relative to the
-    reference column too)."""
+    than each of the fused kernel's shapes takes (on the GPU: past 131072 its shape with a group
+    in shared memory, past 163840 its wide shape, past 262144 the three phase kernels, which take
+    reverse KL's gradient relative to the reference column too)."""
     case = make_case(rng, T=5, hs=16, ht=16, vs=515, vt=vt, bias=True, logit_std=scale)
     opts = dict(beta=beta, temperature=0.05, weight_hard_loss=0.3, weight_soft_loss=0.7)
     loss, ctx = jsdgpu.forward(**to_xp(case, xp), chunk_size=2, **opts)

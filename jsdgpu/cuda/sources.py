@@ -28,36 +28,43 @@ _FORMAT_NAMES = ("OUT_F32", "OUT_F16", "OUT_BF16")
 @dataclasses.dataclass(frozen=True)
 class FusedShape:
     """The fused row kernel's shape: CTAs per cluster (one cluster per row), threads per CTA,
-    float4 groups of columns per thread (held in registers), and the CTAs per SM that its
-    register allocation must allow."""
+    float4 groups of columns per thread held in registers, the CTAs per SM that its register
+    allocation must allow, and float4 groups per thread held in shared memory beyond them."""
     cluster: int = 16
     threads: int = 512
     groups: int = 4
     min_ctas: int = 2
+    extra: int = 0
 
     @property
     def max_vocab(self):
         """The widest teacher vocabulary one cluster holds; wider rows take the phase kernels."""
-        return self.cluster * self.threads * self.groups * 4
+        return self.cluster * self.threads * (self.groups + self.extra) * 4
 
     @property
     def shared_bytes(self):
-        """Dynamic shared memory: the next row's columns, a float4 per group, of s and of t."""
-        return 2 * self.groups * self.threads * 16
+        """Dynamic shared memory: the next row's columns, a float4 per group, of s and of t; then
+        the extra groups of this row's."""
+        return 2 * (self.groups + 2 * self.extra) * self.threads * 16
 
 
 # 16 CTAs of 512 threads, 4 groups each: up to 131072 columns, two CTAs per SM (64 registers a
 # thread); the other shapes measured slower (docs/design.md, "The fused row kernel")
 FUSED = FusedShape()
-# Wider teacher vocabularies (Qwen's 151936, Gemma's 256000 and 262144): 16 CTAs of 1024 threads,
-# one per SM, so that a row's columns are held by the registers of 16 SMs: up to 262144 columns
-# (docs/design.md, "Wide vocabularies"); wider rows take the phase kernels
+# One more group a thread in shared memory: up to 163840 columns (Qwen's 151936), still two CTAs
+# per SM (96 KiB of shared memory each) (docs/design.md, "Wide vocabularies")
+FUSED_EXTRA = FusedShape(extra=1)
+# Wider teacher vocabularies (GPT-OSS's 201088, Gemma's 256000 and 262144): 16 CTAs of 1024
+# threads, one per SM, so that a row's columns are held by the registers of 16 SMs: up to 262144
+# columns; wider rows take the phase kernels
 FUSED_WIDE = FusedShape(threads=1024, min_ctas=1)
+FUSED_SHAPES = (FUSED, FUSED_EXTRA, FUSED_WIDE)  # the narrowest first
 
 
 def fused_shape(vt):
-    """The fused kernel's shape for a teacher vocabulary of vt columns; None past the widest."""
-    return FUSED if vt <= FUSED.max_vocab else FUSED_WIDE if vt <= FUSED_WIDE.max_vocab else None
+    """The fused kernel's shape for a teacher vocabulary of vt columns: the narrowest that holds
+    it; None past the widest."""
+    return next((shape for shape in FUSED_SHAPES if vt <= shape.max_vocab), None)
 
 
 PHASE_THREADS = 256  # one CTA of these per row in each phase kernel
@@ -115,7 +122,7 @@ def soft_terms(divergence, beta):
 
 def fused_rows(dtype, divergence, shape=FUSED):
     return (f"fused_rows<{int(divergence)}, {FORMATS[np.dtype(dtype)]}, {shape.cluster}, {shape.threads}, "
-            f"{shape.groups}, {shape.min_ctas}>")
+            f"{shape.groups}, {shape.extra}, {shape.min_ctas}>")
 
 
 def phase_stats():
@@ -211,8 +218,7 @@ _ALL_DTYPES = tuple(FORMATS)
 _16BIT = _ALL_DTYPES[1:]
 # Every instantiation the library launches, by family (the source file's stem)
 FAMILIES = {
-    "fused_rows": [fused_rows(d, m, shape) for shape in (FUSED, FUSED_WIDE) for d in _ALL_DTYPES
-                   for m in Divergence],
+    "fused_rows": [fused_rows(d, m, shape) for shape in FUSED_SHAPES for d in _ALL_DTYPES for m in Divergence],
     "phase_rows": [phase_stats(), phase_kl()] + [phase_finish(d) for d in _ALL_DTYPES],
     "gradient_sums": ([scale_cast(d) for d in _16BIT] + [label_rows(d) for d in _ALL_DTYPES]
                       + [scale_rows(d) for d in _ALL_DTYPES] + ["model_logits"]

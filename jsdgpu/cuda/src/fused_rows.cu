@@ -1,19 +1,19 @@
 // The fused row kernel: one thread-block cluster per token row, the row held in registers, all
 // of a row's work done with one read of its logits. Instantiated by jsdgpu/cuda/kernels.py as
-// fused_rows<MODE, OUT, CLUSTER, THREADS, GROUPS, MIN_CTAS> (the shape stated in sources.py, once).
-#include "ptx.cuh"
-#include "reduce.cuh"
-#include "row_math.cuh"
+// fused_rows<MODE, OUT, CLUSTER, THREADS, GROUPS, EXTRA, MIN_CTAS> (the shape stated in sources.py,
+// once); the row in a thread is fused_row.cuh's FusedRow.
+#include "fused_row.cuh"
 
 // ---- the fused kernel ----
 //
 // A thread-block cluster of CLUSTER CTAs works on one token row at a time. CTA r holds the row's
 // columns r * slice + [0, slice) (slice: a multiple of 4), and its thread i holds GROUPS float4
-// groups of them in registers: group k is the CTA's columns 4 (i + k THREADS) + [0, 4). The
-// passes, (1) the row statistics, (2) the soft part's sums (row_math.cuh, column_terms: the fast
-// ones and the precise one at once, so that every row's divergence, small or large, is right
-// after this one pass), (3) the gradient row, work on registers only; each logit crosses HBM
-// once (8 bytes in, 2 or 4 bytes of gradient out).
+// groups of them in registers and EXTRA more in its own slots of shared memory (a shape for
+// vocabularies a little wider than the registers hold): group k is the CTA's columns
+// 4 (i + k THREADS) + [0, 4). The passes, (1) the row statistics, (2) the soft part's sums
+// (row_math.cuh, column_terms: the fast ones and the precise one at once, so that every row's
+// divergence, small or large, is right after this one pass), (3) the gradient row, work on those
+// only; each logit crosses HBM once (8 bytes in, 2 or 4 bytes of gradient out).
 //
 // The grid holds only as many clusters as fit the GPU at once, and each takes rows until none
 // is left: while it works on one row, the next one's columns are on their way into shared memory
@@ -41,7 +41,7 @@
 // logits, without the 1/N of the mean. Where
 // softmax(s)[y] < 1/2 the label's one-hot term -w_hard dominates G[y] and would be rounded with
 // it to 16 bits: it is left out of G and written to label_terms[row] instead (else 0), for the
-// caller to add exactly (label_scatter). CLUSTER * slice >= vt, slice <= 4 * THREADS * GROUPS.
+// caller to add exactly (label_scatter). CLUSTER * slice >= vt, slice <= 4 * THREADS * (GROUPS + EXTRA).
 // G may be S's own memory (so S and G are not __restrict__): a row's gradient goes over its
 // student logits, which every CTA of the cluster has read by then (each pushed its KL sums after
 // reading its part of the row, and pass 3 comes after every CTA's sums are in).
@@ -51,143 +51,7 @@
 // (z = 0) for the JSD sums.
 
 
-template <int OUT, int CLUSTER, int THREADS, int GROUPS>
-struct FusedRow {
-  static constexpr int WARPS = THREADS / 32;
-  float4 s[GROUPS], t[GROUPS];  // student logits (later p where softmax(s) == p), teacher (later h;
-                                // in reverse KL relative to h_ref: row_math.cuh, "A sharp row")
-  float soft_b;                 // the JSD's b (row_math.cuh, column_terms)
-  int n, ns, lo, label_column;  // label_column: the label's column in the slice if its one-hot
-                                // term goes into G, else -1
-  long long row;
-  unsigned rank;
-  RowMath rm;
-  bool label_apart, softmax_is_p;
-  // the student's model (LossOptions.models): the gradient in its raw logits is the gradient in z
-  // times model_derivative (common.cuh), applied where with_model
-  float model_scale, model_inv_cap;
-  bool with_model;
-  float *ce_out, *jsd_out, *label_terms;
-  void* G;
-  long long ldg;
-  float4* inbox_sums;  // the cluster's CTAs' sums (a, b, precise, weights), by rank (pushed
-                       // there); then this row's eps_z, eps_t
-  unsigned sums_bar, parity;  // their mbarrier, and the parity of this row's phase
-
-  __device__ __forceinline__ int column(int k) const { return 4 * (threadIdx.x + k * THREADS); }
-
-  // stats: the row's statistics in shared memory (row_values). What only the results and pass 3
-  // need of them (lse_s, the label's logit, reverse KL's h_ref) is read once the sums are in:
-  // held in registers through pass 2, they left the kernel closer to spilling (it has 64 a
-  // thread). poly: the precise sum's polynomial (row_math.cuh), from kernel parameters.
-  template <int MODE, bool SOFTMAX_IS_P>
-  __device__ __forceinline__ void passes(const float* stats, const SoftPoly& poly) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // 2. the fast sums a and b (in reverse KL, a_rel), the precise sum and its weights' sum; t
-    //    becomes h, and s becomes p where softmax(s) == p (no temperature, no pad) and z is not
-    //    needed after (no student cap), so that pass 3 needs no exp
-    const float4 sums4 = Divergence<MODE>::SMALL_B && soft_b < SMALL_B_BELOW ? column_sums<MODE, SOFTMAX_IS_P, true>(poly)
-                                                               : column_sums<MODE, SOFTMAX_IS_P, false>(poly);
-    const float4 mine = block_merge<THREADS>(sums4, make_float4(0.0f, 0.0f, 0.0f, 0.0f), sums_warp_merge<32, float4>,
-                                             sums_warp_merge<tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER), float4>);
-    // this CTA's sums, pushed to every CTA (lane r to rank r)
-    if (warp == 0 && lane < CLUSTER) push4(smem_addr(inbox_sums + rank), mine, sums_bar, lane);
-    // The cluster's sums: every warp that needs them waits for them and merges them itself (the
-    // same tree, so the same bits), with no block barrier behind one warp's merge. Without G only
-    // warp 0 needs them (for the row's results); the others go on to the next row.
-    if (G == nullptr && warp != 0) return;
-    mbar_wait(sums_bar, parity);
-    float4 sums = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (lane < CLUSTER) sums = ld_shared4(smem_addr(inbox_sums) + 16 * lane_id());
-    sums = sums_warp_merge<32>(sums);  // the other lanes hold zeros: every lane gets the CLUSTER lanes' tree's bits
-    const float4 eps = inbox_sums[CLUSTER];  // the logsumexps' roundings (row_math.cuh, unrounded_sums)
-    // r.x: a_n (in reverse KL kl_rel, and a_n = h_ref + kl_rel)
-    const float2 r = unrounded_sums<MODE>(sums.x, sums.y, eps.x, eps.y);
-    rm.lse_s = stats[0];
-    if (warp == 0 && lane == 0 && rank == 0) {
-      const float2 n = make_float2(Divergence<MODE>::RELATIVE_H ? stats[6] + r.x : r.x, r.y);  // a_n (not relative), b_n
-      const float fast = Divergence<MODE>::unrounded_soft_bits(n, eps.x, eps.y, rm);
-      const float precise = unrounded_precise<MODE>(sums.z, n, eps.x, eps.y, soft_b, rm);
-      write_row_results(row, stats[3], row_soft(fast, precise, sums.w), label_apart, rm, G != nullptr, ce_out,
-                        jsd_out, label_terms);
-      if (label_apart && with_model) label_terms[row] *= model_derivative(stats[3], model_scale, model_inv_cap);
-    }
-    // 3. the gradient row: the loop writes the groups of 4 student columns, without the
-    //    label's one-hot term; after it, the thread that holds them writes the group that ends
-    //    inside a float4 (where ns % 4 != 0) and, where the one-hot term goes into G, the label's
-    //    value over its group's. So the loop holds one check per group. Group k's values go to
-    //    g0 + 4 k THREADS: offsets the stores take as immediates.
-    if (G != nullptr) {
-      const float kl = r.x;  // a_n; in reverse KL kl_rel, as h is
-      const long long g0 = row * ldg + lo + column(0);
-      const int ns4 = ns & ~3;
-#pragma unroll
-      for (int k = 0; k < GROUPS; ++k) {
-        if (column(k) >= ns4) continue;
-        float out[4];
-        gradient<MODE, SOFTMAX_IS_P>(k, kl, -1, out);
-        store4<OUT>(G, g0 + 4 * k * THREADS, out, 4);
-      }
-      if (label_column >= 0 || ns4 != ns) {
-#pragma unroll
-        for (int k = 0; k < GROUPS; ++k) {
-          const int c = column(k);
-          const bool tail = c == ns4 && ns4 != ns, label = (label_column & ~3) == c;
-          if (!tail && !label) continue;
-          float out[4];
-          gradient<MODE, SOFTMAX_IS_P>(k, kl, label ? label_column - c : -1, out);
-          if (tail) {
-            store4<OUT>(G, g0 + 4 * k * THREADS, out, ns & 3);  // the columns c + [0, ns - c)
-          } else {
-            const float value = component(make_float4(out[0], out[1], out[2], out[3]), label_column - c);
-            store4<OUT>(G, g0 + 4 * k * THREADS + (label_column - c), &value, 1);
-          }
-        }
-      }
-    }
-  }
-
-  // Pass 2 over the thread's columns: their sums (column_terms); t becomes h, and s p where
-  // SOFTMAX_IS_P
-  template <int MODE, bool SOFTMAX_IS_P, bool SMALL_B>
-  __device__ __forceinline__ float4 column_sums(const SoftPoly& poly) {
-    float4 sums = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int k = 0; k < GROUPS; ++k) {
-      if (column(k) >= n) continue;
-      const float sv[4] = {s[k].x, s[k].y, s[k].z, s[k].w}, tv[4] = {t[k].x, t[k].y, t[k].z, t[k].w};
-      float pv[4], hv[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const ColumnTerms c = column_terms<MODE, SMALL_B>(sv[j], tv[j], rm, soft_b, poly);
-        sums = make_float4(sums.x + c.a, sums.y + c.b, sums.z + c.soft, sums.w + c.w);
-        pv[j] = c.p;
-        hv[j] = c.h;
-      }
-      t[k] = make_float4(hv[0], hv[1], hv[2], hv[3]);
-      if (SOFTMAX_IS_P) s[k] = make_float4(pv[0], pv[1], pv[2], pv[3]);
-    }
-    return sums;
-  }
-
-  // The gradient values of group k; its value j_label (if 0..3) with the label's one-hot term.
-  template <int MODE, bool SOFTMAX_IS_P>
-  __device__ __forceinline__ void gradient(int k, float kl, int j_label, float out[4]) const {
-    const float sv[4] = {s[k].x, s[k].y, s[k].z, s[k].w}, hv[4] = {t[k].x, t[k].y, t[k].z, t[k].w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float p = SOFTMAX_IS_P ? sv[j] : ex2(fmaf(sv[j], rm.scale2, -rm.lse_z2));
-      const float softmax = SOFTMAX_IS_P ? p : softmax_of(sv[j], rm);
-      out[j] = grad_value<MODE, SOFTMAX_IS_P>(softmax, p, hv[j], j == j_label, kl, rm);
-    }
-    if (with_model) {  // sv: z (a capped model's s stays z: softmax_is_p false)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) out[j] *= model_derivative(sv[j], model_scale, model_inv_cap);
-    }
-  }
-};
-
-template <int MODE, int OUT, int CLUSTER, int THREADS, int GROUPS>
+template <int MODE, int OUT, int CLUSTER, int THREADS, int GROUPS, int EXTRA>
 __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, const float* __restrict__ Tl,
                                          long long ldt, const float* __restrict__ bias_s,
                                          const float* __restrict__ bias_t, const int* __restrict__ target, int vs,
@@ -203,8 +67,9 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   constexpr int WARPS = THREADS / 32;
   constexpr int COPIER = 96;  // the thread that starts the copies: in warp 3, which merges nothing
   // The next row's part of this CTA, copied ahead while this row is worked on: the student's
-  // GROUPS * THREADS float4s, then the teacher's, each in the order of its columns, so that float4
-  // k * THREADS + i is thread i's group k.
+  // (GROUPS + EXTRA) * THREADS float4s, then the teacher's, each in the order of its columns, so
+  // that float4 k * THREADS + i is thread i's group k; after them this row's extra groups
+  // (FusedRow::extra_slot).
   extern __shared__ float4 next_row[];
   __shared__ Lse warp_lse[3][WARPS];
   __shared__ float2 warp_ref[WARPS];  // each warp's largest student logit, and the teacher's there
@@ -231,7 +96,8 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   // it was spilled in jsd_rows_f32
   __shared__ float pad_columns;
 
-  FusedRow<OUT, CLUSTER, THREADS, GROUPS> f;
+  FusedRow<OUT, CLUSTER, THREADS, GROUPS, EXTRA> f;
+  constexpr int ALL = GROUPS + EXTRA;
   const unsigned rank = cluster_ctarank();
   const int lo = rank * slice;
   const int n = max(0, min(slice, vt - lo));  // this CTA's columns: lo + [0, n)
@@ -241,7 +107,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   const bool z_apart = tempered || vt > vs;  // z = s / T is not s: it has a temperature or pad columns
   const float scale2 = inv_temp * LOG2E;
   // shared-memory addresses of this thread's group 0 there; group k is k * THREADS float4s on
-  const unsigned next_s = smem_addr(next_row + threadIdx.x), next_t = next_s + 16 * GROUPS * THREADS;
+  const unsigned next_s = smem_addr(next_row + threadIdx.x), next_t = next_s + 16 * ALL * THREADS;
   f.n = n;
   f.ns = ns;
   f.lo = lo;
@@ -271,9 +137,9 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   // from here on, so that the loads below need no bounds checks.
   const float4 none4 = make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
 #pragma unroll
-  for (int k = 0; k < GROUPS; ++k) {
+  for (int k = 0; k < ALL; ++k) {
     if (f.column(k) >= ns) next_row[k * THREADS + threadIdx.x] = none4;
-    if (f.column(k) >= n) next_row[(GROUPS + k) * THREADS + threadIdx.x] = none4;
+    if (f.column(k) >= n) next_row[(ALL + k) * THREADS + threadIdx.x] = none4;
   }
   cluster_sync();  // every CTA's mbarriers are ready before any push
   // One bulk copy per matrix (the Tensor Memory Accelerator's, by COPIER, once every thread has
@@ -285,7 +151,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     fence_proxy_async();  // the CTA's reads of next_row (before a barrier) come before the copies
     mbar_expect_bytes(copy_bar, t_bytes + s_bytes);
     if (s_bytes != 0) bulk_copy(smem_addr(next_row), S + row * lds + lo, s_bytes, copy_bar);
-    if (t_bytes != 0) bulk_copy(smem_addr(next_row + GROUPS * THREADS), Tl + row * ldt + lo, t_bytes, copy_bar);
+    if (t_bytes != 0) bulk_copy(smem_addr(next_row + ALL * THREADS), Tl + row * ldt + lo, t_bytes, copy_bar);
   };
   // Rare, and the same in every row: biases, the models' logits (scaled, soft-capped: as
   // gradient_sums.cu's model_logits makes them), or a slice that ends inside a float4 of columns
@@ -310,23 +176,27 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     mbar_wait(copy_bar, parity);
     // 0. the thread's columns into registers (-inf past the ends), with their biases
 #pragma unroll
-    for (int k = 0; k < GROUPS; ++k) {
-      f.s[k] = ld_shared4(next_s + 16 * k * THREADS);
-      f.t[k] = ld_shared4(next_t + 16 * k * THREADS);
+    for (int k = 0; k < ALL; ++k) {
+      f.set_s(k, ld_shared4(next_s + 16 * k * THREADS));
+      f.set_t(k, ld_shared4(next_t + 16 * k * THREADS));
     }
     if (adjust) {
 #pragma unroll
-      for (int k = 0; k < GROUPS; ++k) {
+      for (int k = 0; k < ALL; ++k) {
         const int c = f.column(k);
         if (c < n) {
-          if (bias_t) f.t[k] = add4(f.t[k], *reinterpret_cast<const float4*>(bias_t + lo + c));
-          if (model_t) f.t[k] = model_logits4(f.t[k], scale_t, cap_t, inv_cap_t);
-          if (c + 4 > n) f.t[k] = fill(f.t[k], n - c, 4, NEG_INF);
+          float4 v = f.T(k);
+          if (bias_t) v = add4(v, *reinterpret_cast<const float4*>(bias_t + lo + c));
+          if (model_t) v = model_logits4(v, scale_t, cap_t, inv_cap_t);
+          if (c + 4 > n) v = fill(v, n - c, 4, NEG_INF);
+          f.set_t(k, v);
         }
         if (c < ns) {
-          if (bias_s) f.s[k] = add4(f.s[k], *reinterpret_cast<const float4*>(bias_s + lo + c));
-          if (f.with_model) f.s[k] = model_logits4(f.s[k], scale_s, cap_s, inv_cap_s);
-          if (c + 4 > ns) f.s[k] = fill(f.s[k], ns - c, 4, NEG_INF);
+          float4 v = f.S(k);
+          if (bias_s) v = add4(v, *reinterpret_cast<const float4*>(bias_s + lo + c));
+          if (f.with_model) v = model_logits4(v, scale_s, cap_s, inv_cap_s);
+          if (c + 4 > ns) v = fill(v, ns - c, 4, NEG_INF);
+          f.set_s(k, v);
         }
       }
     }
@@ -335,12 +205,12 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     //    the teacher's logit where s is largest (h_ref's column).
     float max_s = NEG_INF, max_t = NEG_INF, t_at_max_s = NEG_INF;
 #pragma unroll
-    for (int k = 0; k < GROUPS; ++k) {
+    for (int k = 0; k < ALL; ++k) {
       if (Divergence<MODE>::RELATIVE_H)
-        argmax4(f.s[k], f.t[k], max_s, t_at_max_s);
+        argmax4(f.S(k), f.T(k), max_s, t_at_max_s);
       else
-        max_s = fmaxf(max_s, max4(f.s[k]));
-      max_t = fmaxf(max_t, max4(f.t[k]));
+        max_s = fmaxf(max_s, max4(f.S(k)));
+      max_t = fmaxf(max_t, max4(f.T(k)));
     }
     const float2 ref = Divergence<MODE>::RELATIVE_H ? ref_lanes(make_float2(max_s, t_at_max_s)) : make_float2(0.0f, 0.0f);
     max_s = Divergence<MODE>::RELATIVE_H ? ref.x : warp_max(max_s);
@@ -349,24 +219,24 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     // a warp with no column of s or t sums nothing (2^(-inf - -inf) would be NaN)
     if (max_t != NEG_INF) {
 #pragma unroll
-      for (int k = 0; k < GROUPS; ++k) lt.s += sum_ex2_4(f.t[k], scale2, lt.m);
+      for (int k = 0; k < ALL; ++k) lt.s += sum_ex2_4(f.T(k), scale2, lt.m);
       lt.s = warp_sum(lt.s);
     }
     if (max_s != NEG_INF) {
 #pragma unroll
-      for (int k = 0; k < GROUPS; ++k) ls.s += sum_ex2_4(f.s[k], LOG2E, ls.m);
+      for (int k = 0; k < ALL; ++k) ls.s += sum_ex2_4(f.S(k), LOG2E, ls.m);
       ls.s = warp_sum(ls.s);
       if (tempered) {
 #pragma unroll
-        for (int k = 0; k < GROUPS; ++k) lz.s += sum_ex2_4(f.s[k], scale2, lz.m);
+        for (int k = 0; k < ALL; ++k) lz.s += sum_ex2_4(f.S(k), scale2, lz.m);
         lz.s = warp_sum(lz.s);
       }
     }
     const bool holds_label = y >= lo && y < lo + ns;
     if (holds_label) {  // the label's (biased) logit, from the thread that holds it
 #pragma unroll
-      for (int k = 0; k < GROUPS; ++k)
-        if (f.column(k) == ((y - lo) & ~3)) target_logit = component(f.s[k], (y - lo) & 3);
+      for (int k = 0; k < ALL; ++k)
+        if (f.column(k) == ((y - lo) & ~3)) target_logit = component(f.S(k), (y - lo) & 3);
     }
     if (lane == 0) {
       warp_lse[0][warp] = ls;
@@ -445,9 +315,9 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     }
     if (n > ns) {  // the statistics are read: the pad columns become z = 0 for pass 2
 #pragma unroll
-      for (int k = 0; k < GROUPS; ++k) {
+      for (int k = 0; k < ALL; ++k) {
         const int c = f.column(k);
-        if (c + 4 > ns && c < n) f.s[k] = fill(f.s[k], ns - c, n - c, 0.0f);
+        if (c + 4 > ns && c < n) f.set_s(k, fill(f.S(k), ns - c, n - c, 0.0f));
       }
     }
 
@@ -484,8 +354,8 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
 // MODE: the divergence, a kernel of its own each: with the three modes' bodies in one kernel,
 // ptxas spilled where each alone does not. MIN_CTAS: CTAs per SM that the register allocation
 // must allow.
-template <int MODE, int OUT, int CLUSTER, int THREADS, int GROUPS, int MIN_CTAS>
+template <int MODE, int OUT, int CLUSTER, int THREADS, int GROUPS, int EXTRA, int MIN_CTAS>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, MIN_CTAS) fused_rows(JSD_ROWS_ARGS) {
   const SoftPoly poly = SOFT_POLY_OF_PARAMS;
-  fused_rows_body<MODE, OUT, CLUSTER, THREADS, GROUPS>(JSD_ROWS_CALL);
+  fused_rows_body<MODE, OUT, CLUSTER, THREADS, GROUPS, EXTRA>(JSD_ROWS_CALL);
 }
