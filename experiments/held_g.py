@@ -32,6 +32,7 @@ def main():
     p.add_argument("--rounds", type=int, default=16)
     a = p.parse_args()
     import cupy  # needs the GPU: after --help
+    import harness
     import ml_dtypes
 
     import jsdgpu
@@ -43,19 +44,10 @@ def main():
     rng = cupy.random.default_rng(0)
     ws = (rng.standard_normal((V, HS), dtype=np.float32) * (4 / HS**0.5)).astype(bf16)
     wt = (rng.standard_normal((V, HT), dtype=np.float32) * (4 / HT**0.5)).astype(bf16)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
 
-    def timed(fn, warmup=2, repeats=7):
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, stop))
-        return statistics.median(times)
+    def timed(fn):
+        """Median ms of fn() over 7 runs after 2 (harness.time_ms)."""
+        return harness.time_ms(lambda i: fn(), 1, 2, 7)
 
     lines = []
     for T in a.tokens:
