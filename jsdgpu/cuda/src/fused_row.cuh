@@ -33,8 +33,9 @@ struct FusedRow {
   __device__ __forceinline__ int column(int k) const { return 4 * (threadIdx.x + k * THREADS); }
 
   // Group k of s (m 0) or t (m 1): a register's below GROUPS; past them the thread's own slot of
-  // shared memory (after the next row's copy: extra_slots), which no other thread touches. k is
-  // a constant in every (unrolled) use, so each access is one or the other.
+  // shared memory (after the next row's copy), which no other thread touches. k is a constant in
+  // every (unrolled) use, so each access is one or the other (the register index is clamped only
+  // so that the branch not taken stays in bounds).
   __device__ __forceinline__ static float4& extra_slot(int k, int m) {
     extern __shared__ float4 dynamic_smem[];
     return dynamic_smem[(2 * ALL + 2 * (k - GROUPS) + m) * THREADS + threadIdx.x];
