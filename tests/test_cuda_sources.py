@@ -54,6 +54,27 @@ def test_compiles_for_sm90_without_spills(family):
     assert all(all(int(n) <= m for n, m in zip(f, most)) for f in frames), f"NVRTC {nvrtc_version()}\n{log}"
 
 
+# Hopper: the shared memory of an SM, and what the system takes of it for each CTA
+SM_SHARED_BYTES, CTA_RESERVED_BYTES = 228 * 1024, 1024
+
+
+@pytest.mark.parametrize("shape", sources.FUSED_SHAPES)
+def test_each_fused_shape_fits_an_sm_as_often_as_it_asks(shape):
+    """A shape's CTAs per SM (min_ctas) fit an SM's shared memory: each CTA's next row, its extra
+    groups (shared_bytes) and its static shared memory (the compiler's count)."""
+    ok, log = compile_sm90(sources.source("fused_rows"), [sources.fused_rows("bfloat16", 1, shape)])
+    assert ok, log
+    static = int(re.search(r"(\d+) bytes smem", log).group(1))
+    assert shape.min_ctas * (shape.shared_bytes + static + CTA_RESERVED_BYTES) <= SM_SHARED_BYTES
+
+
+def test_each_teacher_vocabulary_takes_the_narrowest_fused_shape_that_holds_it():
+    narrow, extra, wide = sources.FUSED, sources.FUSED_EXTRA, sources.FUSED_WIDE
+    cases = [(1, narrow), (131072, narrow), (131073, extra), (151936, extra), (163840, extra), (163841, wide),
+             (262144, wide), (262145, None)]
+    assert [sources.fused_shape(vt) for vt, _ in cases] == [shape for _, shape in cases]
+
+
 def test_another_fused_shape_compiles():
     """A shape other than the library's, as experiments ask for (FusedShape): one instantiation."""
     shape = sources.FusedShape(cluster=8, threads=1024, groups=4, min_ctas=1)
