@@ -79,7 +79,8 @@ def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, options):
     from each of its shapes at its widest (every group of every thread full) and just past the
     narrower one's widest, at Qwen's and GPT-OSS's vocabularies (with soft caps: the models' logits
     formed in the kernel), and from the three phases just past the widest shape's widest (with
-    soft caps: the passes around them)."""
+    soft caps: the passes around them); each with G held for all rows and with G written over
+    the chunks' student logits (the phases: G of the chunk's own)."""
     from jsdgpu.cuda import sources
     from jsdgpu.cuda.backend import CudaBackend
     from jsdgpu.cuda.online_work import FUSED_MAX_VOCAB
@@ -92,11 +93,13 @@ def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, options):
     shape = None if work.fused is None else work.fused.shape
     assert shape == next((s for s, most in zip(shapes, FUSED_MAX) if vt <= most), None)
     ref = jsdgpu.reference(**case, **options)
-    loss, ctx = jsdgpu.forward(**case, **options)
-    gi, gw, gb = jsdgpu.backward(ctx)
-    assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0]
-    for got, want in zip((gi, gw, gb), ref[3:]):
-        assert rel_err(got.get(), want.get()) <= 1e-4
+    # G held for all rows (one chunk), and G of 4-row chunks written over their student logits
+    for run in (dict(), dict(chunk_size=4, memory_budget=1)):
+        loss, ctx = jsdgpu.forward(**case, **options, **run)
+        gi, gw, gb = jsdgpu.backward(ctx)
+        assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0], run
+        for got, want in zip((gi, gw, gb), ref[3:]):
+            assert rel_err(got.get(), want.get()) <= 1e-4, run
 
 
 @pytest.mark.parametrize("vt", [1040, FUSED_MAX[0] + 8, FUSED_MAX[1] + 8])
