@@ -33,7 +33,8 @@ def sharded_topk_rows(xp, s, shard, ids, lq, target, opts, missing_mass, ce, sof
     n, vl = s.shape
     k = ids.shape[1]
     s = s.astype(np.float64)
-    z = s / opts.temperature
+    tempered = opts.temperature != 1.0  # else z is s, and its statistics and softmax are s's
+    z = s / opts.temperature if tempered else s
     lq = lq.astype(np.float64)
     used = lq != -np.inf
     col = ids.astype(np.int64) - shard.v0
@@ -44,9 +45,13 @@ def sharded_topk_rows(xp, s, shard, ids, lq, target, opts, missing_mass, ce, sof
     label = xp.where(owned, target, 0).astype(np.int64)
     rows = xp.arange(n)
     stats = xp.zeros((7, n))  # renormalized: no rest, whose maximum and sum (2 and 5) stay 0
-    stats[0], stats[1] = s.max(axis=1), z.max(axis=1)
+    stats[0] = s.max(axis=1)
     stats[3] = xp.exp(s - stats[0][:, None]).sum(axis=1)
-    stats[4] = xp.exp(z - stats[1][:, None]).sum(axis=1)
+    if tempered:
+        stats[1] = z.max(axis=1)
+        stats[4] = xp.exp(z - stats[1][:, None]).sum(axis=1)
+    else:
+        stats[1], stats[4] = stats[0], stats[3]
     if missing_mass == "bucket":
         in_slot = xp.zeros((n, vl), dtype=bool)
         in_slot[slot_rows[here], col[here]] = True
@@ -80,13 +85,14 @@ def sharded_topk_rows(xp, s, shard, ids, lq, target, opts, missing_mass, ce, sof
         if not with_grad:
             return None
         logp = z - lse_z[:, None]
+        p = xp.exp(logp) if missing_mass == "bucket" or not tempered else None
         if missing_mass == "bucket":
-            dz = topk_rest_dz(opts.divergence, xp.exp(logp), logp, u, u_bar, LP, Q, k)
+            dz = topk_rest_dz(opts.divergence, p, logp, u, u_bar, LP, Q, k)
         else:  # the other ids are no category: no soft gradient
             dz = xp.zeros_like(s)
         slot = topk_slot_dz(opts.divergence, P, Q, u, u_bar, k)
         dz[slot_rows[here], col[here]] = slot[here]
-        hard = xp.exp(s - lse_s[:, None])
+        hard = xp.exp(s - lse_s[:, None]) if tempered else p  # softmax(s), the same bits either way
         apart = owned & (hard[rows, label] < 0.5) if label_terms is not None else xp.zeros_like(owned)
         hot = owned & ~apart
         hard[rows[hot], label[hot]] -= 1.0
