@@ -12,13 +12,18 @@ from .cpu.divergences import topk_rest_dz, topk_slot_dz, topk_terms
 from .parallel import combine_stats
 
 
+def _max_and_sum(xp, x):
+    """(the maximum of each row of float64 x, the sum of exp(x - maximum)): (-inf, 0) for a row of
+    -infs (an empty part: 2^(-inf - -inf) would be NaN)."""
+    m = x.max(axis=1)
+    return m, xp.exp(x - xp.where(m == -np.inf, 0.0, m)[:, None]).sum(axis=1)
+
+
 def _logsumexp(xp, x):
     """logsumexp of each row of float64 x, -inf for a row of -infs."""
-    m = x.max(axis=1)
-    finite = xp.isfinite(m)
-    shift = xp.where(finite, m, 0.0)
+    m, total = _max_and_sum(xp, x)
     with np.errstate(divide="ignore"):
-        return xp.where(finite, shift + xp.log(xp.exp(x - shift[:, None]).sum(axis=1)), m)
+        return xp.where(xp.isfinite(m), m + xp.log(total), m)
 
 
 def sharded_topk_rows(xp, s, shard, ids, lq, target, opts, missing_mass, ce, soft, with_grad, label_terms=None):
@@ -45,19 +50,13 @@ def sharded_topk_rows(xp, s, shard, ids, lq, target, opts, missing_mass, ce, sof
     label = xp.where(owned, target, 0).astype(np.int64)
     rows = xp.arange(n)
     stats = xp.zeros((7, n))  # renormalized: no rest, whose maximum and sum (2 and 5) stay 0
-    stats[0] = s.max(axis=1)
-    stats[3] = xp.exp(s - stats[0][:, None]).sum(axis=1)
-    if tempered:
-        stats[1] = z.max(axis=1)
-        stats[4] = xp.exp(z - stats[1][:, None]).sum(axis=1)
-    else:
-        stats[1], stats[4] = stats[0], stats[3]
+    stats[0], stats[3] = _max_and_sum(xp, s)
+    stats[1], stats[4] = _max_and_sum(xp, z) if tempered else (stats[0], stats[3])
     if missing_mass == "bucket":
         in_slot = xp.zeros((n, vl), dtype=bool)
         in_slot[slot_rows[here], col[here]] = True
-        z_rest = xp.where(in_slot, -np.inf, z)
-        stats[2] = z_rest.max(axis=1)  # -inf where every column here is a used slot's: its sum is 0
-        stats[5] = xp.exp(z_rest - xp.where(stats[2] == -np.inf, 0.0, stats[2])[:, None]).sum(axis=1)
+        # (-inf, 0) where every column here is a used slot's
+        stats[2], stats[5] = _max_and_sum(xp, xp.where(in_slot, -np.inf, z))
     stats[6] = xp.where(owned, s[rows, label], 0.0)
     slot_z = xp.where(here, xp.take_along_axis(z, col, axis=1), 0.0)
     combine_stats(xp, shard.comm, stats)
@@ -67,7 +66,7 @@ def sharded_topk_rows(xp, s, shard, ids, lq, target, opts, missing_mass, ce, sof
         lse_s = stats[0] + xp.log(stats[3])
         lse_z = stats[1] + xp.log(stats[4])
         LP = xp.where(used, slot_z - lse_z[:, None], -np.inf)
-        LQ = xp.where(used, lq, -np.inf)
+        LQ = lq  # (-inf at the unused slots: used is lq != -inf)
         lse_q = _logsumexp(xp, LQ)
         if missing_mass == "bucket":  # the rest: the ids in no used slot, as one more category
             lp_rest = xp.where(stats[5] > 0, stats[2] + xp.log(stats[5]), -np.inf) - lse_z

@@ -9,10 +9,10 @@ import cupy
 import numpy as np
 
 from . import kernels, products
-from .sources import FUSED_WIDE, fused_shape
+from .sources import FUSED_SHAPES, fused_shape
 from .steps import leading_dim, padded_bias
 
-FUSED_MAX_VOCAB = FUSED_WIDE.max_vocab  # 262144 columns; wider rows take the phase kernels
+FUSED_MAX_VOCAB = FUSED_SHAPES[-1].max_vocab  # the widest shape's, 262144 columns; wider rows take the phase kernels
 
 
 @dataclasses.dataclass

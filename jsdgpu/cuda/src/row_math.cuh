@@ -233,8 +233,6 @@ __device__ __forceinline__ void write_row_results(long long row, float target_lo
 // elsewhere (then the sum is small)
 __device__ __forceinline__ float rounding_error(float bits, float m, float log_s) { return (bits - m) - log_s; }
 
-
-
 // sum over the four values of 2^(v * scale2 - m2)
 __device__ __forceinline__ float sum_ex2_4(float4 v, float scale2, float m2) {
   return (ex2(fmaf(v.x, scale2, -m2)) + ex2(fmaf(v.y, scale2, -m2))) +
