@@ -1,9 +1,9 @@
 """The soft part's divergences on the CPU, each in one place (as jsdgpu/cuda/src/divergences.cuh
 holds them on the GPU): for the online loss's row kernels (rows.py; Numba, inlined, switched on
 the mode's code) a column's shares of the KL sums and its gradient's h, the row's soft part from
-its sums, and a column's dz; for the top-k loss (topk.py; NumPy, float64) the categories' soft
-part and u, and the gradient's dz. Adding a divergence: docs/design.md, "Where a divergence's
-math lives"."""
+its sums, and a column's dz; for the top-k loss (jsdgpu/topk_shards.py; NumPy or CuPy, float64)
+the categories' soft part and u, and the gradient's dz. Adding a divergence: docs/design.md,
+"Where a divergence's math lives"."""
 
 import numba
 import numpy as np
@@ -53,7 +53,7 @@ def grad_dz(p, h, a, mode, beta):
     return p - h if mode == FORWARD_KL else c * p * (h - a)
 
 
-# ---- the top-k loss's categories (topk.py): log P, log q, P, q [rows, categories], float64 ----
+# ---- the top-k loss's categories (topk_shards.py): log P, log q, P, q [rows, categories], float64 ----
 
 def topk_terms(mode, beta, LP, LQ, P, Q):
     """(soft, u, u_bar): each row's soft part, each category's u = dD/dP up to a constant (0 where
