@@ -39,6 +39,9 @@ The own product's ping-pong and topk_finish's terms not kept (commit b1001fd aga
 product of our own"). topk_finish's loads ahead and topk_slot_bits' whole rows (commit 4b10d17
 against ed45ea7): --topk 256 --tokens 2048 8192 +0.054 ± 0.109 and -0.060 ± 0.123 ms, --topk 64
 --tokens 8192 -0.116 ± 0.170.
+Soft caps of 30 on both models, the step with them against itself without them (--softcap 30
+--tokens 1024 2048 4096 8192, no --against; docs/design.md, "Scaled and soft-capped logits"; two
+runs, 2026-12-04): 1.032-1.034, 1.047-1.051, 1.026-1.027 and 1.037-1.040 times the step.
 With --against (docs/design.md, "The host before the first product"; 682ba3f's jsdgpu beside
 this code, three runs): T = 1024 -0.127 ± 0.053, -0.013 ± 0.063 and -0.093 ± 0.047 ms back to
 back at the GPU's power cap, and -0.291 ± 0.057 each step after half a second of idle (--cool
@@ -56,7 +59,9 @@ With --jax: the CuPy call and jax.jit(jax.value_and_grad(loss)) of jsdgpu.jax at
 8192, all rows valid, each timed two ways: each call waited for (its wall time, the benchmark's
 measure), and ten calls back to back with one wait at the end (per call, the median of five
 rounds), as a training loop queues its steps. --vocab sets both vocabularies (past 131072 the
-teacher's rows take the three phase kernels), --beta the divergence. --topk K: the top-k loss
+teacher's rows take the three phase kernels), --beta the divergence, --softcap C caps of C on
+both models' logits (their std is 4); without --against, the step with them and without them in
+turns (ABBA, as below: the same products, so that only the caps' cost differs). --topk K: the top-k loss
 (jsdgpu.forward_topk) against the teacher's top K (jsdgpu.teacher_topk) instead, at T = 1024
 (all rows valid and half ignored) and 8192. --tokens: those T instead, every row valid.
 --against DIR: DIR/jsdgpu is loaded beside the first one (as jsdgpu_other) and the two are timed
@@ -81,6 +86,7 @@ def main():
     p.add_argument("--vocab", type=int, default=128256,
                    help="both vocabularies (past 131072 the teacher's takes the phase kernels)")
     p.add_argument("--beta", type=float, default=0.5)
+    p.add_argument("--softcap", type=float, metavar="C", help="soft caps of C on both models' logits")
     p.add_argument("--topk", type=int, metavar="K", help="the top-k loss against the teacher's top K")
     p.add_argument("--tokens", type=int, nargs="+", help="these T instead, every row valid")
     p.add_argument("--against", metavar="DIR",
@@ -102,6 +108,7 @@ def main():
     ws = (rng.standard_normal((V, HS), dtype=np.float32) * (4 / HS**0.5)).astype(bf16)
     wt = (rng.standard_normal((V, HT), dtype=np.float32) * (4 / HT**0.5)).astype(bf16)
     out = []
+    caps = dict(student_logit_softcap=a.softcap, teacher_logit_softcap=a.softcap) if a.softcap else {}
 
     def timed(step, warmup=3, repeats=15):
         for _ in range(warmup):
@@ -142,10 +149,14 @@ def main():
 
         stored = jsdgpu.teacher_topk(xt, wt, a.topk) if a.topk else None
 
-        def step(lib=jsdgpu):
+        def step(lib=jsdgpu, caps=caps):
             loss_ctx = (lib.forward_topk(xs, ws, *stored, target, beta=a.beta) if a.topk
-                        else lib.forward(xs, ws, xt, wt, target, beta=a.beta))
+                        else lib.forward(xs, ws, xt, wt, target, beta=a.beta, **caps))
             lib.backward(loss_ctx[1])
+        if caps and not other:  # what the caps cost: the same products, the row kernel's work apart
+            step(), step(caps={})
+            out.append(f"T={T} valid={valid}: {in_turns(timed, step, lambda: step(caps={}))}")
+            continue
         if other:
             step(), step(other)  # compiled, the products' algorithms chosen
             out.append(f"T={T} valid={valid}: {in_turns(after_idle if a.cool else timed, step, lambda: step(other))}")

@@ -122,6 +122,29 @@ def test_soft_polynomial_is_good_to_float32(divergence, beta):
     np.testing.assert_allclose(sources._soft_term(Divergence(divergence), float(b), far) * far**2, plain, rtol=1e-9)
 
 
+def test_tanh_polynomial_within_2_ulp():
+    """The soft caps' tanh below sources.TANH_POLY_BELOW (common.cuh, tanh_poly), evaluated as the
+    kernels do (float32, each fmaf rounded once), against tanh in float64: within 2 ulp of the
+    float32 result (the exponential's branch above it is the GPU's: test_model_logits.py)."""
+    import numpy as np
+    f32 = np.float32
+
+    def fma(a, b, c):  # a float32 product is exact in float64
+        return (a.astype(np.float64) * b + c).astype(f32)
+
+    u = np.concatenate([np.linspace(0.0, sources.TANH_POLY_BELOW, 200001, dtype=f32)[1:-1],
+                        f32(2.0) ** -np.arange(1, 127, dtype=f32)])  # normal floats (the kernels flush the others)
+    u = np.concatenate([u, -u])
+    s = u * u
+    p = np.full_like(s, sources.tanh_poly()[3])
+    for c in sources.tanh_poly()[2::-1]:
+        p = fma(s, p, c)
+    got = fma(u * s, p, u)
+    want = np.tanh(u.astype(np.float64))
+    ulp = np.spacing(np.abs(want).astype(f32)).astype(np.float64)
+    assert np.max(np.abs(got - want) / ulp) <= 2.0
+
+
 def test_every_divergence_has_its_type():
     """Each code of options.Divergence has its type in divergences.cuh, where a divergence's math
     lives (docs/design.md, "Where a divergence's math lives"), and a branch of mode_dispatch."""

@@ -141,6 +141,59 @@ def test_deep_in_the_cap(xp, rng):
         assert (err <= tol).all(), (name, err.max(), (err / tol).max())
 
 
+# model_logits4 and model_logit of each float4 of x (common.cuh)
+_TANH_KERNEL = r"""
+extern "C" __global__ void both_ways(const float4* x, float4* by4, float4* by1, float scale, float cap, int n4) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n4) return;
+  const float4 v = x[i];
+  by4[i] = model_logits4(v, scale, cap, 1.0f / cap);
+  by1[i] = make_float4(model_logit(v.x, scale, cap, 1.0f / cap), model_logit(v.y, scale, cap, 1.0f / cap),
+                       model_logit(v.z, scale, cap, 1.0f / cap), model_logit(v.w, scale, cap, 1.0f / cap));
+}
+"""
+
+
+@pytest.mark.gpu
+def test_soft_tanh_on_the_gpu(rng):
+    """common.cuh's soft_tanh against tanh in float64: within 2 ulp below TANH_POLY_BELOW (the
+    polynomial) and 4 above (ex2 and rcp, each approximate in its last bit), +-1 at +-inf, NaN at
+    NaN. And model_logits4, whose warps skip the exponential where all their columns are below
+    TANH_POLY_BELOW, gives model_logit's bits whatever a warp's other columns are: warps all
+    below, mixed, all above, and at caps and scales that round u."""
+    import cupy
+    from jsdgpu.cuda import sources
+    module = cupy.RawModule(code=sources.prelude() + (sources.SRC / "common.cuh").read_text() + _TANH_KERNEL,
+                            options=sources.NVRTC_OPTIONS)
+    kernel = module.get_function("both_ways")
+
+    def both_ways(x, scale, cap):  # (model_logits4's, model_logit's) of x, bits alike
+        xd = cupy.asarray(x)
+        by4, by1 = cupy.empty_like(xd), cupy.empty_like(xd)
+        n4 = x.size // 4
+        kernel(((n4 + 255) // 256,), (256,), (xd, by4, by1, np.float32(scale), np.float32(cap), np.int32(n4)))
+        np.testing.assert_array_equal(by4.get().view(np.uint32), by1.get().view(np.uint32))
+        return by1.get()
+
+    below, warp, n = sources.TANH_POLY_BELOW, 32 * 4, 64 * 32 * 4  # a warp's columns
+    small = rng.uniform(-below, below, n)
+    large = np.sign(rng.standard_normal(n)) * np.exp(rng.uniform(np.log(below), np.log(20.0), n))
+    mixed = np.where(rng.random(n) < 0.5, small, large)
+    tiny = 2.0 ** -rng.uniform(1, 126, n) * np.sign(rng.standard_normal(n))
+    edges = [0.0, np.inf, -np.inf, np.nan, below, -below, np.nextafter(np.float32(below), np.float32(0)), 9.5, 100.0]
+    u = np.concatenate([small, tiny, mixed, large, edges, np.zeros((-len(edges)) % warp)]).astype(np.float32)
+    for scale, cap in [(1.5, 30.0), (40.0, 0.5), (0.3, 5.0)]:
+        both_ways(u * np.float32(cap / scale), scale, cap)
+    got = both_ways(u, 1.0, 1.0)  # soft_tanh(u)
+    want = np.tanh(u.astype(np.float64))
+    err = np.abs(got - want) / np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    normal = np.isfinite(u) & (np.abs(u) >= np.finfo(np.float32).tiny)  # (-ftz: the kernels flush the others)
+    assert err[normal & (np.abs(u) < below)].max() <= 2.0, err[normal & (np.abs(u) < below)].max()
+    assert err[normal & (np.abs(u) >= below)].max() <= 4.0, err[normal & (np.abs(u) >= below)].max()
+    assert (got[np.isinf(u)] == np.sign(u[np.isinf(u)])).all() and np.isnan(got[np.isnan(u)]).all()
+    assert (got[u == 0] == 0).all()
+
+
 @pytest.mark.parametrize("option,value", [("student_logit_scale", 0.0), ("teacher_logit_scale", -1.0),
                                           ("student_logit_softcap", 0.0), ("teacher_logit_softcap", float("nan")),
                                           ("student_logit_scale", float("inf"))])

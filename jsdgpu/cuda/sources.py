@@ -120,6 +120,25 @@ def soft_terms(divergence, beta):
     return tuple(np.float32(c) for c in (b, *(np.polynomial.chebyshev.cheb2poly(cheb) * ln2)))
 
 
+# ---- the soft caps' tanh (common.cuh, soft_tanh) ----
+
+TANH_POLY_BELOW = 0.6  # below it, tanh(u) = u + u^3 P(u^2); above, 1 - 2 / (e^2|u| + 1) cancels by less than 2
+
+
+@functools.lru_cache(maxsize=None)
+def tanh_poly():
+    """P's four float32 coefficients (of s^0 .. s^3, s = u^2) with u + u^3 P(u^2) = tanh(u) on |u| <
+    TANH_POLY_BELOW: a Chebyshev fit in s at 16 nodes, each residual weighted by s (so that the
+    error is tanh's relative one), within 2 ulp in float32 (tests/test_cuda_sources.py)."""
+    top = TANH_POLY_BELOW**2
+    x = np.cos(np.pi * (np.arange(16) + 0.5) / 16)  # s = top (x + 1) / 2
+    s = top * (x + 1) / 2
+    u = np.sqrt(s)
+    cheb = np.polynomial.chebyshev.chebfit(x, (np.tanh(u) / u - 1) / s, 3, w=s)
+    in_x = np.polynomial.Polynomial(np.polynomial.chebyshev.cheb2poly(cheb))
+    return tuple(np.float32(c) for c in in_x(np.polynomial.Polynomial([-1.0, 2 / top])).coef)
+
+
 def fused_rows(dtype, divergence, shape=FUSED):
     return (f"fused_rows<{int(divergence)}, {FORMATS[np.dtype(dtype)]}, {shape.cluster}, {shape.threads}, "
             f"{shape.groups}, {shape.extra}, {shape.min_ctas}>")
@@ -240,11 +259,12 @@ def arch(family):
 
 
 def prelude():
-    """The codes the sources use, from Python's: the divergences, the formats, and topk_logits'
-    tiles (which topk_finish reads the partials of)."""
+    """The codes the sources use, from Python's: the divergences, the formats, topk_logits' tiles
+    (which topk_finish reads the partials of), and the soft caps' tanh polynomial."""
     codes = [(d.name, int(d)) for d in Divergence] + list(zip(_FORMAT_NAMES, range(3)))
     codes += [("TOPK_LOGITS_ROWS", TOPK_LOGITS_TILE[0]), ("TOPK_LOGITS_COLUMNS", TOPK_LOGITS_TILE[1]),
-              ("TOPK_LOGITS_K_STEP", TOPK_LOGITS_K_STEP)]
+              ("TOPK_LOGITS_K_STEP", TOPK_LOGITS_K_STEP), ("TANH_POLY_BELOW", f"{TANH_POLY_BELOW}f")]
+    codes += [(f"TANH_P{i}", f"{float(c):.9g}f") for i, c in enumerate(tanh_poly())]
     return "".join(f"#define {name} {value}\n" for name, value in codes)
 
 

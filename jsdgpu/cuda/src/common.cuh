@@ -97,12 +97,28 @@ __device__ __forceinline__ float4 fill(float4 v, int from, int to, float x) {
   return make_float4(r[0] ? x : v.x, r[1] ? x : v.y, r[2] ? x : v.z, r[3] ? x : v.w);
 }
 
+// tanh(u) in float32, the soft caps': below |u| = TANH_POLY_BELOW, u + u^3 P(u^2) (P:
+// sources.tanh_poly, in the prelude; within 2 ulp, tests/test_cuda_sources.py), where
+// 1 - 2 / (e^2|u| + 1) would cancel; above, that formula by ex2 and rcp (tanhf's operations there;
+// within 4 ulp, tests/test_model_logits.py), its sign u's (infinities give +-1, NaN NaN)
+__device__ __forceinline__ float tanh_poly(float u) {
+  const float s = u * u;
+  return fmaf(u * s, fmaf(fmaf(fmaf(TANH_P3, s, TANH_P2), s, TANH_P1), s, TANH_P0), u);
+}
+
+__device__ __forceinline__ float soft_tanh(float u) {
+  if (fabsf(u) < TANH_POLY_BELOW) return tanh_poly(u);
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(ex2(fabsf(u) * (2.0f * LOG2E)) + 1.0f));
+  return copysignf(fmaf(-2.0f, r, 1.0f), u);
+}
+
 // a model's logit from its raw one x (bias added): scale x, then cap tanh(. inv_cap) where cap > 0
 // (options.LossOptions.models; inv_cap = 1 / cap: a product in the fused kernel's loads, not a
 // division)
 __device__ __forceinline__ float model_logit(float x, float scale, float cap, float inv_cap) {
   const float z = scale * x;
-  return cap > 0.0f ? cap * tanhf(z * inv_cap) : z;
+  return cap > 0.0f ? cap * soft_tanh(z * inv_cap) : z;
 }
 
 // dz/dx of model_logit at its z: scale (1 - (z inv_cap)^2), the cap's tanh derivative (inv_cap 0:
@@ -112,7 +128,17 @@ __device__ __forceinline__ float model_derivative(float z, float scale, float in
   return scale * (1.0f - u * u);
 }
 
+// model_logit of four columns; where the cap is well above the logits (Gemma's 30), nearly every
+// warp has all its columns below TANH_POLY_BELOW and skips soft_tanh's exponential and reciprocal
+// (the same values either way: the vote decides only which code runs)
 __device__ __forceinline__ float4 model_logits4(float4 v, float scale, float cap, float inv_cap) {
+  if (cap > 0.0f) {
+    const float4 u = make_float4(scale * v.x * inv_cap, scale * v.y * inv_cap, scale * v.z * inv_cap,
+                                 scale * v.w * inv_cap);
+    const float most = fmaxf(fmaxf(fabsf(u.x), fabsf(u.y)), fmaxf(fabsf(u.z), fabsf(u.w)));  // NaN: tanh_poly's NaN
+    if (__all_sync(__activemask(), most < TANH_POLY_BELOW))
+      return make_float4(cap * tanh_poly(u.x), cap * tanh_poly(u.y), cap * tanh_poly(u.z), cap * tanh_poly(u.w));
+  }
   return make_float4(model_logit(v.x, scale, cap, inv_cap), model_logit(v.y, scale, cap, inv_cap),
                      model_logit(v.z, scale, cap, inv_cap), model_logit(v.w, scale, cap, inv_cap));
 }
