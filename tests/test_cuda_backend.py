@@ -82,16 +82,22 @@ def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, options):
     soft caps: the passes around them); each with G held for all rows and with G written over
     the chunks' student logits (the phases: G of the chunk's own)."""
     from jsdgpu.cuda import sources
-    from jsdgpu.cuda.backend import CudaBackend
-    from jsdgpu.cuda.online_work import FUSED_MAX_VOCAB
-    shapes = sources.FUSED, sources.FUSED_EXTRA, sources.FUSED_WIDE
-    assert tuple(s.max_vocab for s in shapes) == FUSED_MAX and FUSED_MAX_VOCAB == FUSED_MAX[2]
+    shapes = sources.FUSED_SHAPES
+    assert tuple(s.max_vocab for s in shapes) == FUSED_MAX
     case = gpu_case(rng, T=33, hs=64, ht=96, vs=vs, vt=vt, dtype=np.float32, bias=True,
                     logit_std=8.0, ignored=0.3)
-    work = CudaBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1,
-                               fused=True)
-    shape = None if work.fused is None else work.fused.shape
-    assert shape == next((s for s, most in zip(shapes, FUSED_MAX) if vt <= most), None)
+    assert fused_shape_taken(case) == next((s for s, most in zip(shapes, FUSED_MAX) if vt <= most), None)
+    against_reference(case, options)
+
+
+def fused_shape_taken(case):
+    """The fused kernel's shape a call on the case takes, or None: the phases."""
+    from jsdgpu.cuda.backend import CudaBackend
+    work = CudaBackend.prepare(case["student_weight"], case["teacher_weight"], None, None, 1, fused=True)
+    return None if work.fused is None else work.fused.shape
+
+
+def against_reference(case, options):
     ref = jsdgpu.reference(**case, **options)
     # G held for all rows (one chunk), and G of 4-row chunks written over their student logits
     for run in (dict(), dict(chunk_size=4, memory_budget=1)):
@@ -100,6 +106,20 @@ def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, options):
         assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0], run
         for got, want in zip((gi, gw, gb), ref[3:]):
             assert rel_err(got.get(), want.get()) <= 1e-4, run
+
+
+@pytest.mark.parametrize("vt, options", [(FUSED_MAX[1] + 1, JSD), (201088, CAPS)])
+def test_wide_rows_where_the_gpu_fits_no_wide_cluster(rng, monkeypatch, vt, options):
+    """On a GPU where no cluster of the wide shape fits (none of its GPCs has 16 SMs), its rows
+    take the phase kernels, with the reference's answer (the H200 fits 7: here the fit is
+    denied)."""
+    from jsdgpu.cuda import kernels, sources
+    fits = kernels.FusedKernel.fits
+    monkeypatch.setattr(kernels.FusedKernel, "fits", lambda self: self.shape != sources.FUSED_WIDE and fits(self))
+    case = gpu_case(rng, T=33, hs=64, ht=96, vs=vt - 3, vt=vt, dtype=np.float32, bias=True, logit_std=8.0,
+                    ignored=0.3)
+    assert fused_shape_taken(case) is None
+    against_reference(case, options)
 
 
 @pytest.mark.parametrize("vt", [1040, FUSED_MAX[0] + 8, FUSED_MAX[1] + 8])

@@ -13,6 +13,7 @@ import cupy
 import numpy as np
 from cupy.cuda import driver
 
+from ..options import Divergence
 from . import sources
 
 _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -85,6 +86,14 @@ class FusedKernel:
             self._functions[divergence] = self._load(divergence)
         return self._functions[divergence]
 
+    def fits(self):
+        """Whether a cluster of this shape fits the GPU at all: the wide shape's 16 CTAs of 1024
+        threads need 16 SMs of one GPC, which a Hopper part may not have (where it does not, its
+        rows take the phase kernels: online_work.fused_holds). Loads a function if none is."""
+        if self.max_clusters is None:
+            self.function(Divergence.JSD)
+        return self.max_clusters > 0
+
     def _load(self, divergence):
         shape = self.shape
         name = sources.fused_rows(self.dtype, divergence, shape)
@@ -105,8 +114,8 @@ class FusedKernel:
         # not wrapped by CuPy: the driver's own entry point (cluster dims are the kernel's own)
         err = _driver().cuOccupancyMaxActiveClusters(
             ctypes.byref(n), ctypes.c_void_p(ptr), ctypes.byref(config))
-        if err or n.value < 1:
-            raise RuntimeError(f"cuOccupancyMaxActiveClusters for {name} failed (CUresult {err}, {n.value})")
+        if err:
+            raise RuntimeError(f"cuOccupancyMaxActiveClusters for {name} failed (CUresult {err})")
         # the same for every divergence (the same registers, shared memory and cluster)
         self.max_clusters = n.value if self.max_clusters is None else min(self.max_clusters, n.value)
         return function

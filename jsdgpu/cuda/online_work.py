@@ -3,16 +3,21 @@ logits a chunk by cuBLAS (products.py), and the fused row kernel or, for rows it
 the three phase kernels (kernels.py)."""
 
 import dataclasses
-import functools
 
 import cupy
 import numpy as np
 
 from . import kernels, products
-from .sources import FUSED_SHAPES, fused_shape
+from .sources import fused_shape
 from .steps import leading_dim, padded_bias
 
-FUSED_MAX_VOCAB = FUSED_SHAPES[-1].max_vocab  # the widest shape's, 262144 columns; wider rows take the phase kernels
+
+def fused_holds(vt, dtype):
+    """Whether the fused kernel takes rows of vt teacher columns on this GPU: one of its shapes
+    holds them (sources.fused_shape: up to 262144 columns) and a cluster of that shape fits the
+    GPU (FusedKernel.fits). Elsewhere the three phase kernels run."""
+    shape = fused_shape(vt)
+    return shape is not None and kernels.fused_kernel(cupy.cuda.Device().id, dtype, shape).fits()
 
 
 @dataclasses.dataclass
@@ -45,22 +50,21 @@ def _row_inputs(work, target):
 class CudaOnlineRows:
     """The online loss's row work; static methods, as every part of the backend."""
     @staticmethod
-    @functools.lru_cache(maxsize=64)
     def bytes_per_row(vs, vt, dtype, compute_grad, fused):
         """Bytes per row of the logits chunk, of G held for all rows, and of G per chunk (0
         where the fused kernel writes it over the logits; both 0 without gradients)."""
         grad = np.dtype(dtype).itemsize * leading_dim(vs) if compute_grad else 0
-        fused = fused and vt <= FUSED_MAX_VOCAB
+        fused = fused and fused_holds(vt, dtype)
         return 4 * (leading_dim(vs) + leading_dim(vt)), grad, 0 if fused else grad
 
     @staticmethod
     def prepare(ws, wt, bs, bt, rows, fused, logits_s=None, models=None):
         """The buffers for chunks of `rows` rows (logits_s: the student logits', where
-        logits_ahead made it); with fused (and a teacher vocabulary of at most FUSED_MAX_VOCAB),
-        the fused row kernel of the teacher vocabulary's shape (sources.fused_shape). models:
+        logits_ahead made it); with fused (where it holds the teacher's rows: fused_holds), the
+        fused row kernel of the teacher vocabulary's shape (sources.fused_shape). models:
         LossOptions.models (without the fused kernel, the biases then model_logits')."""
         vs, vt = ws.shape[0], wt.shape[0]
-        fused = fused and vt <= FUSED_MAX_VOCAB
+        fused = fused and fused_holds(vt, ws.dtype)
         biases = padded_bias(bs, vs), padded_bias(bt, vt)
         in_passes = models is not None and not fused
         return CudaWork(
