@@ -6,8 +6,9 @@
 
 Forward + backward (the gradients of both inputs of the student), float32, hidden 256 / 256,
 student and teacher logits of std 4, every row valid, default options (--budget: jsdgpu's
-memory_budget in MiB instead of the backend's default); the median of --repeats
-steps after one untimed step (torch.compile's compilation). Each implementation and shape runs
+memory_budget in MiB instead of the backend's default; jsdgpu_torch, the torch front end on CPU
+tensors, takes the default); the median of --repeats
+steps after WARM_STEPS untimed ones. Each implementation and shape runs
 in a process of its own, and its peak memory is the process's peak resident memory during one
 step beyond what it held before (the inputs), from Linux's VmHWM (reset through clear_refs).
 The row kernel's bandwidth: jsdgpu's fused CPU row kernel alone on one chunk of logits, its
@@ -29,8 +30,14 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-IMPLS = ["jsdgpu", "torch_eager", "torch_compile"]
+# jsdgpu on NumPy arrays, jsdgpu through its torch front end on CPU tensors (its products by
+# torch's BLAS: jsdgpu.cpu.products), the plain loss in PyTorch eager and compiled
+IMPLS = ["jsdgpu", "jsdgpu_torch", "torch_eager", "torch_compile"]
 HIDDEN = 256
+# untimed steps first (their times are kept in the json, as warm_seconds): compilation (Numba's
+# from its cache, torch.compile's) and first allocations, and a process's first steps with torch's
+# CPU BLAS (jsdgpu_torch), which in some processes took about twice as long as the later ones
+WARM_STEPS = 3
 
 
 def inputs(T, V, seed=0):
@@ -60,7 +67,10 @@ def step_fn(impl, T, V, budget_mib=None):
     t[0].requires_grad_(True)
     t[1].requires_grad_(True)
     target_t = torch.from_numpy(target)
-    loss_fn = torch.compile(torch_loss) if impl == "torch_compile" else torch_loss
+    if impl == "jsdgpu_torch":  # (its default budget: the front end takes none)
+        from jsdgpu.torch import fused_linear_jsd_loss as loss_fn
+    else:
+        loss_fn = torch.compile(torch_loss) if impl == "torch_compile" else torch_loss
 
     def fn():
         loss_fn(*t, target_t).backward()
@@ -76,10 +86,10 @@ def _status_kib(field):
 
 
 def measure(impl, T, V, repeats, budget_mib=None):
-    """(median seconds, peak MiB beyond the inputs) of one implementation at one shape, in this
-    process."""
+    """(median seconds, peak MiB beyond the inputs, the untimed steps' seconds) of one
+    implementation at one shape, in this process."""
     fn = step_fn(impl, T, V, budget_mib)
-    fn()  # compilation (Numba's from its cache, torch.compile's), first allocations
+    warm = [_timed(fn) for _ in range(WARM_STEPS)]
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -88,7 +98,7 @@ def measure(impl, T, V, repeats, budget_mib=None):
     pathlib.Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _status_kib("VmRSS")
     fn()
-    return statistics.median(times), (_status_kib("VmHWM") - before) / 1024
+    return statistics.median(times), (_status_kib("VmHWM") - before) / 1024, warm
 
 
 def row_kernel_bandwidth(T, V):
@@ -147,10 +157,10 @@ def main(argv=None):
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for V in a.vocab:
         for T in a.tokens:
-            row = dict(T=T, V=V, seconds={}, peak_mib={})
+            row = dict(T=T, V=V, seconds={}, peak_mib={}, warm_seconds={})
             for impl in a.impls:
                 # the plain loss holds about eight [T, V] float32 arrays at once
-                if impl != "jsdgpu" and 8 * 4 * T * V > 0.8 * total:
+                if impl.startswith("torch") and 8 * 4 * T * V > 0.8 * total:
                     row["seconds"][impl] = row["peak_mib"][impl] = None
                     continue
                 budget = [] if a.budget is None else ["--budget", str(a.budget)]
@@ -160,7 +170,8 @@ def main(argv=None):
                     print(out.stderr[-2000:], file=sys.stderr)
                     row["seconds"][impl] = row["peak_mib"][impl] = None
                     continue
-                row["seconds"][impl], row["peak_mib"][impl] = json.loads(out.stdout.splitlines()[-1])
+                row["seconds"][impl], row["peak_mib"][impl], row["warm_seconds"][impl] = json.loads(
+                    out.stdout.splitlines()[-1])
                 print(f"T={T} V={V} {impl}: {row['seconds'][impl]:.3f} s, {row['peak_mib'][impl]:.0f} MiB",
                       flush=True)
             result["rows"].append(row)
@@ -176,19 +187,21 @@ def render(result):
     lines = [f"`{result['command']}` ({result['cores']} cores, {result['date']}), forward + backward, float32, "
              f"hidden {result['hidden']} / {result['hidden']}; seconds a step (median), peak memory beyond the "
              "inputs.", "",
-             "| T | V | jsdgpu s | torch eager s | torch.compile s | jsdgpu ÷ compiled | jsdgpu MiB | eager MiB "
-             "| compiled MiB | jsdgpu ÷ compiled, memory |", "| --- " * 10 + "|"]
+             "| T | V | jsdgpu s | jsdgpu through torch s | torch eager s | torch.compile s | jsdgpu ÷ compiled "
+             "| through torch ÷ compiled | jsdgpu MiB | eager MiB | compiled MiB | jsdgpu ÷ compiled, memory |",
+             "| --- " * 12 + "|"]
     for r in result["rows"]:
         s, m = r["seconds"], r["peak_mib"]
 
         def cell(d, k, f):
             return f.format(d[k]) if d.get(k) is not None else "—"
 
-        def ratio(d):
-            return f"{d['jsdgpu'] / d['torch_compile']:.2f}" if d.get("jsdgpu") and d.get("torch_compile") else "—"
-        lines.append(f"| {r['T']} | {r['V']} | {cell(s, 'jsdgpu', '{:.3f}')} | {cell(s, 'torch_eager', '{:.3f}')} | "
-                     f"{cell(s, 'torch_compile', '{:.3f}')} | {ratio(s)} | {cell(m, 'jsdgpu', '{:.0f}')} | "
-                     f"{cell(m, 'torch_eager', '{:.0f}')} | {cell(m, 'torch_compile', '{:.0f}')} | {ratio(m)} |")
+        def ratio(d, impl="jsdgpu"):
+            return f"{d[impl] / d['torch_compile']:.2f}" if d.get(impl) and d.get("torch_compile") else "—"
+        lines.append(f"| {r['T']} | {r['V']} | {cell(s, 'jsdgpu', '{:.3f}')} | {cell(s, 'jsdgpu_torch', '{:.3f}')} | "
+                     f"{cell(s, 'torch_eager', '{:.3f}')} | {cell(s, 'torch_compile', '{:.3f}')} | {ratio(s)} | "
+                     f"{ratio(s, 'jsdgpu_torch')} | {cell(m, 'jsdgpu', '{:.0f}')} | {cell(m, 'torch_eager', '{:.0f}')} "
+                     f"| {cell(m, 'torch_compile', '{:.0f}')} | {ratio(m)} |")
     if "row_kernel_gb_s" in result:
         lines += ["", f"The fused row kernel alone (T = 512, V = 32000): {result['row_kernel_gb_s']:.1f} GB/s against "
                       f"a parallel copy's {result['copy_gb_s']:.1f} GB/s "

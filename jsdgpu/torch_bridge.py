@@ -1,6 +1,6 @@
 """The bridge between torch tensors and the core's arrays (jsdgpu.call's, through jsdgpu.torch):
 zero-copy views both ways, CuPy on torch's current stream with memory from torch's caching
-allocator, and the operands' dtype under autocast."""
+allocator (on the CPU, the products by torch's BLAS), and the operands' dtype under autocast."""
 
 import contextlib
 
@@ -53,10 +53,18 @@ def _torch_memory(nbytes):
     return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block), 0)
 
 
+def _torch_matmul(a, b, out):
+    """out = a @ b by torch's CPU BLAS, on views of the NumPy arrays (jsdgpu.cpu.products)."""
+    torch.matmul(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
+    return out
+
+
 def current_stream(t):
-    """For the block: CuPy on t's device, on torch's current stream, with memory from torch."""
+    """For the block: CuPy on t's device, on torch's current stream, with memory from torch; on
+    the CPU, the products by torch's BLAS (jsdgpu.cpu.products)."""
     if not t.is_cuda:
-        return contextlib.nullcontext()
+        from .cpu.products import through
+        return through(_torch_matmul)
     import cupy
     stack = contextlib.ExitStack()
     stack.enter_context(cupy.cuda.Device(t.device.index))

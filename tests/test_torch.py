@@ -121,6 +121,29 @@ def test_gradients_land_without_copies(rng, device):
     assert isinstance(gi, torch.Tensor) and gi.device.type == device and gb is None
 
 
+def test_cpu_products_by_torch(rng, monkeypatch):
+    """On CPU tensors the front end's products (both logits, grad_input, grad_weight; with G held
+    for all rows and per chunk) are torch's, with the reference's answer; a call on NumPy arrays
+    after it takes NumPy's (the front end's choice ends with its call)."""
+    import jsdgpu.torch_bridge as bridge
+    calls, by_torch = [], bridge._torch_matmul
+    monkeypatch.setattr(bridge, "_torch_matmul", lambda a, b, out: calls.append(a.shape) or by_torch(a, b, out))
+    case = make_case(rng, T=11, bias=True, ignored=0.3, vt=1040)
+    ref = jsdgpu.reference(**case)
+    for chunk_size in (None, 4):
+        ts = tensors(case, "cpu")
+        loss = jtorch.FusedLinearJSDLoss(chunk_size=chunk_size)(*ts)
+        loss.backward()
+        assert abs(float(loss.detach()) - ref[0]) <= 1e-5 * ref[0]
+        g = grads_of(ts)
+        for got, want in zip((g[0], g[1], g[5]), ref[3:]):
+            assert rel_err(got, want) <= 1e-4
+        assert len(calls) >= 4, calls
+        calls.clear()
+        jsdgpu.backward(jsdgpu.forward(**case, chunk_size=chunk_size)[1])
+        assert not calls
+
+
 @pytest.mark.gpu
 def test_runs_on_the_current_torch_stream(rng):
     """Work queued on a non-default torch stream gives the right answer; nothing is

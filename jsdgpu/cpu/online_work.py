@@ -5,6 +5,7 @@ import dataclasses
 
 import numpy as np
 
+from .products import matmul
 from .rows import finish_kernel, fused_kernel, kl_kernel, stats_kernel
 from .steps import as_model_logits, f32
 
@@ -63,10 +64,10 @@ class CpuOnlineRows:
         student, as the protocol says; the CPU queues nothing ahead, so its calls ask for both)."""
         rows = slice(at, at + xs.shape[0])
         if student:
-            np.matmul(xs.astype(np.float32), work.ws.T, out=work.s[rows])
+            matmul(xs.astype(np.float32), work.ws.T, work.s[rows])
             if work.bs is not None:
                 work.s[rows] += work.bs
-        np.matmul(xt.astype(np.float32), work.wt.T, out=work.t[rows])
+        matmul(xt.astype(np.float32), work.wt.T, work.t[rows])
         if work.bt is not None:
             work.t[rows] += work.bt
 

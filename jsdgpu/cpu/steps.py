@@ -9,6 +9,7 @@ import numpy as np
 from .. import checks
 from ..backend import HeldG, Rows
 from ..options import divisor
+from .products import matmul
 from .rows import model_derivative
 
 
@@ -135,7 +136,7 @@ class CpuSteps:
         inv_n = np.float32(inv_n)
         grad_input = grads.grad_input[start:stop]
         if not input_made:
-            np.matmul(G, work.ws, out=grad_input)
+            matmul(G, work.ws, grad_input)
         # G's row scales (the token weights) go with the rows of grad_input and of Xs
         rows = inv_n if grads.g_scale is None else grads.g_scale[start:stop, None] * inv_n
         grad_input *= rows
@@ -145,13 +146,13 @@ class CpuSteps:
             # product would hold the sum's memory twice)
             xs_n = xs.astype(np.float32) * rows
             if start == 0:
-                np.matmul(G.T, xs_n, out=grads.grad_weight)
+                matmul(G.T, xs_n, grads.grad_weight)
             else:
                 if work.part is None:
                     work.part = np.empty((min(PART_ROWS, G.shape[1]), xs.shape[1]), np.float32)
                 for v0 in range(0, G.shape[1], PART_ROWS):
                     part = work.part[:min(PART_ROWS, G.shape[1] - v0)]
-                    np.matmul(G[:, v0:v0 + len(part)].T, xs_n, out=part)
+                    matmul(G[:, v0:v0 + len(part)].T, xs_n, part)
                     grads.grad_weight[v0:v0 + len(part)] += part
         if grads.grad_bias is not None:
             part = G.sum(axis=0) if grads.g_scale is None else grads.g_scale[start:stop] @ G
@@ -162,7 +163,7 @@ class CpuSteps:
 
     @staticmethod
     def input_product(work, G, out):
-        np.matmul(G, work.ws, out=out)
+        matmul(G, work.ws, out)
 
     @staticmethod
     def add_label_terms(work, label_terms, target, xs, inv_n, grads):
@@ -185,7 +186,7 @@ class CpuSteps:
         (scale None for 1): summed in float32, rounded once."""
         xs = held.xs
         xs_g = xs.astype(np.float32) if held.g_scale is None else xs.astype(np.float32) * held.g_scale[:, None]
-        product = held.G.T @ xs_g
+        product = matmul(held.G.T, xs_g, np.empty((held.G.shape[1], xs_g.shape[1]), np.float32))
         _add_label_rows(product, *_owned_label_terms(held.label_terms, held.target, np.float32(1.0)), xs)
         product *= np.float32(held.inv_n) if scale is None else np.float32(held.inv_n) * scale
         if out is None:

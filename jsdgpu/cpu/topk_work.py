@@ -10,6 +10,7 @@ import numpy as np
 from .. import checks
 from ..parallel import Shard
 from ..topk_shards import sharded_topk_rows
+from .products import matmul
 from .steps import as_model_logits, f32
 from .topk import teacher_topk_rows
 
@@ -94,7 +95,7 @@ class CpuTopKRows:
     def head_logits(work, xs, at=0):
         """The logits of rows [at, at + len(xs)) of the chunk, biased, into work.s."""
         s = work.s[at:at + xs.shape[0]]
-        np.matmul(xs.astype(np.float32), work.ws.T, out=s)
+        matmul(xs.astype(np.float32), work.ws.T, s)
         if work.bs is not None:
             s += work.bs
 
