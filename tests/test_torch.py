@@ -122,25 +122,31 @@ def test_gradients_land_without_copies(rng, device):
 
 
 def test_cpu_products_by_torch(rng, monkeypatch):
-    """On CPU tensors the front end's products (both logits, grad_input, grad_weight; with G held
-    for all rows and per chunk) are torch's, with the reference's answer; a call on NumPy arrays
-    after it takes NumPy's (the front end's choice ends with its call)."""
+    """On CPU tensors the products (both logits, grad_input, grad_weight) are torch's, with the
+    reference's answer: through the module (G held for all rows, grad_weight in backward's one
+    product) and through jsdgpu.forward on the tensors with G per chunk (grad_weight summed chunk
+    by chunk); a call on NumPy arrays after each takes NumPy's (the choice ends with its call)."""
     import jsdgpu.torch_bridge as bridge
     calls, by_torch = [], bridge._torch_matmul
     monkeypatch.setattr(bridge, "_torch_matmul", lambda a, b, out: calls.append(a.shape) or by_torch(a, b, out))
     case = make_case(rng, T=11, bias=True, ignored=0.3, vt=1040)
     ref = jsdgpu.reference(**case)
-    for chunk_size in (None, 4):
-        ts = tensors(case, "cpu")
-        loss = jtorch.FusedLinearJSDLoss(chunk_size=chunk_size)(*ts)
-        loss.backward()
+    for per_chunk in (False, True):
+        if per_chunk:
+            loss, ctx = jsdgpu.forward(*tensors(case, "cpu", requires_grad=False), chunk_size=4, memory_budget=1)
+            grads = [g.numpy() for g in jsdgpu.backward(ctx)]
+        else:
+            ts = tensors(case, "cpu")
+            loss = jtorch.FusedLinearJSDLoss()(*ts)
+            loss.backward()
+            g = grads_of(ts)
+            grads = g[0], g[1], g[5]
         assert abs(float(loss.detach()) - ref[0]) <= 1e-5 * ref[0]
-        g = grads_of(ts)
-        for got, want in zip((g[0], g[1], g[5]), ref[3:]):
+        for got, want in zip(grads, ref[3:]):
             assert rel_err(got, want) <= 1e-4
         assert len(calls) >= 4, calls
         calls.clear()
-        jsdgpu.backward(jsdgpu.forward(**case, chunk_size=chunk_size)[1])
+        jsdgpu.backward(jsdgpu.forward(**case, chunk_size=4, memory_budget=1)[1])
         assert not calls
 
 
