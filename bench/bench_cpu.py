@@ -90,11 +90,7 @@ def measure(impl, T, V, repeats, budget_mib=None):
     implementation at one shape, in this process."""
     fn = step_fn(impl, T, V, budget_mib)
     warm = [_timed(fn) for _ in range(WARM_STEPS)]
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+    times = [_timed(fn) for _ in range(repeats)]
     pathlib.Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _status_kib("VmRSS")
     fn()
