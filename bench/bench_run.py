@@ -23,8 +23,9 @@ shapes (harness.py: V = 128256, hidden 2048 / 4096, bf16), forward + backward:
 Implementations: jsdgpu (CuPy arrays), the floor, Liger-Kernel's LigerFusedLinearJSDLoss (its
 defaults: compiled, chunks of 1024 rows) and jsdgpu through jsdgpu.torch's module in eager
 PyTorch, on the same buffers (DLPack); on request (--impls), jsdgpu with one of the model
-features (OPTIONAL: token weights, soft caps, each token's own loss), each against jsdgpu in a
-table of its own. The distributions run after the run, so they are measured
+features (OPTIONAL: token weights, soft caps, each token's own loss), each in a table of its own
+against jsdgpu without it, the two run in turns step by step (timed_cases). The distributions run
+after the run, so they are measured
 in a process that has seen other shapes; with --no-run they are measured in a fresh one (the
 history's effect: the two runs' times of each distribution).
 
@@ -134,6 +135,22 @@ def timed_turns(fns, repeats, warm_s):
     return [statistics.median(t) for t in times]
 
 
+def timed_cases(impls, steps, repeats, warm_s):
+    """{implementation: median ms of each of the steps}, the steps run in turn (timed_turns). A
+    feature of OPTIONAL runs in turns with jsdgpu without it, step by step, whose times are kept
+    beside it as "<feature>/jsdgpu": the two meet the GPU's clocks and the products' state at the
+    same moments, so that their ratio is the feature's own cost."""
+    ms = {}
+    for impl in impls:
+        if impl in OPTIONAL:
+            fns = [fn for s in steps for fn in (implementation("jsdgpu", s), implementation(impl, s))]
+            times = timed_turns(fns, repeats, warm_s)
+            ms[impl + "/jsdgpu"], ms[impl] = times[0::2], times[1::2]
+        else:
+            ms[impl] = timed_turns([implementation(impl, s) for s in steps], repeats, warm_s)
+    return ms
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="*", default=[1024, 2048, 4096, 8192])
@@ -171,8 +188,7 @@ def main(argv=None):
     for T in [] if a.no_run else a.run_tokens:
         steps = [step_inputs(cupy, T, ws, wn, float(d), ig, 100 * T + i)
                  for i, (d, ig) in enumerate(zip(RUN_DELTAS, RUN_IGNORED))]
-        ms = {impl: timed_turns([implementation(impl, s) for s in steps], a.repeats, a.warm_seconds)
-              for impl in impls}
+        ms = timed_cases(impls, steps, a.repeats, a.warm_seconds)
         record = dict(T=T, soft=[soft_part(s) for s in steps], ignored=list(RUN_IGNORED), ms=ms)
         result["run"].append(record)
         save()
@@ -184,7 +200,7 @@ def main(argv=None):
         for dist, (std, delta) in DISTRIBUTIONS.items():
             ws, wn = heads(cupy, std, 2)
             step = step_inputs(cupy, T, ws, wn, delta, 0.0, 3, heads(cupy, std, 4)[0] if delta is None else None)
-            ms = {impl: timed_turns([implementation(impl, step)], a.repeats, a.warm_seconds)[0] for impl in impls}
+            ms = {impl: t[0] for impl, t in timed_cases(impls, [step], a.repeats, a.warm_seconds).items()}
             result["distributions"].append(dict(T=T, inputs=dist, soft=soft_part(step), ms=ms))
             save()
             print(f"T={T} {dist}: " + ", ".join(f"{impl} {v:.2f} ms" for impl, v in ms.items()), flush=True)
@@ -211,12 +227,12 @@ def render(result):
     for r in result["distributions"]:
         lines.append(_row([r["T"], r["inputs"], f"{r['soft']:.4f}"], r["ms"]))
     for impl in (i for i in result["impls"] if i in OPTIONAL):
-        lines += ["", f"With {OPTIONAL[impl]} ({impl}), timed after jsdgpu in the same process:", "",
+        lines += ["", f"With {OPTIONAL[impl]} ({impl}), in turns with jsdgpu without it, step by step:", "",
                   "| case | jsdgpu ms | with it | ÷ jsdgpu |", "| --- " * 4 + "|"]
         for r in result["run"] + result["distributions"]:
             ms = {k: sum(v) if isinstance(v, list) else v for k, v in r["ms"].items()}
             case = f"run, T = {r['T']}" if "inputs" not in r else f"T = {r['T']}, {r['inputs']}"
-            ours, other = ms.get("jsdgpu"), ms.get(impl)
+            ours, other = ms.get(impl + "/jsdgpu"), ms.get(impl)
             if ours and other:
                 lines.append(f"| {case} | {ours:.2f} | {other:.2f} | {other / ours:.3f} |")
     return "\n".join(lines) + "\n"

@@ -52,6 +52,7 @@ class ChunkLoss:
     are the ones guessed, else computes that chunk again."""
     most_rows = None        # a chunk's most rows (None: as the budget allows)
     token_weights = None    # the call's rows' weights, [rows] as given (None: ones)
+    spared_sum = 0          # the bytes of grad_weight's float32 sum that G held spares (chunks.spared_sum_bytes)
     row_scales = None       # float32 [rows] times the weights, any values, unchecked: backward's
                             # grad_output of a call of the rows' own losses (call.rows_own_backward)
     takes_first_product = True  # whether its student logits may be queued ahead (ahead.FirstProduct)
@@ -65,7 +66,7 @@ class ChunkLoss:
         """(rows per chunk, hold_g) for n_rows > 0 rows (chunks.plan_chunks)."""
         run_opts = self.run_opts
         return plan_chunks(n_rows, run_opts.chunk_size, *self.per_row, run_opts.budget(self.backend), self.most_rows,
-                           run_opts.rows_own)
+                           run_opts.rows_own, self.spared_sum)
 
     def keeps_row_gradients(self, n_rows):
         """Whether a call of the rows' own losses (reduction "none") of n_rows rows can compute its
@@ -158,7 +159,8 @@ def run(loss, xs, other, first=None):
         xs, other = loss.take_rows(rows.valid_rows, xs, other)
     weights = row_weights(backend.xp, loss.token_weights, loss.row_scales, rows)
     inv_n, n_rows = rows.inv_n, xs.shape[0]
-    chunk, hold_g = cut_chunks(loss.products, xs, other, head, most, loss.per_row, loss.run_opts.budget(backend))
+    chunk, hold_g = cut_chunks(loss.products, xs, other, head, most, loss.per_row, loss.run_opts.budget(backend),
+                               loss.spared_sum)
     ahead = loss.ahead
     if ahead is not None and (rows.valid_rows is not None or ahead[:2] != (chunk, hold_g)):
         ahead = None  # the guess was wrong: the rows or their chunks are others

@@ -8,6 +8,7 @@ parallelism each rank holds a shard of the vocabulary, and the phases' per-row v
 combined across ranks between the phases; grad_input is summed across ranks at the end.
 """
 
+from .chunks import spared_sum_bytes
 from .engine import ChunkLoss
 from .parallel import combine_stats
 
@@ -26,6 +27,7 @@ class OnlineLoss(ChunkLoss):
         widest = (self.vs, wt.shape[0]) if shard is None else (shard.max_vs, shard.max_vt)
         self.models = opts.models
         self.per_row = backend.bytes_per_row(*widest, ws.dtype, run_opts.compute_grad, fused=shard is None)
+        self.spared_sum = spared_sum_bytes(widest[0], self.hs, ws.dtype, run_opts)
 
     def prepare(self, most, buffers):
         self.work = self.backend.prepare(self.ws, self.wt, self.bs, self.bt, most, fused=self.shard is None,

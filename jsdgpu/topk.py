@@ -13,6 +13,7 @@ import numpy as np
 from . import checks, parallel
 from .ahead import expects_all_valid
 from .call import backend_for, backward, bridged, call_loss
+from .chunks import spared_sum_bytes
 from .engine import ChunkLoss, chunk_g
 from .options import TopKOptions, backend_budget, split_options
 
@@ -84,6 +85,7 @@ class TopKLoss(ChunkLoss):
         # every rank must cut the same chunks: size them by the largest shard
         widest = self.vs if shard is None else shard.max_vs
         self.per_row = backend.topk_bytes_per_row(widest, self.ws.dtype, compute_grad, self.own, self.k)
+        self.spared_sum = spared_sum_bytes(widest, self.hs, self.ws.dtype, run_opts)
         self.most_rows = backend.topk_chunk_rows(self.own)
         self.scales_g = shard is None and backend.topk_scales_g(opts, self.ws.dtype)
         self.check = self.bad_topk_row = None

@@ -2,13 +2,14 @@
 size, with G held for all rows or per chunk, gives the reference's answer on both backends; and
 the chunk plan itself."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import jsdgpu
 from jsdgpu.ahead import HEAD_HISTORY, HEAD_ROWS
-from jsdgpu.chunks import HELD_MIN_ROWS, ROW_ALIGN, ROWS_OWN_MIN_ROWS, cut_chunks, plan_chunks
-from conftest import head_path_ignored, make_case, rel_err, to_numpy, to_xp
+from jsdgpu.chunks import HELD_MIN_ROWS, ROW_ALIGN, ROWS_OWN_MIN_ROWS, cut_chunks, plan_chunks, spared_sum_bytes
+from conftest import assert_near_float64, head_path_ignored, make_case, rel_err, to_numpy, to_xp
 
 
 @pytest.mark.parametrize("memory_budget", [None, 1])  # G held for all rows; G per chunk
@@ -104,6 +105,67 @@ def test_head_sized_by_the_last_calls(monkeypatch):
     ahead._last_rows.seen = ((100, 750, 1000),) * HEAD_HISTORY
     assert ahead.planned_head(2048, 2000) == (False, 11 * ROW_ALIGN)
     assert ahead.planned_head(1024, 2000) == (False, 1024)  # at most the first chunk
+
+
+def test_held_g_takes_the_room_of_the_float32_sum():
+    """grad_weight's float32 sum over chunks lies beyond the budget; where the gradient comes
+    back in a 16-bit dtype the sum is not the gradient but cast into it, and G held for all rows
+    spares it, so G may take its room too (chunks.spared_sum_bytes): holding G then never takes
+    more memory than summing."""
+    from jsdgpu.options import RunOptions
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    assert spared_sum_bytes(10, 3, bf16, RunOptions()) == 120
+    assert spared_sum_bytes(10, 3, np.dtype(np.float16), RunOptions(reduction="none")) == 120
+    assert spared_sum_bytes(10, 3, np.dtype(np.float32), RunOptions()) == 0  # the sum is the gradient
+    assert spared_sum_bytes(10, 3, bf16, RunOptions(grad_weight_float32=True)) == 0
+    assert spared_sum_bytes(10, 3, bf16, RunOptions(compute_grad=False)) == 0
+    # 4096 rows in 2 chunks of 2048 either way; G of them all (8192 bytes) fits the budget beside
+    # chunks of 1228 rows only (4 chunks), the budget and the sum's room beside 2 of 2048
+    budget = 2048 * 10
+    assert plan_chunks(4096, None, 10, 2, 0, budget) == (2048, False)
+    assert plan_chunks(4096, None, 10, 2, 0, budget, spared_sum=8191) == (2048, False)
+    assert plan_chunks(4096, None, 10, 2, 0, budget, spared_sum=8192) == (2048, True)
+    assert plan_chunks(4096, 2048, 10, 2, 0, budget, spared_sum=8192) == (2048, True)
+    # the rows' own losses: chunks of 1228 rows in the budget alone (aligned: 1024), 2048 with the room
+    assert plan_chunks(4096, None, 10, 2, 0, budget, None, True) == (1024, True)
+    assert plan_chunks(4096, None, 10, 2, 0, budget, None, True, 8192) == (2048, True)
+    xs = np.zeros((4096, 4), np.float32)
+    assert cut_chunks(None, xs, xs, 2048, 2048, (10, 2, 0), budget, 8192) == (2048, True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_held_g_in_the_room_of_the_float32_sum_gives_the_reference(xp, rng, dtype, reduction):
+    """A call whose budget holds G only with the float32 sum's room (a 16-bit gradient) holds it,
+    in the chunks the engine cuts and in the plan of a call of the rows' own losses (which then
+    keeps its gradients for backward); a float32 one sums over chunks (and computes the rows' own
+    losses again in backward). Both give the float64 reference's answer."""
+    from jsdgpu.call import backend_for
+    from jsdgpu.options import RunOptions
+    T, vs, hs = 40, 1031, 128
+    case = make_case(rng, T=T, vs=vs, hs=hs, dtype=getattr(ml_dtypes, dtype, np.float32), bias=False)
+    weight_dtype = np.dtype(case["student_weight"].dtype)
+    backend = backend_for("numpy" if xp is np else "cupy")
+    per_row = backend.bytes_per_row(vs, vs, weight_dtype, True, True)
+    budget = (T // 2) * sum(per_row[::2])  # 2 chunks of 20 rows with G per chunk
+    spared = spared_sum_bytes(vs, hs, weight_dtype, RunOptions())
+    for own in (False, True):  # G of the 40 rows beside chunks of 40 only with the sum's room
+        assert plan_chunks(T, None, *per_row, budget, None, own)[1] is False
+        if spared:
+            assert plan_chunks(T, None, *per_row, budget, None, own, spared) == (T, True)
+    opts = dict(beta=0.3, temperature=2.0)
+    loss, ctx = jsdgpu.forward(**to_xp(case, xp), memory_budget=budget, reduction=reduction, **opts)
+    if reduction == "mean":
+        assert (ctx._grads.held is not None) == bool(spared)
+        assert_near_float64(case, dtype, opts, loss, ctx.hard_loss, ctx.soft_loss, jsdgpu.backward(ctx))
+        return
+    assert (ctx._recompute is None) == bool(spared)
+    upstream = rng.standard_normal(T)
+    grads = jsdgpu.backward(ctx, xp.asarray(upstream, dtype=np.float32))
+    ref = jsdgpu.reference(**case, reduction="none", grad_output=upstream, **opts)
+    np.testing.assert_allclose(to_numpy(loss), ref[0], rtol=1e-4, atol=1e-5)
+    for got, want in zip(grads[:2], ref[3:5]):
+        assert rel_err(got, want) <= (2.0**-7 if spared else 1e-4), rel_err(got, want)
 
 
 def test_chunks_of_the_planned_rows_whatever_the_valid_rows():
