@@ -133,3 +133,52 @@ def test_cpu_fused_kernel_writes_g_over_the_student_logits():
     for fused, own_g, shared in ((True, False, True), (True, True, False), (False, False, False)):
         work = B.prepare(w, np.zeros((120, 8), np.float32), None, None, 16, fused)
         assert np.shares_memory(B.gradient_rows(work, 16, own_g), work.s) == shared
+
+
+def test_cpu_kernels_on_one_thread_below_parallel_from(monkeypatch):
+    """A CPU row kernel runs on one thread where its first array holds fewer than PARALLEL_FROM
+    values, on Numba's threads from there (cpu/threads.py), and the thread count is Numba's
+    again after it, when the kernel raises too."""
+    import numba
+    from jsdgpu.cpu import threads
+    monkeypatch.setattr(threads, "PARALLEL_FROM", 100)
+    seen = []
+
+    @threads.rows_in_parallel
+    def kernel(x, fail):
+        seen.append(numba.get_num_threads())
+        if fail:
+            raise RuntimeError("in the kernel")
+    numba_threads = numba.get_num_threads()
+    kernel(np.zeros(99), False)
+    kernel(np.zeros((10, 10)), False)
+    with pytest.raises(RuntimeError, match="in the kernel"):
+        kernel(np.zeros(5), True)
+    assert seen == [1, numba_threads, 1] and numba.get_num_threads() == numba_threads
+
+
+@pytest.mark.parametrize("loss", ["online", "online_phases", "teacher_topk"])
+def test_cpu_kernels_give_the_same_bits_on_one_thread_and_in_parallel(rng, monkeypatch, loss):
+    """Each row is one thread's whole work, so the row kernels give the same bits on one thread
+    (the tests' small calls) and on Numba's threads (PARALLEL_FROM 0): the fused kernel, the three
+    phases (vocab parallelism's, here on two simulated ranks) and the teacher top-k's logsumexp."""
+    import jsdgpu
+    from jsdgpu.cpu import threads
+    from conftest import make_case
+    case = make_case(rng, T=37, bias=True, ignored=0.2, vt=1100)
+    runs = []
+    for parallel_from in (threads.PARALLEL_FROM, 0):
+        monkeypatch.setattr(threads, "PARALLEL_FROM", parallel_from)
+        if loss == "online_phases":  # two ranks, as threads
+            from test_parallel import sharded, split
+            runs.append([a for rank in sharded(split(case, [0, 500, 1100]), np, beta=0.3, temperature=1.7)
+                         for a in rank])
+            continue
+        if loss == "teacher_topk":
+            runs.append(list(jsdgpu.teacher_topk(case["teacher_input"], case["teacher_weight"], 9, 1.7,
+                                                 case["teacher_bias"])))
+            continue
+        loss_value, ctx = jsdgpu.forward(**case, beta=0.3, temperature=1.7)
+        runs.append([np.asarray(loss_value), *jsdgpu.backward(ctx)])
+    for one, parallel in zip(*runs):
+        np.testing.assert_array_equal(one, parallel)

@@ -16,6 +16,7 @@ import numpy as np
 
 from .divergences import column, grad_dz, soft
 from .fastmath import FAST, exp64
+from .threads import rows_in_parallel
 
 
 @numba.njit(fastmath=FAST, inline="always")
@@ -157,6 +158,7 @@ def _results(s, i, y, stats, a, b, inv_temp, mode, beta, w_hard, w_soft_over_t, 
                       p, h, model_scale, model_inv_cap, label_derivative, G[i])
 
 
+@rows_in_parallel
 @numba.njit(parallel=True, fastmath=FAST, cache=True)
 def fused_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms, write_grad,
                  model_scale, model_inv_cap):
@@ -177,6 +179,7 @@ def fused_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, 
 
 # ---- the three phases (vocab parallelism: each rank's shard, combined between them) ----
 
+@rows_in_parallel
 @numba.njit(parallel=True, fastmath=FAST, cache=True)
 def stats_kernel(s, t, target, inv_temp, stats):
     """stats [7, n]: the maxima of s, z = s / temperature (padded with zeros to vt) and
@@ -194,6 +197,7 @@ def _stats_of(stats, i):
     return stats[0, i], stats[1, i], stats[2, i], stats[3, i], stats[4, i], stats[5, i], stats[6, i]
 
 
+@rows_in_parallel
 @numba.njit(parallel=True, fastmath=FAST, cache=True)
 def kl_kernel(s, t, inv_temp, mode, beta, stats, kl):
     """kl [2, n]: a and b of each row."""
@@ -203,6 +207,7 @@ def kl_kernel(s, t, inv_temp, mode, beta, stats, kl):
         kl[0, i], kl[1, i] = _row_kl(s[i], t[i], inv_temp, mode, beta, _stats_of(stats, i), none, none)
 
 
+@rows_in_parallel
 @numba.njit(parallel=True, fastmath=FAST, cache=True)
 def finish_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, stats, kl, ce, jsd, G,
                   label_terms, write_grad):

@@ -7,6 +7,8 @@ import math
 import numba
 import numpy as np
 
+from .threads import rows_in_parallel
+
 
 @numba.njit(cache=True)
 def _lse(x):
@@ -22,6 +24,7 @@ def _lse(x):
     return m + math.log(total)
 
 
+@rows_in_parallel
 @numba.njit(parallel=True, cache=True)
 def row_logsumexp(x):
     """logsumexp of each row of the float64 [n, m] x."""
