@@ -59,7 +59,7 @@ With --jax: the CuPy call and jax.jit(jax.value_and_grad(loss)) of jsdgpu.jax at
 8192, all rows valid, each timed two ways: each call waited for (its wall time, the benchmark's
 measure), and ten calls back to back with one wait at the end (per call, the median of five
 rounds), as a training loop queues its steps. --vocab sets both vocabularies (past 131072 the
-teacher's rows take the fused kernel's wider shapes, past 262144 the three phase kernels), --beta
+teacher's rows take the fused kernel's wider shapes, past 327680 the three phase kernels), --beta
 the divergence, --softcap C caps of C on both models' logits (their std is 4); without
 --against, the step with them and without them in turns (ABBA, as below: the same products, so
 that only the caps' cost differs). --topk K: the top-k loss (jsdgpu.forward_topk) against the
@@ -85,7 +85,7 @@ def main():
     p.add_argument("label", help="what to print before the times (the version's path)")
     p.add_argument("--jax", action="store_true", help="the CuPy call against the jitted JAX step")
     p.add_argument("--vocab", type=int, default=128256,
-                   help="both vocabularies (past 262144 the teacher's takes the phase kernels)")
+                   help="both vocabularies (past 327680 the teacher's takes the phase kernels)")
     p.add_argument("--beta", type=float, default=0.5)
     p.add_argument("--softcap", type=float, metavar="C", help="soft caps of C on both models' logits")
     p.add_argument("--topk", type=int, metavar="K", help="the top-k loss against the teacher's top K")

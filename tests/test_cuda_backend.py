@@ -62,7 +62,7 @@ def test_chunk_of_more_than_2_31_logits(rng):
     assert rel_err(gi[rows].astype(cupy.float32) * (T / len(rows)), ref[3].get()) <= 2**-8
 
 
-FUSED_MAX = 131072, 163840, 262144  # jsdgpu.cuda.sources: the widest teacher vocabulary of each fused shape
+FUSED_MAX = 131072, 163840, 262144, 327680  # jsdgpu.cuda.sources: the widest teacher vocabulary of each fused shape
 REVERSE_T2, JSD = dict(beta=1.0, temperature=2.0), dict(beta=0.3)
 CAPS = dict(beta=0.5, student_logit_scale=1.5, student_logit_softcap=5.0, teacher_logit_softcap=30.0)
 
@@ -72,13 +72,14 @@ CAPS = dict(beta=0.5, student_logit_scale=1.5, student_logit_softcap=5.0, teache
     (FUSED_MAX[0] - 5, FUSED_MAX[0] + 1, JSD), (FUSED_MAX[0] + 3, FUSED_MAX[0] + 3, REVERSE_T2),
     (151936, 151936, JSD), (151936 - 9, 151936, CAPS), (FUSED_MAX[1], FUSED_MAX[1], JSD),
     (FUSED_MAX[1] - 5, FUSED_MAX[1] + 1, REVERSE_T2), (201088, 201088, CAPS), (FUSED_MAX[2], FUSED_MAX[2], JSD),
-    (FUSED_MAX[2] - 5, FUSED_MAX[2] + 1, JSD), (FUSED_MAX[2] + 1, FUSED_MAX[2] + 1, CAPS)])
+    (FUSED_MAX[2] - 5, FUSED_MAX[2] + 1, JSD), (262208, 262208, CAPS), (FUSED_MAX[3], FUSED_MAX[3], REVERSE_T2),
+    (FUSED_MAX[3] - 5, FUSED_MAX[3] + 1, JSD), (FUSED_MAX[3] + 1, FUSED_MAX[3] + 1, CAPS)])
 def test_vocabularies_up_to_and_past_the_fused_kernel(rng, vs, vt, options):
     """The reference's answer from the fused kernel at the benchmark vocabulary with teacher pad
     columns (reverse KL: a column past the teacher's taken for a pad one makes the loss inf),
     from each of its shapes at its widest (every group of every thread full) and just past the
-    narrower one's widest, at Qwen's and GPT-OSS's vocabularies (with soft caps: the models' logits
-    formed in the kernel), and from the three phases just past the widest shape's widest (with
+    narrower one's widest, at Qwen's, GPT-OSS's and Gemma 3's vocabularies (with soft caps: the
+    models' logits formed in the kernel), and from the three phases just past the widest shape's widest (with
     soft caps: the passes around them); each with G held for all rows and with G written over
     the chunks' student logits (the phases: G of the chunk's own)."""
     from jsdgpu.cuda import sources
@@ -108,21 +109,22 @@ def against_reference(case, options):
             assert rel_err(got.get(), want.get()) <= 1e-4, run
 
 
-@pytest.mark.parametrize("vt, options", [(FUSED_MAX[1] + 1, JSD), (201088, CAPS)])
+@pytest.mark.parametrize("vt, options", [(FUSED_MAX[1] + 1, JSD), (201088, CAPS), (262208, JSD)])
 def test_wide_rows_where_the_gpu_fits_no_wide_cluster(rng, monkeypatch, vt, options):
-    """On a GPU where no cluster of the wide shape fits (none of its GPCs has 16 SMs), its rows
+    """On a GPU where no cluster of the wide shapes fits (none of its GPCs has 16 SMs), their rows
     take the phase kernels, with the reference's answer (the H200 fits 7: here the fit is
     denied)."""
     from jsdgpu.cuda import kernels, sources
     fits = kernels.FusedKernel.fits
-    monkeypatch.setattr(kernels.FusedKernel, "fits", lambda self: self.shape != sources.FUSED_WIDE and fits(self))
+    wide = (sources.FUSED_WIDE, sources.FUSED_WIDE_EXTRA)
+    monkeypatch.setattr(kernels.FusedKernel, "fits", lambda self: self.shape not in wide and fits(self))
     case = gpu_case(rng, T=33, hs=64, ht=96, vs=vt - 3, vt=vt, dtype=np.float32, bias=True, logit_std=8.0,
                     ignored=0.3)
     assert fused_shape_taken(case) is None
     against_reference(case, options)
 
 
-@pytest.mark.parametrize("vt", [1040, FUSED_MAX[0] + 8, FUSED_MAX[1] + 8])
+@pytest.mark.parametrize("vt", [1040, FUSED_MAX[0] + 8, FUSED_MAX[1] + 8, FUSED_MAX[2] + 8])
 def test_rows_handed_out_to_the_clusters(rng, vt):
     """One chunk of T rows for T around multiples of the fused kernel's clusters (each takes its
     first two rows by its index, the rest from a counter as it asks), in each of its shapes:

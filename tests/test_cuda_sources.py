@@ -69,9 +69,9 @@ def test_each_fused_shape_fits_an_sm_as_often_as_it_asks(shape):
 
 
 def test_each_teacher_vocabulary_takes_the_narrowest_fused_shape_that_holds_it():
-    narrow, extra, wide = sources.FUSED, sources.FUSED_EXTRA, sources.FUSED_WIDE
+    narrow, extra, wide, wide_extra = sources.FUSED_SHAPES
     cases = [(1, narrow), (131072, narrow), (131073, extra), (151936, extra), (163840, extra), (163841, wide),
-             (262144, wide), (262145, None)]
+             (262144, wide), (262145, wide_extra), (262208, wide_extra), (327680, wide_extra), (327681, None)]
     assert [sources.fused_shape(vt) for vt, _ in cases] == [shape for _, shape in cases]
 
 

@@ -87,7 +87,7 @@ class FusedKernel:
         return self._functions[divergence]
 
     def fits(self):
-        """Whether a cluster of this shape fits the GPU at all: the wide shape's 16 CTAs of 1024
+        """Whether a cluster of this shape fits the GPU at all: the wide shapes' 16 CTAs of 1024
         threads need 16 SMs of one GPC, which a Hopper part may not have (where it does not, its
         rows take the phase kernels: online_work.fused_holds). Loads a function if none is."""
         if self.max_clusters is None:
@@ -105,7 +105,7 @@ class FusedKernel:
         # clusters' CTAs per SM: 116 SMs in use); load balancing lets one more in, on 8 SMs of its
         # own. That one runs slower, and the kernel hands out rows as they are asked for, so it
         # takes fewer: -10% time per row at 2048 rows (docs/design.md, "The fused row kernel").
-        # (The wide shape, a CTA an SM: 7 clusters, one per GPC, either way.)
+        # (The wide shapes, a CTA an SM: 7 clusters, one per GPC, either way.)
         driver.funcSetAttribute(ptr, _FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE,
                                 _CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING)
         function.max_dynamic_shared_size_bytes = shape.shared_bytes

@@ -14,7 +14,7 @@ from .steps import leading_dim, padded_bias
 
 def fused_holds(vt, dtype):
     """Whether the fused kernel takes rows of vt teacher columns on this GPU: one of its shapes
-    holds them (sources.fused_shape: up to 262144 columns) and a cluster of that shape fits the
+    holds them (sources.fused_shape: up to 327680 columns) and a cluster of that shape fits the
     GPU (FusedKernel.fits). Elsewhere the three phase kernels run."""
     shape = fused_shape(vt)
     return shape is not None and kernels.fused_kernel(cupy.cuda.Device().id, dtype, shape).fits()

@@ -54,11 +54,14 @@ FUSED = FusedShape()
 # One more group a thread in shared memory: up to 163840 columns (Qwen's 151936), still two CTAs
 # per SM (96 KiB of shared memory each) (docs/design.md, "Wide vocabularies")
 FUSED_EXTRA = FusedShape(extra=1)
-# Wider teacher vocabularies (GPT-OSS's 201088, Gemma's 256000 and 262144): 16 CTAs of 1024
-# threads, one per SM, so that a row's columns are held by the registers of 16 SMs: up to 262144
-# columns; wider rows take the phase kernels
+# Wider teacher vocabularies (GPT-OSS's 201088, Gemma 2's 256000 and Gemma 3 1B's 262144): 16
+# CTAs of 1024 threads, one per SM, so that a row's columns are held by the registers of 16 SMs:
+# up to 262144 columns
 FUSED_WIDE = FusedShape(threads=1024, min_ctas=1)
-FUSED_SHAPES = (FUSED, FUSED_EXTRA, FUSED_WIDE)  # the narrowest first
+# and one more group a thread in shared memory (192 KiB a CTA): up to 327680 columns (Gemma 3
+# 4B-27B's 262208); wider rows take the phase kernels
+FUSED_WIDE_EXTRA = FusedShape(threads=1024, min_ctas=1, extra=1)
+FUSED_SHAPES = (FUSED, FUSED_EXTRA, FUSED_WIDE, FUSED_WIDE_EXTRA)  # the narrowest first
 
 
 def fused_shape(vt):
