@@ -9,12 +9,13 @@ the loop, so every matrix product shrinks with them; in a capturable call (no ho
 synchronization) every row is computed, and the ignored ones are masked: their G rows zeroed,
 their values counted for nothing.
 
-grad_weight = G.T @ Xs: where the memory budget holds G for all rows (jsdgpu.chunks), it is one
-product over all of them, run by backward (which knows grad_output) straight into the output
-dtype; else G lives per chunk (with the fused kernel, written over the chunk's student logits)
-and each chunk adds its product to a float32 sum, which backward converts. The float32 sum
-costs a write and read of [Vs, Hs] float32 per chunk and a conversion (at the benchmark shape
-0.47 ms at T <= 2048, 0.85 ms at 8192: docs/design.md, "Chunks and G"). After the loop, the
+grad_weight = G.T @ Xs: where the memory budget holds G for all rows (jsdgpu.chunks; with the
+room of the float32 sum below, which it spares), it is one product over all of them, run by
+backward (which knows grad_output) straight into the output dtype; else G lives per chunk (with
+the fused kernel, written over the chunk's student logits) and each chunk adds its product to a
+float32 sum, which backward converts. The float32 sum costs a write and read of [Vs, Hs] float32
+per chunk and a conversion (at the benchmark shape 0.47 ms at T <= 2048, 0.66 at 4096:
+docs/design.md, "Chunks and G"). After the loop, the
 label terms the row kernel kept out of G (where the one-hot dominates a 16-bit G entry) are
 added exactly.
 
