@@ -12,7 +12,9 @@ rows (G held by a budget large enough for it), in turns, and the grad_weight pro
 Answer (one H200, 2026-12-04, --rounds 12; docs/record.md): held minus sums -0.35 ± 0.38 ms at
 T = 4096 (19.34 ms with the sums) and -0.42 ± 0.70 at 8192 (38.56): within the noise, for 1 and 2
 GB more memory. The products alone at T = 8192: one into bf16 6.22 ms, four of 2048 rows adding
-to float32 7.15, two of 4096 6.80 (and the sum's conversion to bf16 beside them).
+to float32 7.15, two of 4096 6.80 (and the sum's conversion to bf16 beside them). The library
+now holds G at T = 4096 in the float32 sum's room (no more memory than summing), where
+experiments/ab_versions.py measured -0.655 ± 0.154 ms, 24 rounds (docs/design.md, "Chunks and G").
 """
 
 import argparse
