@@ -76,13 +76,14 @@ def rest_slack(case, opts, missing_mass, G=None):
     return value, grad
 
 
-def check_against_reference(xp, case, opts, missing_mass, dtype, chunk_size=None, sharp=0.0):
+def check_against_reference(xp, case, opts, missing_mass, dtype, chunk_size=None, sharp=0.0, memory_budget=None):
     """The loss, its parts and the gradients as the float64 reference's, about as close as the
     float64 math is on float32 logits (conftest.float32_logits: at temperature 0.05 the gradient
     magnifies a logit's error twentyfold, and a sharp row's log-ratios multiply it again), plus
     float32 (or the dtype's) rounding of the results, and float64's own rounding where the loss
     is ill-conditioned (rest_slack)."""
-    loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp), missing_mass=missing_mass, chunk_size=chunk_size, **opts)
+    loss, ctx = jsdgpu.forward_topk(**to_xp(case, xp), missing_mass=missing_mass, chunk_size=chunk_size,
+                                    memory_budget=memory_budget, **opts)
     grads = jsdgpu.backward(ctx)
     s = head_logits(case, "student")
     args = (case["teacher_indices"], case["teacher_logprobs"], case["target"], missing_mass)
@@ -149,6 +150,25 @@ def test_against_float64(xp, rng, dtype, missing_mass, beta):
     opts = dict(beta=beta, temperature=float(rng.choice([0.7, 1.0, 2.0])), weight_hard_loss=0.3,
                 weight_soft_loss=0.7)
     check_against_reference(xp, case, opts, missing_mass, DTYPES[dtype], chunk_size=int(rng.integers(1, 6)))
+
+
+def test_held_g_in_the_room_of_the_float32_sum(xp, rng):
+    """As the online loss's (test_chunks.py): a budget under which G of all rows fits only with
+    the room of the float32 sum it spares (a 16-bit gradient: TopKLoss.spared_sum) holds G, with
+    the float64 reference's answer."""
+    from jsdgpu.call import backend_for
+    from jsdgpu.chunks import plan_chunks, spared_sum_bytes
+    from jsdgpu.options import RunOptions
+    T, vs, hs, dtype = 40, 523, 64, np.dtype(DTYPES["bfloat16"])
+    case = make_topk_case(rng, T=T, vs=vs, hs=hs, dtype=dtype, bias=False, ignored=0.0)
+    per_row = backend_for("numpy" if xp is np else "cupy").topk_bytes_per_row(vs, dtype, True)
+    budget = (T // 2) * (per_row[0] + per_row[2])  # 2 chunks of 20 rows, G per chunk
+    spared = spared_sum_bytes(vs, hs, dtype, RunOptions())
+    assert plan_chunks(T, None, *per_row, budget) == (T // 2, False)
+    assert plan_chunks(T, None, *per_row, budget, spared_sum=spared) == (T, True)
+    _, ctx = jsdgpu.forward_topk(**to_xp(case, xp), memory_budget=budget)
+    assert ctx._grads.held is not None
+    check_against_reference(xp, case, dict(beta=0.4), "bucket", dtype, memory_budget=budget)
 
 
 @pytest.mark.parametrize("T,chunk", [(17, 5), (HEAD_ROWS + 44, None)])  # the head a chunk, or part of one
