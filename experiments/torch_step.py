@@ -6,7 +6,9 @@ against the CuPy call's 0.07-0.17) and, in backward, GPU idle while autograd ran
 Python rule (0.31 and 0.36 ms, profiled), for a step 0.9-1.3 ms longer at T = 1024; not torch's
 allocator (no cudaMalloc or cudaFree in the timed steps). The eager step now goes through an
 autograd Function and a pointer bridge: 4.52-4.80 ms against the CuPy call's 4.42-4.45 in the
-same runs.
+same runs. With ignored rows that change from step to step (--ignored 0 0.4 0.1 0.3 0.2 0.35
+--turns; 2026-12-04): the module 1.077-1.102 times the CuPy call at T = 1024 in four runs, then
+1.044 and 1.042 with its host path cut (docs/design.md, "The front ends"); 1.00 at T = 8192.
 
 This times, on the same inputs, the step taken apart:
 
@@ -22,6 +24,8 @@ module step under torch's profiler, their GPU idle gaps and their slowest CUDA r
     python experiments/torch_step.py --tokens 1024 8192
     python experiments/torch_step.py --tokens 1024 --profile
     python experiments/torch_step.py --parts        # the bridge's pieces alone
+    python experiments/torch_step.py --ignored 0 0.4 0.1 0.3 --profile   # other ignored rows each step
+    python experiments/torch_step.py --ignored 0 0.4 0.1 0.3 --turns     # module ÷ CuPy call, in turns
 """
 
 import argparse
@@ -95,6 +99,28 @@ def measure(fn, n_sets, repeats):
     return statistics.median(steps), statistics.median(hosts), *counts
 
 
+def in_turns(this, other, n_sets, rounds=48):
+    """The two steps timed in turns (ABBA, one step each from an idle GPU, the sets rotating as
+    the rounds go): (median ms of this, of other, and the median, first and third quartiles of
+    this / other per round)."""
+    import cupy
+    for i in range(3):
+        this(i % n_sets), other(i % n_sets)
+    ours, theirs = [], []
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    for r in range(rounds):
+        for fn, times in ((this, ours), (other, theirs))[::1 if r % 2 == 0 else -1]:
+            cupy.cuda.Device().synchronize()
+            start.record()
+            fn(r % n_sets)
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop))
+    ratios = sorted(x / y for x, y in zip(ours, theirs))
+    return statistics.median(ours), statistics.median(theirs), statistics.median(ratios), ratios[rounds // 4], \
+        ratios[3 * rounds // 4]
+
+
 def profile(fn, out_dir, tag):
     """One step under torch's profiler: the GPU's busy time, its gaps over 20 µs (with the
     kernels around them), and the CUDA runtime calls that took over 50 µs."""
@@ -127,6 +153,25 @@ def profile(fn, out_dir, tag):
         print(f"    runtime {(e.time_range.end - e.time_range.start):8.1f} µs  {e.name}")
 
 
+def host_profile(fn, n_sets, tag, steps=30):
+    """The host's Python over `steps` steps under cProfile: the functions of most own time, and of
+    most time with their callees (torch's profiler shows the GPU's gaps, not whose Python made
+    them)."""
+    import cProfile
+    import pstats
+    for i in range(3):
+        fn(i % n_sets)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(steps):
+        fn(i % n_sets)
+    profiler.disable()
+    print(f"  {tag}: host profile of {steps} steps")
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(45)
+
+
 def bridge_parts(repeats=200):
     """Median µs of the bridge's pieces, each alone, back to back: a [1024, 2048] bf16 tensor
     viewed by CuPy through DLPack and by jsdgpu.torch.to_native, a 0-d CuPy array viewed by
@@ -138,6 +183,8 @@ def bridge_parts(repeats=200):
     import jsdgpu.torch as jtorch
     t = torch.randn(1024, 2048, device="cuda").to(torch.bfloat16)
     a = cupy.zeros((), cupy.float32)
+    with jtorch.current_stream(t):
+        in_torch = cupy.zeros((), cupy.float32)  # in torch's memory, as a call's arrays are
 
     def stream_block():
         with jtorch.current_stream(t):
@@ -145,6 +192,7 @@ def bridge_parts(repeats=200):
     pieces = {"cupy.from_dlpack(tensor)": lambda: cupy.from_dlpack(t.detach()),
               "to_native(tensor)": lambda: jtorch.to_native(t),
               "from_native(0-d array)": lambda: jtorch.from_native(a),
+              "from_native(0-d array in torch's memory)": lambda: jtorch.from_native(in_torch),
               "current_stream(tensor) block": stream_block}
     print("| piece | µs |")
     print("| --- | --- |")
@@ -164,6 +212,10 @@ def main():
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", help="a folder for the profiles' traces")
     p.add_argument("--parts", action="store_true", help="also the bridge's pieces, each timed alone")
+    p.add_argument("--turns", action="store_true", help="the module and the CuPy call in turns, step by step")
+    p.add_argument("--host-profile", action="store_true", help="the cupy and module steps' Python under cProfile")
+    p.add_argument("--ignored", type=float, nargs="+",
+                   help="the sets' shares of ignored rows, one set each (a run's: 0 0.4 0.1 0.3)")
     args = p.parse_args()
     if args.parts:
         bridge_parts()
@@ -172,21 +224,30 @@ def main():
     from harness import make_sets, make_weights
     weights = make_weights(2)
     rng = __import__("numpy").random.default_rng(0)
-    rows = []
+    rows, turns = [], []
     for T in args.tokens:
-        sets = make_sets(T, weights, rng)
+        sets = make_sets(T, weights, rng) if args.ignored is None else [
+            s for k, f in enumerate(args.ignored) for s in make_sets(T, weights[k % 2:][:1], rng, 1 - f)]
         fns = variants(sets)
         for name, fn in fns.items():
             rows.append((T, name, *measure(fn, len(sets), args.repeats)))
-        if args.profile:
-            for name in ("cupy", "module"):
+        if args.turns:
+            module_ms, cupy_ms, ratio, low, high = in_turns(fns["module"], fns["cupy"], len(sets))
+            turns.append(f"| {T} | {module_ms:.3f} | {cupy_ms:.3f} | {ratio:.3f} ({low:.3f}-{high:.3f}) |")
+        for name in ("cupy", "module"):
+            if args.profile:
                 profile(fns[name], args.out, f"{name}_{T}")
+            if args.host_profile:
+                host_profile(fns[name], len(sets), f"{name}_{T}")
         del sets, fns
         cupy.get_default_memory_pool().free_all_blocks()
     print("| T | step | ms (events) | host ms before the first product | cudaMalloc | cudaFree |")
     print("| --- | --- | --- | --- | --- | --- |")
     for T, name, ms, host, mallocs, frees in rows:
         print(f"| {T} | {name} | {ms:.3f} | {host:.3f} | {mallocs} | {frees} |")
+    if turns:
+        print("\nIn turns:\n\n| T | module ms | CuPy call ms | module ÷ CuPy call (quartiles) |\n| --- | --- | --- | --- |")
+        print("\n".join(turns))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Traced (torch.compile, export), the loss is the operator jsdgpu::fused_linear_js
 given by a fake implementation, its gradient computed in forward (as Liger's is) and scaled by
 grad_output in backward. Eagerly it is an autograd Function that calls jsdgpu.forward and, in
 backward, jsdgpu.backward with grad_output: the operator's eager dispatch and its pass over the
-gradients cost 0.6-0.9 ms a step at T = 1024 (docs/design.md, "The front ends"). Tensors cross to
+gradients cost 0.6-0.9 ms a step at T = 1024 (docs/design.md, "The front ends"), and its host
+path before the step's first product is kept short. Tensors cross to
 CuPy (GPU) or NumPy (CPU) without a copy; the work is queued on torch's current CUDA
 stream with nothing added to synchronize, and its memory comes from torch's caching allocator (so
 torch.cuda.max_memory_allocated counts it, freed blocks return to torch's cache, and a CUDA-graph
@@ -34,7 +35,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import api, topk
 from .options import DEFAULTS, LossOptions, RunOptions, TopKOptions
-from .torch_bridge import autocast_dtype, caster, check_dtypes
+from .torch_bridge import as_rows, autocast_dtype, caster, check_dtypes
 from .torch_bridge import current_stream, from_native, to_native  # noqa: F401 (the bridge call.py uses)
 from .torch_sharding import plain_inputs
 
@@ -207,6 +208,9 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run, xs, ws, bs):
+        # the parts are not differentiable: no zeros made for their gradients (two fills and their
+        # host time in backward, where the GPU waits for its product)
+        ctx.set_materialize_grads(False)
         loss, ctx.jsd_ctx = run()
         ctx.dtypes = (xs.dtype, ws.dtype, None if bs is None else bs.dtype)
         ctx.mark_non_differentiable(ctx.jsd_ctx.soft_loss, ctx.jsd_ctx.hard_loss)
@@ -214,6 +218,8 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_soft, grad_hard):
+        if grad_loss is None:  # (not materialized: the loss took no part in what is differentiated)
+            return None, None, None, None
         grads = api.backward(ctx.jsd_ctx, grad_loss)  # frees its sums; a second call raises
         return None, *(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes))
 
@@ -238,8 +244,8 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
     student_input, student_weight, teacher_input, teacher_weight, true_labels, student_bias, teacher_bias = \
         plain.values()
     hs, ht = student_input.shape[-1], teacher_input.shape[-1]
-    xs, xt, target = student_input.reshape(-1, hs), teacher_input.reshape(-1, ht), true_labels.reshape(-1)
-    weights = None if token_weights is None else token_weights.reshape(-1)
+    xs, xt, target = as_rows(student_input, hs), as_rows(teacher_input, ht), as_rows(true_labels)
+    weights = None if token_weights is None else as_rows(token_weights)
     compute_dtype = autocast_dtype(xs.device.type)
     check_dtypes(compute_dtype, ("student", xs, student_weight), ("teacher", xt, teacher_weight))
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
@@ -281,7 +287,7 @@ def _call_options(student_input, student_weight, student_bias, *loss_options):
     w_hard, w_soft, beta, temperature, ignore_index, *models = loss_options
     options = (float(w_hard), float(w_soft), float(beta), float(temperature), int(ignore_index),
                *(None if m is None else float(m) for m in models))
-    LossOptions(*options)
+    _loss_options(*options)
     return compute_grad, options
 
 
@@ -416,9 +422,9 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
         teacher_logprobs=teacher_logprobs, true_labels=true_labels, student_bias=student_bias)
     student_input, student_weight, teacher_indices, teacher_logprobs, true_labels, student_bias = plain.values()
     hs, k = student_input.shape[-1], teacher_indices.shape[-1]
-    xs, target = student_input.reshape(-1, hs), true_labels.reshape(-1)
-    ids, lq = teacher_indices.reshape(-1, k), teacher_logprobs.reshape(-1, teacher_logprobs.shape[-1])
-    weights = None if token_weights is None else token_weights.reshape(-1)
+    xs, target = as_rows(student_input, hs), as_rows(true_labels)
+    ids, lq = as_rows(teacher_indices, k), as_rows(teacher_logprobs, teacher_logprobs.shape[-1])
+    weights = None if token_weights is None else as_rows(token_weights)
     compute_dtype = autocast_dtype(xs.device.type)
     check_dtypes(compute_dtype, ("student", xs, student_weight))
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,

@@ -3,6 +3,7 @@ zero-copy views both ways, CuPy on torch's current stream with memory from torch
 allocator (on the CPU, the products by torch's BLAS), and the operands' dtype under autocast."""
 
 import contextlib
+import functools
 
 import ml_dtypes
 import numpy as np
@@ -45,12 +46,13 @@ def from_native(a):
     return torch.from_dlpack(a)
 
 
-def _torch_memory(nbytes):
-    """CuPy memory from torch's caching allocator: a uint8 tensor on the current device and
-    stream, held by the CuPy memory object (freed to torch's cache with it)."""
+def _torch_memory(device, nbytes):
+    """CuPy memory from torch's caching allocator: a uint8 tensor on the device (its index) and
+    the current stream, held by the CuPy memory object (freed to torch's cache with it)."""
     import cupy
-    block = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
-    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block), 0)
+    block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    # the device given: else CuPy asks the driver for the pointer's attributes at every allocation
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block, device), 0)
 
 
 def _torch_matmul(a, b, out):
@@ -66,13 +68,32 @@ def current_stream(t):
         from .cpu.products import through
         return through(_torch_matmul)
     import cupy
+    device = t.device.index
     stack = contextlib.ExitStack()
-    stack.enter_context(cupy.cuda.Device(t.device.index))
-    stack.enter_context(torch.cuda.device(t.device))
-    stream = torch.cuda.current_stream(t.device)
-    stack.enter_context(cupy.cuda.ExternalStream(stream.cuda_stream, t.device.index))
-    stack.enter_context(cupy.cuda.using_allocator(_torch_memory))
+    stack.enter_context(cupy.cuda.Device(device))
+    stack.enter_context(torch.cuda.device(device))
+    stack.enter_context(_cupy_stream(torch.cuda.current_stream(device).cuda_stream, device))
+    stack.enter_context(cupy.cuda.using_allocator(_allocator(device)))
     return stack
+
+
+# Made once: each is host time before the step's first product (and CuPy's ExternalStream warns
+# that it is deprecated at every construction). A stream is known by its pointer alone.
+@functools.lru_cache(maxsize=64)
+def _cupy_stream(pointer, device):
+    import cupy
+    return cupy.cuda.ExternalStream(pointer, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _allocator(device):
+    return functools.partial(_torch_memory, device)
+
+
+def as_rows(t, *width):
+    """t as [rows, *width] (labels and weights: [rows]): itself where it is so already; a reshape
+    is host time before the step's first product, and a node of its own in backward."""
+    return t if t.dim() == 1 + len(width) else t.reshape(-1, *width)
 
 
 def caster(compute_dtype):

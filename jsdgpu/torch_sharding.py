@@ -3,15 +3,22 @@ read outside the head's own forward) gathered for the loss's call, its gradient 
 FSDP2 reduces the gradients it manages; and heads that tensor parallelism shards over the
 vocabulary, taken as this rank's shards for vocab parallelism (docs/design.md, "The front ends")."""
 
+import functools
+
 import torch
 
 
+@functools.lru_cache(maxsize=None)  # three times a call: the import machinery's lookups each time
 def _dtensor_type():
     """DTensor's class, or None where this torch has no torch.distributed."""
     if not torch.distributed.is_available():
         return None
     from torch.distributed.tensor import DTensor
     return DTensor
+
+
+# the types of a call's tensors that are no DTensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter, type(None))
 
 
 def _over_rows(placement):
@@ -85,6 +92,8 @@ def plain_inputs(vocab_parallel=None, **tensors):
     vocabulary (jsdgpu.parallel, over the mesh's process group), the hidden states the same on
     every rank of the tensor-parallel mesh. Hidden states, labels and a stored top-k that are
     DTensors are not taken."""
+    if vocab_parallel is None and all(type(t) in _PLAIN for t in tensors.values()):
+        return tensors, None  # the common call, at once: host time before the step's first product
     dtensor = _dtensor_type()
     for name in ("student_input", "teacher_input", "true_labels", "teacher_indices", "teacher_logprobs"):
         if dtensor is not None and isinstance(tensors.get(name), dtensor):
