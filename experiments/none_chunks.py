@@ -10,14 +10,22 @@ This times, in turns, the step (forward + backward, every row valid) at:
 - mean, chunks of 1408, G held (a budget that holds it): none's plan, with mean's backward;
 - none, memory_budget 3 GiB (four chunks of 2048, G held): more memory, mean's chunks.
 
-    python experiments/none_chunks.py [--tokens 8192] [--rounds 12]
+    python experiments/none_chunks.py [--tokens 8192] [--rounds 12] [--history]
+
+--history: first the calls bench/bench_run.py makes before its distributions (its history calls,
+and its run's steps at T = 1024, 4096 and 8192, "mean" and "none"), so that the products' classes
+are tuned as they are there.
 
 Each variant's median ms over the rounds, and each minus "mean" with twice its standard error.
 
-Answer (one H200, 2026-12-04, --rounds 10; docs/design.md, "Token weights and the sum"): "mean"
-38.68 ms; none -0.48 ± 0.97, mean in chunks of 1408 -1.03 ± 1.56, those with G held -0.41 ±
-1.94, none with 3 GiB -0.07 ± 2.85: no cost of the six chunks that the noise lets through, in a
-fresh process (the benchmark's 5-7% at T = 8192 comes after its run's other shapes).
+Answer (one H200, 2026-12-04, --rounds 10; docs/design.md, "Token weights and the sum" and
+"Products"): fresh, "mean" 38.68 / 39.05 ms (two runs), none -0.48 ± 0.97 / -2.43 ± 0.80, mean
+in chunks of 1408 -1.03 ± 1.56 / -2.40 ± 1.41, those with G held -0.41 ± 1.94 / -1.90 ± 1.56,
+none with 3 GiB -0.07 ± 2.85 / -1.17 ± 2.07: the six chunks cost nothing. With --history: "mean"
+37.86, none +2.28 ± 0.32, mean in chunks of 1408 +1.39 ± 0.28, with G held +1.38 ± 0.37, none
+with 3 GiB -0.90 ± 0.40: the products of 1408 rows take their class's algorithm, tuned at 1536
+rows by the history; with eight classes an octave (products._bucket's unit 1 << (bit_length -
+4), a copy of the package) none +0.30 ± 0.26, mean in chunks of 1408 +0.38 ± 0.61.
 """
 
 import argparse
@@ -37,6 +45,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[8192])
     p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--history", action="store_true", help="bench_run.py's calls before its distributions first")
     a = p.parse_args()
     import cupy  # needs the GPU: after --help
     import harness
@@ -44,6 +53,8 @@ def main():
     from bench_run import timed_turns
 
     import jsdgpu
+    if a.history:
+        run_history(cupy, jsdgpu)
     weights = harness.make_weights(1)
     rng = np.random.default_rng(0)
     for T in a.tokens:
@@ -64,6 +75,21 @@ def main():
             d = [x - y for x, y in zip(times, base)]
             err = 2 * statistics.stdev(d) / len(d) ** 0.5 if k else 0.0
             print(f"  {name:32s} {statistics.median(times):7.2f}   - mean {statistics.mean(d):+.3f} ± {err:.3f}")
+
+
+def run_history(cupy, jsdgpu):
+    """bench_run.py's calls before its distributions: its history calls, then its run's steps."""
+    from bench_run import HISTORY, RUN_DELTAS, RUN_IGNORED, heads, step_inputs
+    ws, wn = heads(cupy, 4.0, 1)
+    calls = [(T, 1.0, ignored, 7) for T, ignored in HISTORY] + [
+        (T, float(d), ignored, 100 * T + i) for T in (1024, 4096, 8192)
+        for i, (d, ignored) in enumerate(zip(RUN_DELTAS, RUN_IGNORED))]
+    for T, delta, ignored, seed in calls:
+        step = step_inputs(cupy, T, ws, wn, delta, ignored, seed)
+        for reduction in ("mean", "none"):
+            jsdgpu.backward(jsdgpu.forward(*step, reduction=reduction)[1])
+    cupy.cuda.Device().synchronize()
+    cupy.get_default_memory_pool().free_all_blocks()
 
 
 if __name__ == "__main__":
