@@ -100,6 +100,26 @@ def test_eager_calls_take_the_function_and_traces_the_operator(rng, device):
     assert not jtorch._runs_eagerly(torch._subclasses.FakeTensorMode().from_tensor(ts[0]))
 
 
+def test_eager_step_adds_no_work_of_its_own(rng, device):
+    """The eager step's host path before the first product and in backward (docs/design.md, "The
+    front ends"): 2-D inputs reach the Function as they are (no reshape, whose view would be an
+    autograd node of its own), and backward makes no zeros for the gradients of the loss's
+    non-differentiable parts (an autograd Function materializes them unless told not to); the
+    gradients stay the reference's."""
+    case = make_case(rng, T=6)
+    ts = tensors(case, device)
+    loss = jtorch.FusedLinearJSDLoss()(*ts)
+    inputs = {fn.variable.data_ptr() for fn, _ in loss.grad_fn.next_functions
+              if type(fn).__name__ == "AccumulateGrad"}
+    assert {ts[0].data_ptr(), ts[1].data_ptr()} <= inputs  # straight into the leaves: no view between
+    with torch.profiler.profile() as prof:
+        loss.backward()
+    assert not [e.name for e in prof.events() if e.name in ("aten::zeros", "aten::zero_")]
+    ref = jsdgpu.reference(**case)
+    assert rel_err(ts[0].grad.float().cpu().numpy(), ref[3]) < 1e-4
+    assert rel_err(ts[1].grad.float().cpu().numpy(), ref[4]) < 1e-4
+
+
 def test_a_second_backward_says_so(rng, device):
     """The gradients are made once per call (jsdgpu.backward frees its sums): a second backward
     through a retained graph raises, not a silent wrong gradient."""
