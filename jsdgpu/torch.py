@@ -287,7 +287,7 @@ def _call_options(student_input, student_weight, student_bias, *loss_options):
     w_hard, w_soft, beta, temperature, ignore_index, *models = loss_options
     options = (float(w_hard), float(w_soft), float(beta), float(temperature), int(ignore_index),
                *(None if m is None else float(m) for m in models))
-    _loss_options(*options)
+    (LossOptions if torch.compiler.is_compiling() else _loss_options)(*options)  # (Dynamo warns of caches)
     return compute_grad, options
 
 

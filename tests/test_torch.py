@@ -331,6 +331,19 @@ def test_training_step_compiled_fullgraph(rng, device, bias):
     assert results[0][0][-1] < results[0][0][0]  # it trains
 
 
+def test_compiled_call_traces_without_warnings_of_ours(rng, device):
+    """Dynamo traces the front end's Python before the operator: no caches of ours in that path
+    (Dynamo warns of each lru_cache it meets, and traces through it)."""
+    import warnings
+    ts = tensors(make_case(rng, T=6), device)
+    loss_fn = jtorch.FusedLinearJSDLoss(beta=0.3)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(lambda *a: loss_fn(*a), fullgraph=True)(*ts).backward()
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+
+
 def test_training_step_under_autocast(rng, device):
     """fp32 models under autocast(bfloat16): the loss computes on bf16 operands with float32
     accumulation (as the float64 reference of the bf16-rounded operands), and the fp32 head's
