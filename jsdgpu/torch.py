@@ -37,7 +37,7 @@ from . import api, topk
 from .options import DEFAULTS, LossOptions, RunOptions, TopKOptions
 from .torch_bridge import as_rows, autocast_dtype, caster, check_dtypes
 from .torch_bridge import current_stream, from_native, to_native  # noqa: F401 (the bridge call.py uses)
-from .torch_sharding import plain_inputs
+from .torch_sharding import are_plain, plain_inputs
 
 
 # ---- the custom operator ----
@@ -196,7 +196,7 @@ def _runs_eagerly(*tensors):
     "The front ends")."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
-    return all(t is None or type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors)
+    return are_plain(*tensors)
 
 
 class _Eager(torch.autograd.Function):

@@ -17,8 +17,13 @@ def _dtensor_type():
     return DTensor
 
 
-# the types of a call's tensors that are no DTensor
+# the types of a call's tensors that are plain: no DTensor, nor any other subclass
 _PLAIN = (torch.Tensor, torch.nn.Parameter, type(None))
+
+
+def are_plain(*tensors):
+    """Whether every one of the tensors is a plain tensor or parameter (or None)."""
+    return all(type(t) in _PLAIN for t in tensors)
 
 
 def _over_rows(placement):
@@ -92,7 +97,7 @@ def plain_inputs(vocab_parallel=None, **tensors):
     vocabulary (jsdgpu.parallel, over the mesh's process group), the hidden states the same on
     every rank of the tensor-parallel mesh. Hidden states, labels and a stored top-k that are
     DTensors are not taken."""
-    if vocab_parallel is None and all(type(t) in _PLAIN for t in tensors.values()):
+    if vocab_parallel is None and are_plain(*tensors.values()):
         return tensors, None  # the common call, at once: host time before the step's first product
     dtensor = _dtensor_type()
     for name in ("student_input", "teacher_input", "true_labels", "teacher_indices", "teacher_logprobs"):
