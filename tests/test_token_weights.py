@@ -256,6 +256,37 @@ def test_torch_modules_take_weights_per_call(rng, torch_device, loss, compiled, 
         assert rel_err(t.grad.cpu().numpy(), want) <= 1e-4
 
 
+@pytest.mark.parametrize("T,ignored,weights,caps", [(10, 0.0, None, None), (10, 0.3, "mixed", None), (1, 0.0, None, 5.0),
+                                                   (7, 1.0, None, None), (9, 0.4, "zeros", 5.0)])
+def test_compiled_rows_own_losses_carry_their_gradients(rng, torch_device, T, ignored, weights, caps):
+    """reduction "none" under torch.compile(fullgraph=True), no student bias: forward keeps the
+    gradients and carries G to backward as tensors (jsdgpu.torch_rows), so backward runs no
+    second call of the loss (no jsdgpu::fused_linear_jsd in the step); the per-row losses and the
+    gradients under a random upstream gradient as the float64 reference's, with rows ignored
+    (all of them too), token weights, T = 1 and soft caps."""
+    torch = pytest.importorskip("torch")
+    jtorch = pytest.importorskip("jsdgpu.torch")
+    case = make_case(rng, T=T, ignored=ignored, logit_std=4.0)
+    names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target")
+    ts = [torch.from_numpy(case[n]).to(torch_device) for n in names]
+    ts[0].requires_grad_(True), ts[1].requires_grad_(True)
+    w = None if weights is None else token_weights(rng, T, weights)
+    opts = dict(beta=0.3, temperature=2.0, student_logit_softcap=caps, teacher_logit_softcap=caps)
+    module = jtorch.FusedLinearJSDLoss(reduction="none", **opts)
+    torch._dynamo.reset()
+    step = torch.compile(lambda *a, token_weights: module(*a, token_weights=token_weights), fullgraph=True)
+    upstream = rng.standard_normal(T)
+    with torch.profiler.profile() as prof:
+        out = step(*ts, token_weights=None if w is None else torch.from_numpy(w).to(torch_device))
+        (out * torch.from_numpy(upstream).float().to(torch_device)).sum().backward()
+    ops = [e.name for e in prof.events() if e.name.startswith("jsdgpu::")]
+    assert "jsdgpu::fused_linear_jsd_rows" in ops and "jsdgpu::fused_linear_jsd" not in ops, sorted(set(ops))
+    ref = jsdgpu.reference(**case, token_weights=w, reduction="none", grad_output=upstream, **opts)
+    np.testing.assert_allclose(out.detach().cpu().numpy(), ref[0], rtol=1e-5, atol=1e-6)
+    for t, want in zip(ts[:2], ref[3:5]):
+        assert rel_err(t.grad.cpu().numpy(), want) <= 1e-4
+
+
 @pytest.mark.parametrize("loss", ["online", "topk"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_jax_weights_under_jit(rng, jax_device, loss, reduction):
