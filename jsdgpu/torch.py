@@ -10,10 +10,10 @@ Traced (torch.compile, export), the loss is the operator jsdgpu::fused_linear_js
 (torch.library.custom_op): opaque to Dynamo (no graph break, fullgraph=True works), its shapes
 given by a fake implementation, its gradient computed in forward (as Liger's is) and scaled by
 grad_output in backward (with reduction "none", where G is held for all rows, the operators of
-jsdgpu.torch_rows carry it to backward instead). Eagerly it is an autograd Function that calls jsdgpu.forward and, in
-backward, jsdgpu.backward with grad_output: the operator's eager dispatch and its pass over the
-gradients cost 0.6-0.9 ms a step at T = 1024 (docs/design.md, "The front ends"). Tensors cross to
-CuPy (GPU) or NumPy (CPU) without a copy; the work is queued on torch's current CUDA
+jsdgpu.torch_rows carry it to backward instead). Eagerly it is an autograd Function that calls
+jsdgpu.forward and, in backward, jsdgpu.backward with grad_output: the operator's eager dispatch
+and its pass over the gradients cost 0.6-0.9 ms a step at T = 1024 (docs/design.md, "The front
+ends"). Tensors cross to CuPy (GPU) or NumPy (CPU) without a copy; the work is queued on torch's current CUDA
 stream with nothing added to synchronize, and its memory comes from torch's caching allocator (so
 torch.cuda.max_memory_allocated counts it, freed blocks return to torch's cache, and a CUDA-graph
 capture takes it from the graph's pool). Inside a capture the core runs capturable by itself.
