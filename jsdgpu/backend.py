@@ -150,6 +150,10 @@ class OnlineRowWork(Protocol):
     def gradient_rows(self, work, g_rows, own_g):
         """G's memory for g_rows rows (own_g: apart from the logits, as G held for all rows)."""
 
+    def g_row_layout(self, vs, dtype):
+        """(columns, dtype) of a row of G of its own (gradient_rows' own_g) for weights of Vs rows
+        in dtype."""
+
     def logits(self, work, xs, xt, at=0, student=True):
         """The student and teacher logits of the chunk's rows [at, at + len(xs)) into work (the
         teacher's alone where not student: the student's were queued ahead)."""

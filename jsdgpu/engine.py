@@ -118,13 +118,15 @@ class ChunkLoss:
         if grads is not None and self.shard is not None:
             self.shard.comm.allreduce(grads.grad_input, "sum")
 
-    def outputs(self, n_rows, chunk, hold_g, G_all=None):
+    def outputs(self, n_rows, chunk, hold_g, G_all=None, held_rows=None):
         """(G_all, ce, soft, Gradients, label_terms) for n_rows rows in chunks of `chunk` rows: G of
-        all of them where hold_g, else of a chunk (None without gradients), the per-row results,
-        and with gradients their sums and the label terms (row_outputs)."""
+        all of them where hold_g (the first n_rows of memory for held_rows, where given), else of a
+        chunk (None without gradients), the per-row results, and with gradients their sums and the
+        label terms (row_outputs)."""
         xp, compute_grad = self.backend.xp, self.run_opts.compute_grad
         if G_all is None and compute_grad and n_rows:
-            G_all = self.gradient_rows(n_rows if hold_g else chunk, hold_g)
+            G_all = self.gradient_rows(max(n_rows, held_rows or 0), True)[:n_rows] if hold_g else \
+                self.gradient_rows(chunk, False)
         ce, soft, grads, label_terms = row_outputs(xp, n_rows, self.hs, self.vs, hold_g, self.has_bias, compute_grad)
         if G_all is not None and self.scales_g:  # G's rows stored scaled: read once
             grads.g_scale = xp.empty(n_rows, np.float32)
@@ -165,7 +167,10 @@ def run(loss, xs, other, first=None):
     ahead = loss.ahead
     if ahead is not None and (rows.valid_rows is not None or ahead[:2] != (chunk, hold_g)):
         ahead = None  # the guess was wrong: the rows or their chunks are others
-    out = loss.outputs(n_rows, chunk, hold_g) if ahead is None else ahead[2]
+    # a call of the rows' own losses holds G in memory of all of its rows (valid or not): of the
+    # call's own shape, which a front end carries from forward to backward (jsdgpu.torch_rows)
+    out = loss.outputs(n_rows, chunk, hold_g, held_rows=n_all if loss.run_opts.rows_own else None) \
+        if ahead is None else ahead[2]
     G_all, ce, soft, grads, label_terms = out
     if weights is not None and grads is not None and not loss.scales_g:
         grads.g_scale = weights  # the rows' scales of the gradient products

@@ -13,6 +13,22 @@ from .engine import ChunkLoss
 from .parallel import combine_stats
 
 
+def _row_bytes(backend, vs, vt, hs, dtype, run_opts, fused):
+    """(ChunkLoss.per_row, ChunkLoss.spared_sum) of the online loss."""
+    return (backend.bytes_per_row(vs, vt, dtype, run_opts.compute_grad, fused=fused),
+            spared_sum_bytes(vs, hs, dtype, run_opts))
+
+
+def keeps_row_gradients(backend, vs, vt, hs, dtype, n_rows, has_bias, run_opts):
+    """OnlineLoss.keeps_row_gradients(n_rows) of a call on one device (no vocab parallelism) with
+    weights of these shapes and dtype, from the shapes alone: what a front end that carries the
+    kept gradients from forward to backward decides as it traces (jsdgpu.torch_rows)."""
+    shapes = ChunkLoss()
+    shapes.backend, shapes.run_opts, shapes.has_bias = backend, run_opts, has_bias
+    shapes.per_row, shapes.spared_sum = _row_bytes(backend, vs, vt, hs, dtype, run_opts, True)
+    return shapes.keeps_row_gradients(n_rows)
+
+
 class OnlineLoss(ChunkLoss):
     """The online loss of one call: ws, wt, bs, bt the heads (under vocab parallelism this rank's
     shards of the vocabulary, shard its parallel.Shard, else None), target the call's labels."""
@@ -26,8 +42,7 @@ class OnlineLoss(ChunkLoss):
         # every rank must cut the same chunks: size them by the largest shard
         widest = (self.vs, wt.shape[0]) if shard is None else (shard.max_vs, shard.max_vt)
         self.models = opts.models
-        self.per_row = backend.bytes_per_row(*widest, ws.dtype, run_opts.compute_grad, fused=shard is None)
-        self.spared_sum = spared_sum_bytes(widest[0], self.hs, ws.dtype, run_opts)
+        self.per_row, self.spared_sum = _row_bytes(backend, *widest, self.hs, ws.dtype, run_opts, shard is None)
 
     def prepare(self, most, buffers):
         self.work = self.backend.prepare(self.ws, self.wt, self.bs, self.bt, most, fused=self.shard is None,

@@ -9,11 +9,11 @@ LigerFusedLinearJSDFunction that torch.compile, autocast and CUDA graphs take wh
 Traced (torch.compile, export), the loss is the operator jsdgpu::fused_linear_jsd
 (torch.library.custom_op): opaque to Dynamo (no graph break, fullgraph=True works), its shapes
 given by a fake implementation, its gradient computed in forward (as Liger's is) and scaled by
-grad_output in backward. Eagerly it is an autograd Function that calls jsdgpu.forward and, in
-backward, jsdgpu.backward with grad_output: the operator's eager dispatch and its pass over the
-gradients cost 0.6-0.9 ms a step at T = 1024 (docs/design.md, "The front ends"), and its host
-path before the step's first product is kept short. Tensors cross to
-CuPy (GPU) or NumPy (CPU) without a copy; the work is queued on torch's current CUDA
+grad_output in backward (with reduction "none", where G is held for all rows, the operators of
+jsdgpu.torch_rows carry it to backward instead). Eagerly it is an autograd Function that calls
+jsdgpu.forward and, in backward, jsdgpu.backward with grad_output: the operator's eager dispatch
+and its pass over the gradients cost 0.6-0.9 ms a step at T = 1024 (docs/design.md, "The front
+ends"). Tensors cross to CuPy (GPU) or NumPy (CPU) without a copy; the work is queued on torch's current CUDA
 stream with nothing added to synchronize, and its memory comes from torch's caching allocator (so
 torch.cuda.max_memory_allocated counts it, freed blocks return to torch's cache, and a CUDA-graph
 capture takes it from the graph's pool). Inside a capture the core runs capturable by itself.
@@ -33,9 +33,9 @@ except ImportError as e:
     raise ImportError("jsdgpu.torch needs PyTorch: pip install 'jsdgpu[torch]' (or torch itself)") from e
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from . import api, topk
+from . import api, topk, torch_rows
 from .options import DEFAULTS, LossOptions, RunOptions, TopKOptions
-from .torch_bridge import as_rows, autocast_dtype, caster, check_dtypes
+from .torch_bridge import as_rows, autocast_dtype, caster, check_dtypes, rows_shaped
 from .torch_bridge import current_stream, from_native, to_native  # noqa: F401 (the bridge call.py uses)
 from .torch_sharding import are_plain, plain_inputs
 
@@ -256,6 +256,11 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
                                                         student_bias, teacher_bias, weights)
 
     def call(w_hard, w_soft, with_grads):
+        if with_grads and reduction == "none" and not eager and torch_rows.carries(
+                xs, student_weight, teacher_weight, student_bias, compute_dtype, chunk_size, num_valid_tokens):
+            return torch_rows.rows_loss(xs, student_weight, xt, teacher_weight, target, teacher_bias,
+                                        (w_hard, w_soft, *options[2:]), chunk_size, num_valid_tokens, compute_dtype,
+                                        weights)
         if eager:
             return _Eager.apply(lambda: _online(xs, student_weight, xt, teacher_weight, target, student_bias,
                                                 teacher_bias, (w_hard, w_soft, *options[2:]), chunk_size,
@@ -266,15 +271,7 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
                                  w_soft, *options[2:5], chunk_size, num_valid_tokens,
                                  with_grads and reduction != "none", compute_dtype, weights, reduction, None,
                                  *options[5:])
-    return _rows_shaped(_operator_loss(call, options, compute_grad, return_soft_hard_loss), reduction, true_labels)
-
-
-def _rows_shaped(result, reduction, labels):
-    """The loss (or loss, soft, hard) of reduction "none" in the labels' shape; else as it is."""
-    if reduction != "none":
-        return result
-    return result.reshape(labels.shape) if isinstance(result, torch.Tensor) else tuple(
-        r.reshape(labels.shape) for r in result)
+    return rows_shaped(_operator_loss(call, options, compute_grad, return_soft_hard_loss), reduction, true_labels)
 
 
 def _call_options(student_input, student_weight, student_bias, *loss_options):
@@ -443,7 +440,7 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
         return _fused_linear_topk_jsd(xs, student_weight, ids, lq, target, student_bias, missing_mass, w_hard, w_soft,
                                       *options[2:5], chunk_size, num_valid_tokens, with_grads and reduction != "none",
                                       compute_dtype, weights, reduction, None, *options[5:])
-    return _rows_shaped(_operator_loss(call, options, compute_grad, return_soft_hard_loss), reduction, true_labels)
+    return rows_shaped(_operator_loss(call, options, compute_grad, return_soft_hard_loss), reduction, true_labels)
 
 
 class FusedLinearTopKJSDLoss(torch.nn.Module):

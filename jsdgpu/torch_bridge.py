@@ -96,6 +96,14 @@ def as_rows(t, *width):
     return t if t.dim() == 1 + len(width) else t.reshape(-1, *width)
 
 
+def rows_shaped(result, reduction, labels):
+    """The loss (or loss, soft, hard) of reduction "none" in the labels' shape; else as it is."""
+    if reduction != "none":
+        return result
+    return result.reshape(labels.shape) if isinstance(result, torch.Tensor) else tuple(
+        r.reshape(labels.shape) for r in result)
+
+
 def caster(compute_dtype):
     """The operands' cast to autocast's dtype (None: as they are)."""
     return (lambda a: a) if compute_dtype is None else (lambda a: None if a is None else a.to(compute_dtype))

@@ -284,3 +284,30 @@ def test_a_call_like_the_last_queues_its_first_product_ahead(rng, queued_ahead):
     with pytest.raises(ValueError, match="teacher_weight has hidden size"):
         call(bad)
     assert queued  # its student arrays were like the last call's: the product was queued, then the checks raised
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_shapes_alone_tell_whether_a_call_keeps_its_rows_gradients(xp, rng, bias):
+    """online.keeps_row_gradients (what a traced front end decides from the shapes:
+    jsdgpu.torch_rows) is what the call of the rows' own losses then does (call.loss_of_call: its
+    ctx keeps the gradients, or computes the call again in backward), at budgets on both sides of
+    holding G, with rows ignored (G's memory is sized by all of the call's rows: engine.run)."""
+    from jsdgpu.call import backend_for
+    from jsdgpu.online import keeps_row_gradients
+    from jsdgpu.options import RunOptions
+    T, vs, hs = 40, 1031, 16
+    case = make_case(rng, T=T, vs=vs, hs=hs, bias=bias, ignored=0.3)
+    backend = backend_for("numpy" if xp is np else "cupy")
+    per_row = backend.bytes_per_row(vs, vs, np.dtype(np.float32), True, True)
+    seen = set()
+    for rows_a_chunk in (1, 2, 3, 8, 20, 40):  # budgets from too small for G to room for all of it
+        budget = T * per_row[1] + rows_a_chunk * per_row[0]
+        for memory_budget in (budget - 1, budget):
+            kept = keeps_row_gradients(backend, vs, vs, hs, np.dtype(np.float32), T, bias,
+                                       RunOptions(memory_budget=memory_budget, reduction="none"))
+            _, ctx = jsdgpu.forward(**to_xp(case, xp), memory_budget=memory_budget, reduction="none")
+            assert kept == (ctx._recompute is None), (rows_a_chunk, memory_budget)
+            if kept:
+                assert ctx._grads.held.G.base.shape[0] == T  # all rows' memory, 30% of them ignored
+            seen.add(kept)
+    assert seen == ({False} if bias else {False, True})  # both sides met (a bias never keeps them)

@@ -256,6 +256,43 @@ def test_torch_modules_take_weights_per_call(rng, torch_device, loss, compiled, 
         assert rel_err(t.grad.cpu().numpy(), want) <= 1e-4
 
 
+@pytest.mark.parametrize("T,ignored,weights,caps,form", [
+    (10, 0.0, None, None, None), (10, 0.3, "mixed", None, None), (1, 0.0, None, 5.0, None), (7, 1.0, None, None, None),
+    (9, 0.4, "zeros", 5.0, None), (12, 0.25, "mixed", None, "bf16"), (12, 0.25, None, 5.0, "autocast")])
+def test_compiled_rows_own_losses_carry_their_gradients(rng, torch_device, T, ignored, weights, caps, form):
+    """reduction "none" under torch.compile(fullgraph=True), no student bias: forward keeps the
+    gradients and carries G to backward as tensors (jsdgpu.torch_rows), so backward runs no
+    second call of the loss (no jsdgpu::fused_linear_jsd in the step); the per-row losses and the
+    gradients under a random upstream gradient as the float64 reference's, with rows ignored
+    (all of them too), token weights, T = 1, soft caps, bf16 tensors, and fp32 ones under
+    autocast(bfloat16) (against the reference of the bf16-rounded operands)."""
+    torch = pytest.importorskip("torch")
+    jtorch = pytest.importorskip("jsdgpu.torch")
+    case = make_case(rng, T=T, ignored=ignored, logit_std=4.0, dtype=BF16 if form == "bf16" else np.float32)
+    names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target")
+    ts = [jtorch.from_native(case[n]).to(torch_device) for n in names]
+    ts[0].requires_grad_(True), ts[1].requires_grad_(True)
+    w = None if weights is None else token_weights(rng, T, weights)
+    opts = dict(beta=0.3, temperature=2.0, student_logit_softcap=caps, teacher_logit_softcap=caps)
+    module = jtorch.FusedLinearJSDLoss(reduction="none", **opts)
+    torch._dynamo.reset()
+    step = torch.compile(lambda *a, token_weights: module(*a, token_weights=token_weights), fullgraph=True)
+    upstream = rng.standard_normal(T)
+    with torch.profiler.profile() as prof:
+        with torch.autocast(torch_device, dtype=torch.bfloat16, enabled=form == "autocast"):
+            out = step(*ts, token_weights=None if w is None else torch.from_numpy(w).to(torch_device))
+        (out * torch.from_numpy(upstream).float().to(torch_device)).sum().backward()
+    ops = [e.name for e in prof.events() if e.name.startswith("jsdgpu::")]
+    assert "jsdgpu::fused_linear_jsd_rows" in ops and "jsdgpu::fused_linear_jsd" not in ops, sorted(set(ops))
+    if form == "autocast":
+        case = {k: v if k == "target" or v is None else v.astype(BF16) for k, v in case.items()}
+    ref = jsdgpu.reference(**case, token_weights=w, reduction="none", grad_output=upstream, **opts)
+    np.testing.assert_allclose(out.detach().float().cpu().numpy(), ref[0], rtol=1e-5, atol=1e-6)
+    for t, want in zip(ts[:2], ref[3:5]):
+        assert t.grad.dtype == t.dtype  # (autocast: the fp32 tensors' gradients in fp32)
+        assert rel_err(t.grad.float().cpu().numpy(), want) <= (2.0**-7 if form == "bf16" else 1e-4)
+
+
 @pytest.mark.parametrize("loss", ["online", "topk"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_jax_weights_under_jit(rng, jax_device, loss, reduction):

@@ -434,6 +434,11 @@ def test_opcheck(rng, device):
         torch.library.opcheck(torch.ops.jsdgpu.fused_linear_jsd.default,
                               (*ts, 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None, token_weights, reduction,
                                None, *model))
+    # with no student bias, where G is held, "none" traced carries its gradients (jsdgpu.torch_rows)
+    for token_weights, caps in ((None, [0.0, 0.0]), (weights, [5.0, 30.0])):
+        torch.library.opcheck(torch.ops.jsdgpu.fused_linear_jsd_rows.default,
+                              (*ts[:5], ts[6], [0.5, 0.5, 0.3, 2.0, 0.5, 2.0], -100, None, None, None, token_weights,
+                               caps))
 
 
 # ---- data parallel: two CPU processes ----

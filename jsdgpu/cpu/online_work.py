@@ -49,7 +49,13 @@ class CpuOnlineRows:
         kept apart from the logits)."""
         if work.fused and not own_g:
             return work.s[:g_rows]
-        return np.empty((g_rows, work.ws.shape[0]), np.float32)
+        columns, dtype = CpuOnlineRows.g_row_layout(work.ws.shape[0], work.ws.dtype)
+        return np.empty((g_rows, columns), dtype)
+
+    @staticmethod
+    def g_row_layout(vs, dtype):
+        """(columns, dtype) of a row of G of its own (gradient_rows' own_g): float32, unpadded."""
+        return vs, np.dtype(np.float32)
 
     @staticmethod
     def model_logits(work, rows, models):

@@ -83,7 +83,14 @@ class CudaOnlineRows:
         apart so that the logits can be used again."""
         if work.fused is not None and not own_g:
             return work.logits_s.view(work.ws.dtype)[:g_rows]
-        return cupy.empty((g_rows, leading_dim(work.ws.shape[0])), work.ws.dtype)
+        columns, dtype = CudaOnlineRows.g_row_layout(work.ws.shape[0], work.ws.dtype)
+        return cupy.empty((g_rows, columns), dtype)
+
+    @staticmethod
+    def g_row_layout(vs, dtype):
+        """(columns, dtype) of a row of G of its own (gradient_rows' own_g): the vocabulary padded
+        to the row pitch, in the weights' dtype."""
+        return leading_dim(vs), np.dtype(dtype)
 
     @staticmethod
     def logits(work, xs, xt, at=0, student=True):

@@ -1,0 +1,173 @@
+"""The rows' own losses (reduction "none") under tracing (torch.compile, export), their gradients
+computed in forward and carried to backward as tensors (docs/design.md, "Token weights and the
+sum").
+
+A call of the rows' own losses keeps its gradients where G (the gradient in the student's logits)
+is held for all rows (call.loss_of_call): backward only scales them by each row's grad_output
+and forms grad_weight in one product. Eagerly the jsdgpu ctx carries them (jsdgpu.torch._Eager).
+A traced operator carries tensors only, of shapes its fake function gives: so the engine holds G
+in memory of all of the call's rows (engine.run), and the operator fused_linear_jsd_rows returns
+it, with grad_input's rows for grad_output 1 (float32), and what grad_weight's product needs
+(the valid rows' indices, label terms, labels and row scales, each padded to the call's rows,
+1/N, and the count of valid rows, on the CPU, so that backward reads it without waiting for the
+GPU); backward's operator carried_weight_gradient forms grad_weight from them. Where G is not
+held (too many rows for the budget, a student bias), or the rows are a symbolic size (the
+decision depends on it), jsdgpu.torch's operator computes the call again in backward instead.
+"""
+
+import torch
+
+from .backend import HeldG
+from .call import backend_for
+from .online import keeps_row_gradients
+from .torch_bridge import _NUMPY_DTYPES, caster, current_stream, from_native, to_native
+
+
+def carries(xs, ws, wt, student_bias, compute_dtype, chunk_size, num_valid_tokens):
+    """Whether a traced call of the rows' own losses with gradients carries them (above): its
+    rows a concrete count, and the call keeping them (online.keeps_row_gradients)."""
+    shape = (xs.shape[0], *ws.shape, wt.shape[0])
+    if not all(isinstance(n, int) for n in shape):
+        return False
+    return _keeps(xs.device.type, *shape, ws.dtype if compute_dtype is None else compute_dtype, ws.dtype,
+                  student_bias is not None, chunk_size, num_valid_tokens)
+
+
+@torch._dynamo.assume_constant_result  # run as it is traced, on numbers: the backend's plan is no graph
+def _keeps(device_type, T, vs, hs, vt, dtype, weight_dtype, has_bias, chunk_size, num_valid_tokens):
+    from .torch import _run_options
+    run_opts = _run_options(chunk_size, True, num_valid_tokens, weight_dtype, None, "none")
+    backend = backend_for("cupy" if device_type == "cuda" else "numpy")
+    return keeps_row_gradients(backend, vs, vt, hs, _NUMPY_DTYPES[dtype], T, has_bias, run_opts)
+
+
+def _backend(t):
+    return backend_for("cupy" if t.device.type == "cuda" else "numpy")
+
+
+def _g_layout(xs, ws, compute_dtype):
+    """(columns, torch dtype) of a row of the carried G."""
+    dtype = ws.dtype if compute_dtype is None else compute_dtype
+    columns, np_dtype = _backend(xs).g_row_layout(ws.shape[0], _NUMPY_DTYPES[dtype])
+    return columns, next(t for t, n in _NUMPY_DTYPES.items() if n == np_dtype)
+
+
+@torch.library.custom_op("jsdgpu::fused_linear_jsd_rows", mutates_args=())
+def _rows(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
+          teacher_weight: torch.Tensor, target: torch.Tensor, teacher_bias: torch.Tensor | None,
+          options: list[float], ignore_index: int, chunk_size: int | None, num_valid_tokens: float | None,
+          compute_dtype: torch.dtype | None, token_weights: torch.Tensor | None,
+          caps: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor]:
+    """(loss, soft, hard) of each row [T], and what backward carries: grad_input [T, Hs] float32
+    for grad_output 1, G [T, columns], the valid rows' indices [T] int64, their label terms [T]
+    float32, labels [T] int32 (-1 past them), row scales [T] float32, 1/N (0-d float32) and their
+    count (0-d int64, on the CPU); each past the count unused. options: weight_hard_loss,
+    weight_soft_loss, beta, temperature, the student's and the teacher's logit scales; caps: the
+    student's and the teacher's soft caps, 0 for none."""
+    from .torch import _online
+    w_hard, w_soft, beta, temperature, scale_s, scale_t = options
+    cap_s, cap_t = (c or None for c in caps)
+    loss, ctx = _online(student_input, student_weight, teacher_input, teacher_weight, target, None, teacher_bias,
+                        (w_hard, w_soft, beta, temperature, ignore_index, scale_s, scale_t, cap_s, cap_t), chunk_size,
+                        num_valid_tokens, True, compute_dtype, None, token_weights, "none")
+    return (loss, ctx.soft_loss, ctx.hard_loss,
+            *_carried(ctx, student_input, _g_layout(student_input, student_weight, compute_dtype)))
+
+
+def _carried(ctx, xs, g_layout):
+    """What _rows carries of the jsdgpu ctx of its call (ctx._grads kept: call.loss_of_call)."""
+    T, device, f32 = xs.shape[0], xs.device, torch.float32
+    grads = ctx._grads
+    held = grads.held
+    n = 0 if held is None else held.G.shape[0]
+    valid = torch.arange(T, device=device) if ctx._valid_rows is None else from_native(ctx._valid_rows).long()
+
+    def padded(a, fill, dtype):
+        out = torch.full((T,), fill, dtype=dtype, device=device)
+        if n:
+            out[:n] = 1 if a is None else from_native(a)
+        return out
+    grad_input = torch.zeros((T, xs.shape[1]), dtype=f32, device=device)
+    rows = torch.zeros(T, dtype=torch.int64, device=device)
+    if n:
+        grad_input[valid] = from_native(grads.grad_input)
+        rows[:n] = valid
+    G = torch.empty((T, g_layout[0]), dtype=g_layout[1], device=device) if held is None else \
+        from_native(held.G.base if held.G.base is not None else held.G)
+    assert G.shape == (T, g_layout[0]), (G.shape, g_layout)  # the engine's memory of all rows (engine.run)
+    G[n:] = 0  # rows past the count unused, but an operator's outputs are its inputs' function
+    inv_n = held.inv_n if held is not None else 1.0
+    inv_n = torch.full((), inv_n, dtype=f32, device=device) if isinstance(inv_n, float) else \
+        from_native(inv_n).to(f32).reshape(())
+    return (grad_input, G, rows, padded(None if held is None else held.label_terms, 0.0, f32),
+            padded(None if held is None else held.target, -1, torch.int32),
+            padded(None if held is None else held.g_scale, 0.0, f32), inv_n, torch.tensor(n, dtype=torch.int64))
+
+
+@_rows.register_fake
+def _rows_fake(student_input, student_weight, teacher_input, teacher_weight, target, teacher_bias, options,
+               ignore_index, chunk_size, num_valid_tokens, compute_dtype, token_weights, caps):
+    T, hs = student_input.shape
+    columns, g_dtype = _g_layout(student_input, student_weight, compute_dtype)
+    new = student_input.new_empty
+    rows = lambda dtype: new((T,), dtype=dtype)  # noqa: E731
+    return (rows(torch.float32), rows(torch.float32), rows(torch.float32), new((T, hs), dtype=torch.float32),
+            new((T, columns), dtype=g_dtype), rows(torch.int64), rows(torch.float32), rows(torch.int32),
+            rows(torch.float32), new((), dtype=torch.float32), torch.empty((), dtype=torch.int64))
+
+
+@torch.library.custom_op("jsdgpu::carried_weight_gradient", mutates_args=())
+def _weight_gradient(G: torch.Tensor, student_input: torch.Tensor, rows: torch.Tensor, label_terms: torch.Tensor,
+                     row_target: torch.Tensor, row_scales: torch.Tensor, inv_n: torch.Tensor, count: torch.Tensor,
+                     grad_output: torch.Tensor, vocab: int, compute_dtype: torch.dtype | None,
+                     weight_dtype: torch.dtype) -> torch.Tensor:
+    """grad_weight [vocab, Hs] in weight_dtype from _rows' carried tensors and the rows' losses'
+    grad_output [T]: the one product of G held (backend.weight_product), each valid row's parts
+    times its grad_output (as call._scale_rows does eagerly)."""
+    n = int(count)
+    if not n:
+        return torch.zeros((vocab, student_input.shape[1]), dtype=weight_dtype, device=G.device)
+    valid = rows[:n]
+    scales = grad_output.to(torch.float32)[valid]
+    xs = caster(compute_dtype)(student_input)[valid]
+    with current_stream(G):
+        held = HeldG(to_native(G[:n]), vocab, to_native(xs), to_native(inv_n), to_native(label_terms[:n] * scales),
+                     to_native(row_target[:n]), to_native(row_scales[:n] * scales))
+        return from_native(_backend(G).weight_product(held, None, _NUMPY_DTYPES[weight_dtype]))
+
+
+@_weight_gradient.register_fake
+def _weight_gradient_fake(G, student_input, rows, label_terms, row_target, row_scales, inv_n, count, grad_output,
+                          vocab, compute_dtype, weight_dtype):
+    return student_input.new_empty((vocab, student_input.shape[1]), dtype=weight_dtype)
+
+
+def _setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[3:])
+    ctx.vocab, ctx.compute_dtype, ctx.weight_dtype = inputs[1].shape[0], inputs[10], inputs[1].dtype
+    ctx.input_dtype = inputs[0].dtype
+    ctx.save_for_backward(inputs[0], *output[3:])
+
+
+def _rows_backward(ctx, grad_loss, grad_soft, grad_hard, *unused):
+    """grad_input's rows times their grad_output, and grad_weight from the carried G (the parts'
+    own gradients, where wanted, are calls of their own: jsdgpu.torch._operator_loss)."""
+    xs, grad_input, G, rows, label_terms, row_target, row_scales, inv_n, count = ctx.saved_tensors
+    grads = [None] * 13
+    grads[0] = (grad_input * grad_loss.to(torch.float32)[:, None]).to(ctx.input_dtype)
+    grads[1] = _weight_gradient(G, xs, rows, label_terms, row_target, row_scales, inv_n, count, grad_loss,
+                                ctx.vocab, ctx.compute_dtype, ctx.weight_dtype)
+    return tuple(grads)
+
+
+_rows.register_autograd(_rows_backward, setup_context=_setup)
+
+
+def rows_loss(xs, ws, xt, wt, target, bt, options, chunk_size, num_valid_tokens, compute_dtype, weights):
+    """(loss, soft, hard) of each row by _rows. options: the LossOptions' fields in order."""
+    w_hard, w_soft, beta, temperature, ignore_index, scale_s, scale_t, cap_s, cap_t = options
+    return _rows(xs, ws, xt, wt, target, bt, [w_hard, w_soft, beta, temperature, scale_s, scale_t], ignore_index,
+                 chunk_size, num_valid_tokens, compute_dtype, weights, [cap_s or 0.0, cap_t or 0.0])[:3]
+
