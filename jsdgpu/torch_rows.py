@@ -73,10 +73,11 @@ def _rows(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_inp
                         (w_hard, w_soft, beta, temperature, ignore_index, scale_s, scale_t, cap_s, cap_t), chunk_size,
                         num_valid_tokens, True, compute_dtype, None, token_weights, "none")
     return (loss, ctx.soft_loss, ctx.hard_loss,
-            *_carried(ctx, student_input, _g_layout(student_input, student_weight, compute_dtype)))
+            *_carried(ctx, student_input, student_weight.shape[0],
+                      _g_layout(student_input, student_weight, compute_dtype)))
 
 
-def _carried(ctx, xs, g_layout):
+def _carried(ctx, xs, vocab, g_layout):
     """What _rows carries of the jsdgpu ctx of its call (ctx._grads kept: call.loss_of_call)."""
     T, device, f32 = xs.shape[0], xs.device, torch.float32
     grads = ctx._grads
@@ -97,7 +98,10 @@ def _carried(ctx, xs, g_layout):
     G = torch.empty((T, g_layout[0]), dtype=g_layout[1], device=device) if held is None else \
         from_native(held.G.base if held.G.base is not None else held.G)
     assert G.shape == (T, g_layout[0]), (G.shape, g_layout)  # the engine's memory of all rows (engine.run)
-    G[n:] = 0  # rows past the count unused, but an operator's outputs are its inputs' function
+    # rows past the count and columns past the vocabulary (the row pitch's padding) are unused, but
+    # an operator's outputs are its inputs' function
+    G[n:] = 0
+    G[:n, vocab:] = 0
     inv_n = held.inv_n if held is not None else 1.0
     inv_n = torch.full((), inv_n, dtype=f32, device=device) if isinstance(inv_n, float) else \
         from_native(inv_n).to(f32).reshape(())
