@@ -10,6 +10,10 @@ docs/design.md, "Token weights and the sum").
     python experiments/compiled_none.py [--tokens 1024 4096 8192] [--ignored 0.25] [--repeats 10]
 
 Prints, for each T, the median ms of each step and "none" ÷ "mean", compiled and eager.
+
+Answer (one H200, 2026-12-04, --tokens 1024 8192): compiled "none" ÷ "mean" 0.980 and 1.015
+(4.21 / 4.29 and 29.45 / 29.02 ms), eagerly 1.005 and 1.025; the code before the carried
+gradients (the call computed again in backward) 1.444 and 1.595 compiled, 1.001 and 1.030 eagerly.
 """
 
 import argparse
