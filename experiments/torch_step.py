@@ -9,13 +9,17 @@ autograd Function and a pointer bridge: 4.52-4.80 ms against the CuPy call's 4.4
 same runs. With ignored rows that change from step to step (--ignored 0 0.4 0.1 0.3 0.2 0.35
 --turns; 2026-12-04): the module 1.077-1.102 times the CuPy call at T = 1024 in four runs, then
 1.044 and 1.042 with its host path cut (docs/design.md, "The front ends"); 1.00 at T = 8192.
+Compiled (--tokens 1024 8192 --ignored 0 0.4 0.1 0.3 0.2 0.35 --turns --profile): 1.155 and
+1.021 times the CuPy call (the module 1.064 and 0.997), its host 0.85 ms before the first
+product (module 0.66, CuPy call 0.42).
 
 This times, on the same inputs, the step taken apart:
 
 - cupy: jsdgpu.forward + jsdgpu.backward on CuPy arrays;
 - bridged: the same on torch tensors (the bridge, torch's stream and allocator);
 - op: the custom operator called directly, its gradients computed (no autograd);
-- module: FusedLinearJSDLoss, loss.backward(), the gradients dropped (as bench.py's step).
+- module: FusedLinearJSDLoss, loss.backward(), the gradients dropped (as bench.py's step);
+- compiled: the same module under torch.compile(fullgraph=True).
 
 For each: the step's median ms by CUDA events, the host's ms before the first product, and
 torch's count of cudaMalloc / cudaFree calls over the timed steps. --profile: one cupy and one
@@ -67,7 +71,14 @@ def variants(sets):
         xs, ws, xt, wt, target = tsets[i]
         loss_fn(xs, ws, xt, wt, target).backward()
         xs.grad = ws.grad = None
-    return dict(cupy=cupy_step, bridged=bridged, op=op, module=module)
+
+    compiled_fn = torch.compile(loss_fn, fullgraph=True)
+
+    def compiled(i):
+        xs, ws, xt, wt, target = tsets[i]
+        compiled_fn(xs, ws, xt, wt, target).backward()
+        xs.grad = ws.grad = None
+    return dict(cupy=cupy_step, bridged=bridged, op=op, module=module, compiled=compiled)
 
 
 def measure(fn, n_sets, repeats):
@@ -77,7 +88,7 @@ def measure(fn, n_sets, repeats):
     import torch
 
     from jsdgpu.cuda import products
-    for i in range(3):
+    for i in range(2 * n_sets + 1):  # the products' classes tuned (experiments/first_steps.py: two rounds)
         fn(i % n_sets)
     cupy.cuda.Device().synchronize()
     stats0 = torch.cuda.memory_stats()
@@ -104,7 +115,7 @@ def in_turns(this, other, n_sets, rounds=48):
     the rounds go): (median ms of this, of other, and the median, first and third quartiles of
     this / other per round)."""
     import cupy
-    for i in range(3):
+    for i in range(2 * n_sets + 1):
         this(i % n_sets), other(i % n_sets)
     ours, theirs = [], []
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -212,8 +223,10 @@ def main():
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", help="a folder for the profiles' traces")
     p.add_argument("--parts", action="store_true", help="also the bridge's pieces, each timed alone")
-    p.add_argument("--turns", action="store_true", help="the module and the CuPy call in turns, step by step")
-    p.add_argument("--host-profile", action="store_true", help="the cupy and module steps' Python under cProfile")
+    p.add_argument("--turns", action="store_true",
+                   help="the module, then the compiled module, and the CuPy call in turns, step by step")
+    p.add_argument("--host-profile", action="store_true",
+                   help="the cupy, module and compiled steps' Python under cProfile")
     p.add_argument("--ignored", type=float, nargs="+",
                    help="the sets' shares of ignored rows, one set each (a run's: 0 0.4 0.1 0.3)")
     args = p.parse_args()
@@ -231,10 +244,10 @@ def main():
         fns = variants(sets)
         for name, fn in fns.items():
             rows.append((T, name, *measure(fn, len(sets), args.repeats)))
-        if args.turns:
-            module_ms, cupy_ms, ratio, low, high = in_turns(fns["module"], fns["cupy"], len(sets))
-            turns.append(f"| {T} | {module_ms:.3f} | {cupy_ms:.3f} | {ratio:.3f} ({low:.3f}-{high:.3f}) |")
-        for name in ("cupy", "module"):
+        for name in ("module", "compiled") if args.turns else ():
+            ms, cupy_ms, ratio, low, high = in_turns(fns[name], fns["cupy"], len(sets))
+            turns.append(f"| {T} | {name} | {ms:.3f} | {cupy_ms:.3f} | {ratio:.3f} ({low:.3f}-{high:.3f}) |")
+        for name in ("cupy", "module", "compiled"):
             if args.profile:
                 profile(fns[name], args.out, f"{name}_{T}")
             if args.host_profile:
@@ -246,7 +259,8 @@ def main():
     for T, name, ms, host, mallocs, frees in rows:
         print(f"| {T} | {name} | {ms:.3f} | {host:.3f} | {mallocs} | {frees} |")
     if turns:
-        print("\nIn turns:\n\n| T | module ms | CuPy call ms | module ÷ CuPy call (quartiles) |\n| --- | --- | --- | --- |")
+        print("\nIn turns with the CuPy call:\n\n| T | step | ms | CuPy call ms | ÷ CuPy call (quartiles) |\n"
+              "| --- | --- | --- | --- | --- |")
         print("\n".join(turns))
 
 
