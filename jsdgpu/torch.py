@@ -13,10 +13,11 @@ grad_output in backward (with reduction "none", where G is held for all rows, th
 jsdgpu.torch_rows carry it to backward instead). Eagerly it is an autograd Function that calls
 jsdgpu.forward and, in backward, jsdgpu.backward with grad_output: the operator's eager dispatch
 and its pass over the gradients cost 0.6-0.9 ms a step at T = 1024 (docs/design.md, "The front
-ends"). Tensors cross to CuPy (GPU) or NumPy (CPU) without a copy; the work is queued on torch's current CUDA
-stream with nothing added to synchronize, and its memory comes from torch's caching allocator (so
-torch.cuda.max_memory_allocated counts it, freed blocks return to torch's cache, and a CUDA-graph
-capture takes it from the graph's pool). Inside a capture the core runs capturable by itself.
+ends"). Tensors cross to CuPy (GPU) or NumPy (CPU) without a copy; the work is queued on
+torch's current CUDA stream with nothing added to synchronize, and its memory comes from torch's
+caching allocator (so torch.cuda.max_memory_allocated counts it, freed blocks return to torch's
+cache, and a CUDA-graph capture takes it from the graph's pool). Inside a capture the core runs
+capturable by itself.
 
 Under autocast the loss computes as a matmul would there: 16-bit operands (cast inside the
 call, the copies the products need), float32 accumulation, and each gradient in its tensor's
