@@ -214,6 +214,16 @@ def head_path_ignored(T):
     return all_valid + [[], some(2)] + all_valid + [some(0), some(9), list(range(1, T, 2)), []]
 
 
+def _with_fault_handler(target, *args):
+    """target(*args) in a rank whose fatal signals print every thread's Python stack to stderr
+    (which the test's report shows): a rank that aborts after delivering its results (exit code
+    -6, "terminate called without an active exception", seen now and then in
+    tests/test_torch_sharding.py) then says where it was."""
+    import faulthandler
+    faulthandler.enable(all_threads=True)
+    target(*args)
+
+
 def run_processes(target, world, rendezvous, *args, count=None):
     """target(rank, world, rendezvous, *args, results) in `world` spawned processes: the `count`
     items they put in results (default: one each); fails the test with the traceback a rank put as
@@ -221,7 +231,8 @@ def run_processes(target, world, rendezvous, *args, count=None):
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, rendezvous, *args, results)) for r in range(world)]
+    procs = [ctx.Process(target=_with_fault_handler, args=(target, r, world, rendezvous, *args, results))
+             for r in range(world)]
     for p in procs:
         p.start()
     try:
