@@ -87,6 +87,18 @@ def step_inputs(cupy, T, ws, wn, delta, ignored, seed, ws_other=None):
     return xs, ws, xt, wt, cupy.asarray(target)
 
 
+def history_steps(cupy, ws, wn):
+    """The inputs of the calls before the run (HISTORY), one step each."""
+    return [step_inputs(cupy, T, ws, wn, 1.0, ignored, 7) for T, ignored in HISTORY]
+
+
+def run_steps(cupy, T, ws, wn):
+    """The run's ten steps at T, their inputs (step_inputs): the JSD falling (RUN_DELTAS), other
+    rows ignored each step (RUN_IGNORED)."""
+    return [step_inputs(cupy, T, ws, wn, float(d), ig, 100 * T + i)
+            for i, (d, ig) in enumerate(zip(RUN_DELTAS, RUN_IGNORED))]
+
+
 def implementation(name, step, mode="fwd_bwd"):
     """fn() running one forward + backward of `step` by the implementation; the floor at its
     valid rows."""
@@ -183,11 +195,10 @@ def main(argv=None):
 
     # the run first: its history must be the process's first calls
     ws, wn = heads(cupy, 4.0, 1)
-    for T, ignored in () if a.no_run else HISTORY:
-        harness.time_ms(implementation("jsdgpu", step_inputs(cupy, T, ws, wn, 1.0, ignored, 7)), 1, 2, 3)
+    for step in () if a.no_run else history_steps(cupy, ws, wn):
+        harness.time_ms(implementation("jsdgpu", step), 1, 2, 3)
     for T in [] if a.no_run else a.run_tokens:
-        steps = [step_inputs(cupy, T, ws, wn, float(d), ig, 100 * T + i)
-                 for i, (d, ig) in enumerate(zip(RUN_DELTAS, RUN_IGNORED))]
+        steps = run_steps(cupy, T, ws, wn)
         ms = timed_cases(impls, steps, a.repeats, a.warm_seconds)
         record = dict(T=T, soft=[soft_part(s) for s in steps], ignored=list(RUN_IGNORED), ms=ms)
         result["run"].append(record)

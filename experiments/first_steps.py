@@ -27,15 +27,14 @@ def main():
     p.add_argument("--rounds", type=int, default=6)
     a = p.parse_args()
     import cupy  # needs the GPU: after --help
-    from bench_run import RUN_DELTAS, RUN_IGNORED, heads, implementation, step_inputs
+    from bench_run import heads, implementation, run_steps
 
     from jsdgpu.cuda import products
     ws, wn = heads(cupy, 4.0, 1)
     print("| T | round | ms, the ten steps | classes tuned in the round |")
     print("| --- | --- | --- | --- |")
     for T in a.tokens:
-        fns = [implementation("jsdgpu", step_inputs(cupy, T, ws, wn, float(d), ig, 100 * T + i))
-               for i, (d, ig) in enumerate(zip(RUN_DELTAS, RUN_IGNORED))]
+        fns = [implementation("jsdgpu", step) for step in run_steps(cupy, T, ws, wn)]
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         totals = []
         for r in range(a.rounds):

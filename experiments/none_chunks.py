@@ -80,13 +80,14 @@ def main():
 
 def run_history(cupy, jsdgpu):
     """bench_run.py's calls before its distributions: its history calls, then its run's steps."""
-    from bench_run import HISTORY, RUN_DELTAS, RUN_IGNORED, heads, step_inputs
+    from bench_run import heads, history_steps, run_steps
     ws, wn = heads(cupy, 4.0, 1)
-    calls = [(T, 1.0, ignored, 7) for T, ignored in HISTORY] + [
-        (T, float(d), ignored, 100 * T + i) for T in (1024, 4096, 8192)
-        for i, (d, ignored) in enumerate(zip(RUN_DELTAS, RUN_IGNORED))]
-    for T, delta, ignored, seed in calls:
-        step = step_inputs(cupy, T, ws, wn, delta, ignored, seed)
+
+    def steps():  # one T's steps held at a time
+        yield from history_steps(cupy, ws, wn)
+        for T in (1024, 4096, 8192):
+            yield from run_steps(cupy, T, ws, wn)
+    for step in steps():
         for reduction in ("mean", "none"):
             jsdgpu.backward(jsdgpu.forward(*step, reduction=reduction)[1])
     cupy.cuda.Device().synchronize()

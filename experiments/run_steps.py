@@ -46,13 +46,11 @@ def main():
 
     marker = cupy.RawKernel('extern "C" __global__ void step_marker() {}', "step_marker")
     ws, wn = bench_run.heads(cupy, 4.0, 1)
-    for T, ignored in bench_run.HISTORY:
-        harness.time_ms(bench_run.implementation("jsdgpu", bench_run.step_inputs(cupy, T, ws, wn, 1.0, ignored, 7)),
-                        1, 2, 3)
+    for step in bench_run.history_steps(cupy, ws, wn):
+        harness.time_ms(bench_run.implementation("jsdgpu", step), 1, 2, 3)
     table = []
     for T in a.tokens:
-        steps = [bench_run.step_inputs(cupy, T, ws, wn, float(d), ig, 100 * T + i)
-                 for i, (d, ig) in enumerate(zip(bench_run.RUN_DELTAS, bench_run.RUN_IGNORED))]
+        steps = bench_run.run_steps(cupy, T, ws, wn)
         fns = [bench_run.implementation("jsdgpu", s) for s in steps]
         ours = bench_run.timed_turns(fns, a.repeats, 1.0)
         floor = bench_run.timed_turns([bench_run.implementation("gemm_floor", s) for s in steps], a.repeats, 1.0)

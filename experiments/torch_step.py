@@ -22,8 +22,9 @@ This times, on the same inputs, the step taken apart:
 - compiled: the same module under torch.compile(fullgraph=True).
 
 For each: the step's median ms by CUDA events, the host's ms before the first product, and
-torch's count of cudaMalloc / cudaFree calls over the timed steps. --profile: one cupy and one
-module step under torch's profiler, their GPU idle gaps and their slowest CUDA runtime calls.
+torch's count of cudaMalloc / cudaFree calls over the timed steps. --profile: one cupy, one module
+and one compiled step under torch's profiler, their GPU idle gaps and their slowest CUDA runtime
+calls.
 
     python experiments/torch_step.py --tokens 1024 8192
     python experiments/torch_step.py --tokens 1024 --profile

@@ -37,18 +37,18 @@ def carries(xs, ws, wt, student_bias, compute_dtype, chunk_size, num_valid_token
 def _keeps(device_type, T, vs, hs, vt, dtype, weight_dtype, has_bias, chunk_size, num_valid_tokens):
     from .torch import _run_options
     run_opts = _run_options(chunk_size, True, num_valid_tokens, weight_dtype, None, "none")
-    backend = backend_for("cupy" if device_type == "cuda" else "numpy")
-    return keeps_row_gradients(backend, vs, vt, hs, _NUMPY_DTYPES[dtype], T, has_bias, run_opts)
+    return keeps_row_gradients(_backend(device_type), vs, vt, hs, _NUMPY_DTYPES[dtype], T, has_bias, run_opts)
 
 
-def _backend(t):
-    return backend_for("cupy" if t.device.type == "cuda" else "numpy")
+def _backend(device_type):
+    """The backend of a torch device type's arrays."""
+    return backend_for("cupy" if device_type == "cuda" else "numpy")
 
 
 def _g_layout(xs, ws, compute_dtype):
     """(columns, torch dtype) of a row of the carried G."""
     dtype = ws.dtype if compute_dtype is None else compute_dtype
-    columns, np_dtype = _backend(xs).g_row_layout(ws.shape[0], _NUMPY_DTYPES[dtype])
+    columns, np_dtype = _backend(xs.device.type).g_row_layout(ws.shape[0], _NUMPY_DTYPES[dtype])
     return columns, next(t for t, n in _NUMPY_DTYPES.items() if n == np_dtype)
 
 
@@ -139,7 +139,7 @@ def _weight_gradient(G: torch.Tensor, student_input: torch.Tensor, rows: torch.T
     with current_stream(G):
         held = HeldG(to_native(G[:n]), vocab, to_native(xs), to_native(inv_n), to_native(label_terms[:n] * scales),
                      to_native(row_target[:n]), to_native(row_scales[:n] * scales))
-        return from_native(_backend(G).weight_product(held, None, _NUMPY_DTYPES[weight_dtype]))
+        return from_native(_backend(G.device.type).weight_product(held, None, _NUMPY_DTYPES[weight_dtype]))
 
 
 @_weight_gradient.register_fake
