@@ -184,11 +184,18 @@ def host_profile(fn, n_sets, tag, steps=30):
     stats.sort_stats("cumulative").print_stats(45)
 
 
+def _bridge_memory(t, nbytes):
+    """nbytes of CuPy memory from torch's allocator, as the bridge allocates within a call."""
+    from jsdgpu.torch_bridge import _torch_memory
+    return _torch_memory(t.device.index, nbytes)
+
+
 def bridge_parts(repeats=200):
     """Median µs of the bridge's pieces, each alone, back to back: a [1024, 2048] bf16 tensor
     viewed by CuPy through DLPack and by jsdgpu.torch.to_native, a 0-d CuPy array viewed by
-    torch through DLPack (from_native), and the block that puts CuPy on torch's stream and
-    allocator (current_stream) entered and left."""
+    torch through DLPack (from_native), the block that puts CuPy on torch's stream and
+    allocator (current_stream) entered and left, and 4 KiB of device memory allocated and freed
+    three ways."""
     import cupy
     import torch
 
@@ -201,11 +208,15 @@ def bridge_parts(repeats=200):
     def stream_block():
         with jtorch.current_stream(t):
             pass
+    pool = cupy.get_default_memory_pool()
     pieces = {"cupy.from_dlpack(tensor)": lambda: cupy.from_dlpack(t.detach()),
               "to_native(tensor)": lambda: jtorch.to_native(t),
               "from_native(0-d array)": lambda: jtorch.from_native(a),
               "from_native(0-d array in torch's memory)": lambda: jtorch.from_native(in_torch),
-              "current_stream(tensor) block": stream_block}
+              "current_stream(tensor) block": stream_block,
+              "4 KiB from CuPy's pool, freed": lambda: pool.malloc(4096),
+              "4 KiB from torch for CuPy (the bridge's allocator), freed": lambda: _bridge_memory(t, 4096),
+              "4 KiB as a uint8 tensor, freed": lambda: torch.empty(4096, dtype=torch.uint8, device=t.device)}
     print("| piece | µs |")
     print("| --- | --- |")
     for name, piece in pieces.items():

@@ -46,13 +46,33 @@ def from_native(a):
     return torch.from_dlpack(a)
 
 
+class _TorchBlock:
+    """A block of torch's caching allocator, given back to it when the CuPy memory object that
+    holds this is freed."""
+    __slots__ = ("pointer",)
+    # bound here: a block still held at the interpreter's exit is freed after this module's globals
+    _free = staticmethod(getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None))
+
+    def __init__(self, pointer):
+        self.pointer = pointer
+
+    def __del__(self):
+        self._free(self.pointer)
+
+
 def _torch_memory(device, nbytes):
-    """CuPy memory from torch's caching allocator: a uint8 tensor on the device (its index) and
-    the current stream, held by the CuPy memory object (freed to torch's cache with it)."""
+    """CuPy memory from torch's caching allocator on the device (its index, current in the block
+    that installs this) for CuPy's current stream, by the allocator's raw allocation (what
+    torch.cuda.caching_allocator_alloc calls, without that wrapper's device switch). The stream is
+    CuPy's, not torch's: a block allocated beside the caller's stream (kernels.beside, where the
+    selection runs beside the head's products) is one freed on that side stream, never one freed
+    on the caller's stream a moment before that the caller's queued products may still be using,
+    as in CuPy's own pool. A uint8 tensor on torch's current stream, as before, could be such a
+    block (docs/design.md, "The front ends")."""
     import cupy
-    block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    pointer = torch._C._cuda_cudaCachingAllocator_raw_alloc(nbytes, cupy.cuda.get_current_stream().ptr)
     # the device given: else CuPy asks the driver for the pointer's attributes at every allocation
-    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block, device), 0)
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(pointer, nbytes, _TorchBlock(pointer), device), 0)
 
 
 def _torch_matmul(a, b, out):

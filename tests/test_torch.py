@@ -537,6 +537,26 @@ def test_compiled_reduce_overhead(rng):
 
 
 @pytest.mark.gpu
+def test_memory_beside_the_callers_stream_is_never_a_block_the_caller_just_freed():
+    """CuPy's memory from torch inside kernels.beside (the selection's, beside the head's
+    products) is the side stream's: a block freed on the caller's stream a moment before, which
+    the caller's queued work may still be using, is taken again on the caller's stream only."""
+    import cupy
+
+    from jsdgpu.cuda import kernels
+    t = torch.zeros(1, device="cuda")
+    with jtorch.current_stream(t):
+        after = kernels.mark()
+        freed = cupy.empty(4096, cupy.uint8).data.ptr  # allocated and freed on the caller's stream
+        assert cupy.empty(4096, cupy.uint8).data.ptr == freed  # (the caller's next block is that one)
+        with kernels.beside(after):
+            beside = cupy.empty(4096, cupy.uint8)
+        assert beside.data.ptr != freed
+        beside.fill(1)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
 def test_memory_comes_from_torch(rng):
     """The loss's working memory is torch's: max_memory_allocated counts its logits buffers (two
     float32 [T, V] chunks here), and once the step is done it is back in torch's cache."""
