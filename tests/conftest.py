@@ -9,6 +9,9 @@ import secrets
 
 # JAX would take 75% of the GPU's memory when it starts, leaving CuPy and torch too little
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# the products tuned in the test's own process, not taken from the user's cache of earlier runs
+# (a test that keeps them on disk names its own file)
+os.environ.setdefault("JSDGPU_GEMM_CACHE", "0")
 
 import ml_dtypes
 import numpy as np

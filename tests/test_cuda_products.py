@@ -121,3 +121,41 @@ def test_long_sums_against_float64(rng, fresh_tuning):
     # float32 sums of 40000-60000 terms: about 1e-5 from their rounding; a split's sums lost or
     # added twice are O(1)
     assert rel_err(out, want) <= 1e-4, rel_err(out, want)
+
+
+_PRODUCTS_IN_A_PROCESS = """
+import hashlib, json, sys
+import cupy, numpy as np, ml_dtypes
+from jsdgpu.cuda import products
+timed = []
+fastest = products._fastest
+products._fastest = lambda runs: timed.append(len(runs)) or fastest(runs)
+rng = np.random.default_rng(int(sys.argv[1]))
+x, w = (cupy.asarray(rng.standard_normal(s).astype(ml_dtypes.bfloat16)) for s in ((300, 64), (5003, 64)))
+out = cupy.empty((300, 5003), np.float32)
+products.logits(x, w, out)
+products.logits(x[:37], w, out[:37])
+grad = cupy.empty((300, 64), np.float32)
+products.input_gradient(out.astype(ml_dtypes.bfloat16), w, 0.5, grad)
+print(json.dumps({"timed": len(timed), "tuned": {repr(k[1:]): bytes(a).hex() for k, a in products._tuned.items()},
+                  "bits": hashlib.sha256(out.get().tobytes() + grad.get().tobytes()).hexdigest()}))
+"""
+
+
+def test_a_new_process_takes_the_choices_kept_on_disk(tmp_path):
+    """A process times its classes and keeps each choice in JSDGPU_GEMM_CACHE's file; the next
+    process, on the same inputs, times none, takes the same choices and gives the same bits."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, JSDGPU_GEMM_CACHE=str(tmp_path / "gemm.jsonl"), JSDGPU_GEMM_TUNING="1")
+    seed = str(np.random.default_rng().integers(2**31))
+    first, second = (json.loads(subprocess.run([sys.executable, "-c", _PRODUCTS_IN_A_PROCESS, seed], env=env,
+                                               capture_output=True, text=True, check=True).stdout)
+                     for _ in range(2))
+    assert first["timed"] == len(first["tuned"]) == 3  # the two logits classes and grad_input's
+    assert len((tmp_path / "gemm.jsonl").read_text().splitlines()) == 3
+    assert second["timed"] == 0
+    assert second["tuned"] == first["tuned"]
+    assert second["bits"] == first["bits"]

@@ -4,7 +4,9 @@ algorithms for each shape class.
 For the products of the benchmark (bf16 in, float32 logits and grad_input, V = 128256) the
 algorithm cuBLAS picks by default ran 5-17% slower on the H200 than the best of the other
 candidates its heuristic offers (docs/design.md, "Products"). So the first product of each shape
-class times the candidates once, on its own operands, and the fastest is kept for the process.
+class times the candidates once, on its own operands, and the fastest is kept for the process,
+and on disk for the processes after it (tuning_cache: a process takes a class's kept choice
+instead of timing it).
 A class is the transposes, data types and leading dimensions, with each of m, n, k rounded up to
 one of eight steps an octave (_bucket): a row count that changes from call to call (ignored rows)
 tunes again only where it enters a class not met before, and a class's shapes are within 12.5% of
@@ -28,7 +30,8 @@ one reference algorithm, the same for every row count of a head (the heuristic's
 TUNE_ROWS rows); untimed, it takes the reference itself.
 
 JSDGPU_GEMM_TUNING=0 in the environment keeps the heuristic's first candidate: no timing, and the
-same algorithm (and bits) in every process. With tuning, two processes may pick different
+same algorithm (and bits) in every process, and the disk is neither read nor written. With
+tuning, two processes that do not share the cache's file (JSDGPU_GEMM_CACHE) may pick different
 algorithms, whose float32 results differ in the last bits.
 
 cuBLASLt is called through ctypes (CuPy does not wrap it, and CuPy's cuBLAS has loaded it) on a
@@ -52,6 +55,7 @@ import cupy
 import numpy as np
 from cupy_backends.cuda.libs import cublas
 
+from . import tuning_cache
 from .sources import FORMATS
 
 TUNING = os.environ.get("JSDGPU_GEMM_TUNING", "1") != "0"
@@ -99,6 +103,7 @@ def _library(device_id):
                        ("MatmulAlgoGetHeuristic", [p] * 7 + [i, p, p]), ("MatmulAlgoCheck", [p] * 8),
                        ("Matmul", [p] * 14 + [ctypes.c_size_t, p])):
         getattr(lib, "cublasLt" + name).argtypes = args
+    lib.cublasLtGetVersion.restype = ctypes.c_size_t
     handle = ctypes.c_void_p()
     _check(lib.cublasLtCreate(ctypes.byref(handle)), "create")
     return lib, handle
@@ -258,9 +263,12 @@ def observing(callback, queued=None):
 def _choose(product, key, run, timed, reference=None, output=None):
     """(algorithm, workspace bytes) for the product's shape (algorithm None: no cuBLASLt
     candidate), kept for the shape: its class's choice, made by the class's first product, the
-    fastest candidate where it is timed (run(algo) runs the product by it), else the first.
+    fastest candidate where it is timed (run(algo) runs the product by it), else the first; where
+    an earlier process timed the class, its choice kept on disk (_kept).
     reference: where given (and able to run the shape), the candidates are those whose output
     (the product's, a view of its d) is the reference's bits, and untimed the reference itself."""
+    if key not in _tuned and (kept := _kept(key)) is not None:
+        _tuned[key] = kept
     if key not in _tuned:
         candidates = product.candidates()
         tune = TUNING and timed
@@ -268,6 +276,8 @@ def _choose(product, key, run, timed, reference=None, output=None):
             candidates = _same_bits(run, reference, candidates, output) if tune else [reference]
         _tuned[key] = None if not candidates else candidates[
             _fastest([functools.partial(run, c) for c in candidates]) if tune else 0]
+        if tune and candidates:
+            _keep(key, _tuned[key])
     algo = _tuned[key]
     need = None if algo is None else product.workspace_of(algo)
     if algo is not None and need is None:  # its class's choice, which this shape cannot run
@@ -276,6 +286,34 @@ def _choose(product, key, run, timed, reference=None, output=None):
         need = None if algo is None else product.workspace_of(algo)
     product.algo, product.workspace = algo, need or 0
     return product.algo, product.workspace
+
+
+@functools.lru_cache(maxsize=None)
+def _disk(device_id):
+    """The tuning cache of the device's scope (its GPU and cuBLASLt's version), or None where
+    JSDGPU_GEMM_CACHE is 0 (jsdgpu/cuda/tuning_cache.py)."""
+    path = tuning_cache.default_path()
+    if path is None:
+        return None
+    properties = cupy.cuda.runtime.getDeviceProperties(device_id)
+    name = properties["name"].decode() if isinstance(properties["name"], bytes) else properties["name"]
+    version = _library(device_id)[0].cublasLtGetVersion()
+    return tuning_cache.TuningCache(path, f"{name} sm_{properties['major']}{properties['minor']} cublasLt {version}")
+
+
+def _kept(key):
+    """The class's algorithm as an earlier process timed it (key: the class, its device first), or
+    None. With tuning off, none: the heuristic's first in every process."""
+    disk = _disk(key[0]) if TUNING else None
+    kept = None if disk is None else disk.get(key[1:])
+    return None if kept is None else _Algo.from_buffer_copy(kept)
+
+
+def _keep(key, algo):
+    """The class's timed algorithm, kept on disk for later processes."""
+    disk = _disk(key[0])
+    if disk is not None:
+        disk.put(key[1:], bytes(algo))
 
 
 def _same_bits(run, reference, candidates, output):
