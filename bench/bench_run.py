@@ -3,6 +3,9 @@
     python bench/bench_run.py                   # both tables; writes bench/results/<device>_run.{json,md}
     python bench/bench_run.py --tokens 2048 --impls jsdgpu gemm_floor --out /tmp/r
     python bench/bench_run.py --no-run --tokens 2048 8192 --name h200_fresh   # the distributions, fresh
+    # the history's effect with the products' choices shared (docs/design.md, "A run's inputs"):
+    JSDGPU_GEMM_CACHE=/tmp/c.jsonl python bench/bench_run.py --tokens 2048 8192 --impls jsdgpu gemm_floor
+    JSDGPU_GEMM_CACHE=/tmp/c.jsonl python bench/bench_run.py --no-run --tokens 2048 8192 --impls jsdgpu gemm_floor
     python bench/bench_run.py --vocab 151936 --name h200_qwen_vocab   # both vocabularies Qwen's
 
 The benchmark's own inputs (bench.py: student and teacher drawn independently, every row's JSD
@@ -127,9 +130,16 @@ def soft_part(step):
 
 
 def timed_turns(fns, repeats, warm_s):
-    """Median ms of each fn, run in turns (fn 0, 1, ..., 0, 1, ...) repeats times after warm_s of
-    turns: a run's steps, one after another."""
+    """Median ms of each fn, run in turns (fn 0, 1, ..., 0, 1, ...) repeats times after one turn
+    and then warm_s of turns: a run's steps, one after another. The first turn is not of the
+    warm_s: in a fresh process its one-time work (kernels loaded, products tuned) took most of
+    a second with the GPU idle, and the steps timed after it met the GPU's clock falling to its
+    power cap: the first distribution of a process whose products' choices came from disk took
+    7.94-11.08 ms where the others took 9.1-9.4 (docs/design.md, "A run's inputs")."""
     import cupy
+    for fn in fns:
+        fn()
+    cupy.cuda.Device().synchronize()
     until = time.perf_counter() + warm_s
     while time.perf_counter() < until:
         for fn in fns:
