@@ -67,8 +67,8 @@ def _torch_memory(device, nbytes):
     CuPy's, not torch's: a block allocated beside the caller's stream (kernels.beside, where the
     selection runs beside the head's products) is one freed on that side stream, never one freed
     on the caller's stream a moment before that the caller's queued products may still be using,
-    as in CuPy's own pool. A uint8 tensor on torch's current stream, as before, could be such a
-    block (docs/design.md, "The front ends")."""
+    as in CuPy's own pool. A uint8 tensor, which torch allocates for its own current stream, could
+    be such a block (docs/design.md, "The front ends")."""
     import cupy
     pointer = torch._C._cuda_cudaCachingAllocator_raw_alloc(nbytes, cupy.cuda.get_current_stream().ptr)
     # the device given: else CuPy asks the driver for the pointer's attributes at every allocation
