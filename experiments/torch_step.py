@@ -11,10 +11,8 @@ same runs. With ignored rows that change from step to step (--ignored 0 0.4 0.1 
 1.044 and 1.042 with its host path cut (docs/design.md, "The front ends"); 1.00 at T = 8192.
 Compiled (--tokens 1024 8192 --ignored 0 0.4 0.1 0.3 0.2 0.35 --turns --profile): 1.155 and
 1.021 times the CuPy call (the module 1.064 and 0.997), its host 0.85 ms before the first
-product (module 0.66, CuPy call 0.42). Without backward's multiply by grad_output
-(--ignored 0 0.4 0.1 0.3 0.2 0.35 --turns [--no-multiply], four processes, with and without it
-in turns): compiled 1.069 and 1.093 times the CuPy call against 1.168 and 1.134 at T = 1024,
-1.013 and 1.009 against 1.027 and 1.018 at 8192 (docs/design.md, "The front ends").
+product (module 0.66, CuPy call 0.42). What sparing backward's multiply by grad_output would
+gain: docs/design.md, "The front ends".
 
 This times, on the same inputs, the step taken apart:
 
@@ -168,22 +166,6 @@ def profile(fn, out_dir, tag):
         print(f"    runtime {(e.time_range.end - e.time_range.start):8.1f} µs  {e.name}")
 
 
-def drop_the_multiply():
-    """The operator's backward returning forward's gradients as they are, without the multiply by
-    grad_output (right only where grad_output is 1, as here): what the compiled step would gain
-    if that pass were spared (--no-multiply)."""
-    import jsdgpu.torch as jtorch
-
-    def as_computed(ctx, grad_loss, *unused):
-        grads = [None] * jtorch._N_INPUTS
-        gi, gw, gb = ctx.saved_tensors
-        grads[jtorch._STUDENT_INPUT], grads[jtorch._STUDENT_WEIGHT] = gi, gw
-        grads[jtorch._STUDENT_BIAS] = gb if gb.numel() else None
-        return tuple(grads)
-    op = jtorch._fused_linear_jsd
-    op.register_autograd(as_computed, setup_context=jtorch._autograd(op))
-
-
 def host_profile(fn, n_sets, tag, steps=30):
     """The host's Python over `steps` steps under cProfile: the functions of most own time, and of
     most time with their callees (torch's profiler shows the GPU's gaps, not whose Python made
@@ -258,9 +240,6 @@ def main():
                    help="the module, then the compiled module, and the CuPy call in turns, step by step")
     p.add_argument("--host-profile", action="store_true",
                    help="the cupy, module and compiled steps' Python under cProfile")
-    p.add_argument("--no-multiply", action="store_true",
-                   help="the compiled step without backward's multiply by grad_output (an upper bound of "
-                        "sparing it; its gradients are right for grad_output 1 only)")
     p.add_argument("--ignored", type=float, nargs="+",
                    help="the sets' shares of ignored rows, one set each (a run's: 0 0.4 0.1 0.3)")
     args = p.parse_args()
@@ -269,8 +248,6 @@ def main():
     import cupy
 
     from harness import make_sets, make_weights
-    if args.no_multiply:
-        drop_the_multiply()
     weights = make_weights(2)
     rng = __import__("numpy").random.default_rng(0)
     rows, turns = [], []
