@@ -85,3 +85,8 @@ def test_the_file_by_environment(monkeypatch, tmp_path):
     assert default_path() == tmp_path / "jsdgpu" / "gemm_algorithms.jsonl"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_path() == pathlib.Path.home() / ".cache" / "jsdgpu" / "gemm_algorithms.jsonl"
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(pathlib.Path, "home", staticmethod(no_home))
+    assert default_path() is None

@@ -25,13 +25,17 @@ import warnings
 
 
 def default_path():
-    """The file JSDGPU_GEMM_CACHE names, the default where it is unset, None where it is 0."""
+    """The file JSDGPU_GEMM_CACHE names, the default where it is unset, None where it is 0 (or
+    where it is unset and no home folder can be found: tuning in the process alone)."""
     setting = os.environ.get("JSDGPU_GEMM_CACHE")
     if setting == "0":
         return None
     if setting:
         return pathlib.Path(setting)
-    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    try:
+        base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    except RuntimeError:  # no HOME, nor a password entry of this user
+        return None
     return pathlib.Path(base) / "jsdgpu" / "gemm_algorithms.jsonl"
 
 
