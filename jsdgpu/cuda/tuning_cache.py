@@ -2,8 +2,9 @@
 
 Tuning a product class times its cuBLASLt candidates on its first product, about 60 ms a class;
 the benchmark's run meets 38 classes at T = 1024 and 24 more at 8192, which cost a fresh
-process's first steps about two seconds more than tuned ones (docs/design.md, "Products"). Each choice a process times is appended to a file as one
-JSON line, and a later process takes the choices it finds there instead of timing them again.
+process's first steps about two seconds more than tuned ones (docs/design.md, "Products"). Each
+choice a process times is appended to a file as one JSON line, and a later process takes the
+choices it finds there instead of timing them again.
 
 A choice holds where it was made: its scope is the GPU's name and compute capability and
 cuBLASLt's version (an algorithm's bytes mean nothing to another version, and another GPU runs
