@@ -185,12 +185,6 @@ def host_profile(fn, n_sets, tag, steps=30):
     stats.sort_stats("cumulative").print_stats(45)
 
 
-def _bridge_memory(t, nbytes):
-    """nbytes of CuPy memory from torch's allocator, as the bridge allocates within a call."""
-    from jsdgpu.torch_bridge import _torch_memory
-    return _torch_memory(t.device.index, nbytes)
-
-
 def bridge_parts(repeats=200):
     """Median µs of the bridge's pieces, each alone, back to back: a [1024, 2048] bf16 tensor
     viewed by CuPy through DLPack and by jsdgpu.torch.to_native, a 0-d CuPy array viewed by
@@ -201,6 +195,7 @@ def bridge_parts(repeats=200):
     import torch
 
     import jsdgpu.torch as jtorch
+    from jsdgpu.torch_bridge import _torch_memory  # the allocator the bridge installs for a call
     t = torch.randn(1024, 2048, device="cuda").to(torch.bfloat16)
     a = cupy.zeros((), cupy.float32)
     with jtorch.current_stream(t):
@@ -216,7 +211,7 @@ def bridge_parts(repeats=200):
               "from_native(0-d array in torch's memory)": lambda: jtorch.from_native(in_torch),
               "current_stream(tensor) block": stream_block,
               "4 KiB from CuPy's pool, freed": lambda: pool.malloc(4096),
-              "4 KiB from torch for CuPy (the bridge's allocator), freed": lambda: _bridge_memory(t, 4096),
+              "4 KiB from torch for CuPy (the bridge's allocator), freed": lambda: _torch_memory(t.device.index, 4096),
               "4 KiB as a uint8 tensor, freed": lambda: torch.empty(4096, dtype=torch.uint8, device=t.device)}
     print("| piece | µs |")
     print("| --- | --- |")
