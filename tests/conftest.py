@@ -6,6 +6,7 @@ Every case draws fresh random inputs; the seed is printed so a failure can be re
 
 import os
 import secrets
+import sys
 
 # JAX would take 75% of the GPU's memory when it starts, leaving CuPy and torch too little
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -219,12 +220,21 @@ def head_path_ignored(T):
 
 def _with_fault_handler(target, *args):
     """target(*args) in a rank whose fatal signals print every thread's Python stack to stderr
-    (which the test's report shows): a rank that aborts after delivering its results (exit code
-    -6, "terminate called without an active exception", seen now and then in
-    tests/test_torch_sharding.py) then says where it was."""
+    (which the test's report shows), and which ends without the interpreter's finalization once
+    target has returned and its results are through the queue. Ranks over gloo aborted now and
+    then in finalization, after delivering their results and destroying the process group (exit
+    code -6, "terminate called without an active exception" from a thread without Python frames
+    while the main thread had none: torch's C++ threads torn down with the interpreter, as
+    pytorch/pytorch#179291 describes); what a rank does wrong before then still fails the test."""
     import faulthandler
     faulthandler.enable(all_threads=True)
     target(*args)
+    results = args[-1]
+    results.close()
+    results.join_thread()  # (the queue's feeder thread has written everything to the pipe)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_processes(target, world, rendezvous, *args, count=None):
