@@ -182,3 +182,109 @@ def test_cpu_kernels_give_the_same_bits_on_one_thread_and_in_parallel(rng, monke
         runs.append([np.asarray(loss_value), *jsdgpu.backward(ctx)])
     for one, parallel in zip(*runs):
         np.testing.assert_array_equal(one, parallel)
+
+
+@pytest.mark.parametrize("shape", [(37, 1031, 19), (1031, 37, 19), (5, 2, 3)])
+def test_cpu_products_split_over_our_threads(rng, monkeypatch, shape):
+    """split_matmul cuts the product's larger dimension into one piece a thread (three here,
+    whatever the machine has; more than the dimension has: some empty), of transposed views too,
+    and gives the product."""
+    from jsdgpu.cpu import products
+    monkeypatch.setattr(products, "get_num_threads", lambda: 3)
+    m, n, k = shape
+    a = rng.standard_normal((k, m)).astype(np.float32).T  # a transposed view, as G.T is
+    b = rng.standard_normal((n, k)).astype(np.float32).T  # as the weights' W.T
+    out = np.full((m, n), np.nan, np.float32)
+    assert products.split_matmul(a, b, out) is out
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_cpu_split_products_run_openblas_on_one_thread_and_set_it_back(rng, monkeypatch):
+    """A call's matmul is its _CallProducts' (own_threads), unless `through` names another
+    (torch's products). While a split product runs, NumPy's OpenBLAS is on one thread; its count is set
+    back when the last of two threads' products at once ends, after one that raises, and after
+    a split product."""
+    import threading
+    from jsdgpu.cpu import products
+    openblas = products.numpys_openblas()
+    if openblas is None:
+        pytest.skip("NumPy's BLAS here is not an OpenBLAS that jsdgpu reaches")
+    set_threads, get_threads = openblas
+    before = get_threads()
+    set_threads(2)
+    try:
+        with products.own_threads():
+            assert isinstance(products._MATMUL.get().__self__, products._CallProducts)
+        mine = lambda a, b, out: np.matmul(a, b, out=out)  # noqa: E731
+        with products.through(mine), products.own_threads():
+            assert products._MATMUL.get() is mine
+        first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+        seen = {}
+
+        def product(name, entered, wait_for, then):
+            with products._openblas_on_one_thread():
+                seen[name, "inside"] = get_threads()
+                entered.set()
+                wait_for.wait(10)
+            seen[name, "after"] = get_threads()
+            if then is not None:
+                then.set()
+        first = threading.Thread(target=product, args=("first", first_in, second_in, first_out))
+        second = threading.Thread(target=product, args=("second", second_in, first_out, None))
+        first.start()
+        first_in.wait(10)
+        second.start()
+        first.join(10)
+        second.join(10)
+        assert seen == {("first", "inside"): 1, ("second", "inside"): 1, ("first", "after"): 1,
+                        ("second", "after"): 2}
+        with pytest.raises(RuntimeError, match="in the product"):
+            with products._openblas_on_one_thread():
+                raise RuntimeError("in the product")
+        assert get_threads() == 2
+        monkeypatch.setattr(products, "get_num_threads", lambda: 2)
+        a, b = rng.standard_normal((9, 4)).astype(np.float32), rng.standard_normal((4, 7)).astype(np.float32)
+        products.split_matmul(a, b, np.empty((9, 7), np.float32))
+        assert get_threads() == 2
+    finally:
+        set_threads(before)
+
+
+def test_cpu_call_splits_all_its_products_or_none(monkeypatch):
+    """A call's first product decides for all of its products: split where one of its arrays
+    holds PARALLEL_FROM values or more (where the row kernels run on Numba's threads), else
+    none (after it, whatever their size); on one thread, none."""
+    from jsdgpu.cpu import products
+    monkeypatch.setattr(products, "PARALLEL_FROM", 100)
+    split = []
+    monkeypatch.setattr(products, "split_matmul", lambda a, b, out: split.append(out.shape))
+    small, large = np.ones((3, 4), np.float32), np.ones((30, 4), np.float32)
+    for threads, first, then, want in ((2, small, large, []), (2, large, small, [(30, 3), (3, 3)]),
+                                       (1, large, large, [])):
+        monkeypatch.setattr(products, "get_num_threads", lambda: threads)
+        split.clear()
+        call = products._CallProducts()
+        for a in (first, then):
+            call.matmul(a, np.ones((4, 3), np.float32), np.empty((len(a), 3), np.float32))
+        assert split == want, (threads, len(first), len(then))
+
+
+def test_cpu_loss_with_every_product_split(rng, monkeypatch):
+    """A call whose products are all split (PARALLEL_FROM 0 for the products, three pieces),
+    with a bias, ignored rows and two chunks, against the float64 reference."""
+    import jsdgpu
+    from conftest import assert_near_float64, make_case
+    from jsdgpu.cpu import products
+    if products.numpys_openblas() is None:
+        pytest.skip("NumPy's BLAS here is not an OpenBLAS that jsdgpu reaches: its calls split nothing")
+    monkeypatch.setattr(products, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(products, "PARALLEL_FROM", 0)
+    split = []
+    split_matmul = products.split_matmul
+    monkeypatch.setattr(products, "split_matmul", lambda a, b, out: split.append(1) or split_matmul(a, b, out))
+    case = make_case(rng, T=29, hs=16, ht=24, vs=1031, vt=1033, bias=True, ignored=0.2)
+    opts = dict(beta=0.3, temperature=1.7)
+    loss, ctx = jsdgpu.forward(**case, chunk_size=16, **opts)
+    assert_near_float64(case, "float32", opts, loss, ctx.hard_loss, ctx.soft_loss, jsdgpu.backward(ctx))
+    assert len(split) >= 6  # both chunks' two logits products and grad_input's, and grad_weight's

@@ -1,12 +1,32 @@
 """The CPU backend's matrix products, in one place: NumPy's matmul (its BLAS, OpenBLAS in NumPy's
 wheels), or, inside `through(fn)`, fn's. The torch front end's calls on CPU tensors take torch's
-(jsdgpu.torch_bridge.current_stream: MKL in PyTorch's x86 wheels; their steps took 0.72-0.83 of
-the NumPy call's time, docs/design.md, "The CPU backend")."""
+(jsdgpu.torch_bridge.current_stream: MKL in PyTorch's x86 wheels; docs/design.md, "The CPU
+backend").
 
+Inside `own_threads()` (every call of the backend: CpuSteps.on_device), a call whose row kernels
+run on Numba's threads (its first product's arrays past cpu/threads.py's PARALLEL_FROM values)
+splits each product over threads of our own, one piece a thread, with NumPy's OpenBLAS on one
+thread meanwhile. OpenBLAS's own threads keep spinning for a while after each product (2^28
+cycles unless OPENBLAS_THREAD_TIMEOUT was set before NumPy loaded it), on the cores the row
+kernel runs on next, where ours wait on a queue: steps took 13-15% less on two cores
+(docs/design.md, "The CPU backend"). A smaller call, whose kernels run on one thread, keeps
+OpenBLAS's threads, which split a product at less cost. OpenBLAS's thread count is the
+process's: it is set back when the last product that set it ends."""
+
+import concurrent.futures
 import contextlib
 import contextvars
+import ctypes
+import functools
+import os
+import pathlib
+import re
+import threading
 
 import numpy as np
+from numba import get_num_threads
+
+from .threads import PARALLEL_FROM
 
 _MATMUL = contextvars.ContextVar("jsdgpu_cpu_matmul", default=None)
 
@@ -27,3 +47,109 @@ def through(fn):
         yield
     finally:
         _MATMUL.reset(token)
+
+
+def split_matmul(a, b, out):
+    """out = a @ b in as many pieces as Numba has threads (its larger dimension cut into
+    near-equal parts), each by NumPy's matmul with OpenBLAS on one thread, one piece on this
+    thread and the others on our pool's."""
+    m, n = out.shape
+    pieces = get_num_threads()
+    if pieces < 2:
+        return np.matmul(a, b, out=out)
+    edges = np.linspace(0, max(m, n), pieces + 1).astype(int)
+    if m >= n:
+        parts = [(a[i:j], b, out[i:j]) for i, j in zip(edges[:-1], edges[1:])]
+    else:
+        parts = [(a, b[:, i:j], out[:, i:j]) for i, j in zip(edges[:-1], edges[1:])]
+    pool = _pool(pieces - 1, os.getpid())
+    with _openblas_on_one_thread():
+        futures = [pool.submit(np.matmul, x, y, out=z) for x, y, z in parts[1:]]
+        np.matmul(*parts[0][:2], out=parts[0][2])
+        for f in futures:
+            f.result()
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _pool(workers, pid):
+    """A pool of the process pid (a child forked from a process with a pool makes its own: the
+    parent's threads are not in it)."""
+    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jsdgpu-product")
+
+
+@functools.lru_cache(maxsize=1)
+def numpys_openblas():
+    """(set_num_threads, get_num_threads) of the OpenBLAS NumPy loaded (found among the process's
+    mapped libraries, in NumPy's folders: Linux), or None (another BLAS, or another system)."""
+    try:
+        maps = pathlib.Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    numpy_folder = str(pathlib.Path(np.__file__).parent)  # numpy/ and the wheel's numpy.libs/
+    for path in sorted({p for p in re.findall(r"(/\S*openblas\S*\.so\S*)", maps) if p.startswith(numpy_folder)}):
+        lib = ctypes.CDLL(path)
+        for prefix, suffix in (("scipy_openblas", "64_"), ("scipy_openblas", ""), ("openblas", "64_"), ("openblas", "")):
+            set_threads = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+            get_threads = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+            if set_threads is not None and get_threads is not None:
+                set_threads.argtypes, set_threads.restype = [ctypes.c_int], None
+                get_threads.restype = ctypes.c_int
+                return set_threads, get_threads
+    return None
+
+
+class _OneThreadBlas:
+    """How many products in this process are inside _openblas_on_one_thread, and OpenBLAS's
+    thread count before the first of them."""
+    lock = threading.Lock()
+    inside = 0
+    before = None
+
+
+@contextlib.contextmanager
+def _openblas_on_one_thread():
+    """For the block, NumPy's OpenBLAS on one thread (where own_threads found it), set back when
+    the last block of several threads' at once ends."""
+    openblas = numpys_openblas()
+    if openblas is None:
+        yield
+        return
+    set_threads, get_threads = openblas
+    state = _OneThreadBlas
+    with state.lock:
+        if state.inside == 0:
+            state.before = get_threads()
+            set_threads(1)
+        state.inside += 1
+    try:
+        yield
+    finally:
+        with state.lock:
+            state.inside -= 1
+            if state.inside == 0:
+                set_threads(state.before)
+
+
+class _CallProducts:
+    """A call's products: all split (split_matmul) or none, as its first product says: split
+    where one of its arrays holds PARALLEL_FROM values or more, as the chunk's logits do where
+    the row kernels run on Numba's threads. (Smaller, the kernels run on one thread, beside
+    which OpenBLAS's spinning threads take no core they need; and a call whose products mixed
+    both ways would leave OpenBLAS's threads spinning beside ours.)"""
+
+    def __init__(self):
+        self.split = None
+
+    def matmul(self, a, b, out):
+        if self.split is None:
+            self.split = get_num_threads() > 1 and max(a.size, b.size, out.size) >= PARALLEL_FROM
+        return split_matmul(a, b, out) if self.split else np.matmul(a, b, out=out)
+
+
+def own_threads():
+    """For the block (a call), matmul is a _CallProducts', unless `through` named another or
+    NumPy's BLAS is not an OpenBLAS we can reach (its threads are then left as they are)."""
+    if numpys_openblas() is None or _MATMUL.get() is not None:
+        return contextlib.nullcontext()
+    return through(_CallProducts().matmul)

@@ -2,14 +2,13 @@
 the selection of the valid rows, and the gradient's float32 products and sums. The CPU's work is
 done as it is called: nothing is queued ahead."""
 
-import contextlib
 
 import numpy as np
 
 from .. import checks
 from ..backend import HeldG, Rows
 from ..options import divisor
-from .products import matmul
+from .products import matmul, own_threads
 from .rows import model_derivative
 
 
@@ -56,7 +55,8 @@ class CpuSteps:
 
     @staticmethod
     def on_device(device):
-        return contextlib.nullcontext()
+        """A call's work: its products by threads of our own, not OpenBLAS's (products.py)."""
+        return own_threads()
 
     @staticmethod
     def select_rows(target, vocab, ignore_index, after=None, weights=None):
