@@ -109,8 +109,8 @@ class _OneThreadBlas:
 
 @contextlib.contextmanager
 def _openblas_on_one_thread():
-    """For the block, NumPy's OpenBLAS on one thread (where own_threads found it), set back when
-    the last block of several threads' at once ends."""
+    """For the block, NumPy's OpenBLAS on one thread (where numpys_openblas finds it), set back
+    when the last of several threads' blocks at once ends."""
     openblas = numpys_openblas()
     if openblas is None:
         yield

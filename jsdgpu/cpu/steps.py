@@ -2,7 +2,6 @@
 the selection of the valid rows, and the gradient's float32 products and sums. The CPU's work is
 done as it is called: nothing is queued ahead."""
 
-
 import numpy as np
 
 from .. import checks
@@ -55,7 +54,8 @@ class CpuSteps:
 
     @staticmethod
     def on_device(device):
-        """A call's work: its products by threads of our own, not OpenBLAS's (products.py)."""
+        """A call's work: where its row kernels run in parallel, its products on threads of our
+        own, not OpenBLAS's (products.own_threads)."""
         return own_threads()
 
     @staticmethod
