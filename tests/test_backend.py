@@ -202,9 +202,10 @@ def test_cpu_products_split_over_our_threads(rng, monkeypatch, shape):
 
 def test_cpu_split_products_run_openblas_on_one_thread_and_set_it_back(rng, monkeypatch):
     """A call's matmul is its _CallProducts' (own_threads), unless `through` names another
-    (torch's products). While a split product runs, NumPy's OpenBLAS is on one thread; its count is set
-    back when the last of two threads' products at once ends, after one that raises, and after
-    a split product."""
+    (torch's products). While a split product runs, NumPy's OpenBLAS is on one thread; its
+    count is set back when the last of two threads' products at once ends, after one that
+    raises, and after a split product."""
+    import contextlib
     import threading
     from jsdgpu.cpu import products
     openblas = products.numpys_openblas()
@@ -244,9 +245,17 @@ def test_cpu_split_products_run_openblas_on_one_thread_and_set_it_back(rng, monk
                 raise RuntimeError("in the product")
         assert get_threads() == 2
         monkeypatch.setattr(products, "get_num_threads", lambda: 2)
+        during, one_thread = [], products._openblas_on_one_thread
+
+        @contextlib.contextmanager
+        def watched():
+            with one_thread():
+                during.append(get_threads())
+                yield
+        monkeypatch.setattr(products, "_openblas_on_one_thread", watched)
         a, b = rng.standard_normal((9, 4)).astype(np.float32), rng.standard_normal((4, 7)).astype(np.float32)
         products.split_matmul(a, b, np.empty((9, 7), np.float32))
-        assert get_threads() == 2
+        assert during == [1] and get_threads() == 2
     finally:
         set_threads(before)
 
