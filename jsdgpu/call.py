@@ -140,6 +140,7 @@ def loss_of_call(make_loss, arrays, run_opts, n_rows):
     if run_opts.rows_own and not loss.keeps_row_gradients(n_rows):
         loss = make_loss(dataclasses.replace(run_opts, compute_grad=False))
     loss.token_weights, loss.row_scales = arrays["token_weights"], arrays.get("row_scales")
+    loss.g_memory = arrays.get("g_memory")
     return loss
 
 
@@ -231,12 +232,19 @@ def _backward(ctx, grad_output, out):
 def _scale_rows(g, scales):
     """The gradients g kept by a call of the rows' own losses, each computed row's part times its
     grad_output (scales, float32 [computed rows]): grad_input's rows, and G's rows held for
-    grad_weight's product (its row scales, and its label terms kept out of G)."""
+    grad_weight's product (scale_held)."""
     assert g.grad_bias is None, "kept only with no bias (keeps_row_gradients)"
     g.grad_input *= scales[:, None]
-    held = g.held
-    if held is None:  # no row computed (every row ignored): the sums are zero, and stay so
+    if g.held is None:  # no row computed (every row ignored): the sums are zero, and stay so
         assert len(scales) == 0, "kept only with G held (keeps_row_gradients)"
         return
+    scale_held(g.held, scales)
+
+
+def scale_held(held, scales):
+    """G held for all rows (backend.HeldG) of a call of the rows' own losses, each computed row's
+    part of grad_weight times its grad_output (scales, float32 [computed rows]): G's row scales,
+    which the product takes with Xs's rows, and the label terms kept out of G. (The front ends
+    that carry G from forward to backward: jsdgpu.torch_rows, jsdgpu.jax.)"""
     held.g_scale = scales if held.g_scale is None else held.g_scale * scales
     held.label_terms = held.label_terms * scales

@@ -56,6 +56,8 @@ class ChunkLoss:
     spared_sum = 0          # the bytes of grad_weight's float32 sum that G held spares (chunks.spared_sum_bytes)
     row_scales = None       # float32 [rows] times the weights, any values, unchecked: backward's
                             # grad_output of a call of the rows' own losses (call.rows_own_backward)
+    g_memory = None         # a call of the rows' own losses': G's memory for all of its rows, where
+                            # a front end gives it (api.forward_with), else the engine's own
     takes_first_product = True  # whether its student logits may be queued ahead (ahead.FirstProduct)
     scales_g = False        # whether its G is stored with row scales (Gradients.g_scale)
     bad_topk_row = None     # a capturable top-k call's first bad row of the top-k (TopKLoss)
@@ -168,8 +170,10 @@ def run(loss, xs, other, first=None):
     if ahead is not None and (rows.valid_rows is not None or ahead[:2] != (chunk, hold_g)):
         ahead = None  # the guess was wrong: the rows or their chunks are others
     # a call of the rows' own losses holds G in memory of all of its rows (valid or not): of the
-    # call's own shape, which a front end carries from forward to backward (jsdgpu.torch_rows)
-    out = loss.outputs(n_rows, chunk, hold_g, held_rows=n_all if loss.run_opts.rows_own else None) \
+    # call's own shape, which a front end carries from forward to backward (jsdgpu.torch_rows), or
+    # in the front end's own (g_memory: jsdgpu.jax)
+    given_g = loss.g_memory[:n_rows] if loss.g_memory is not None and hold_g and loss.run_opts.compute_grad else None
+    out = loss.outputs(n_rows, chunk, hold_g, given_g, held_rows=n_all if loss.run_opts.rows_own else None) \
         if ahead is None else ahead[2]
     G_all, ce, soft, grads, label_terms = out
     if weights is not None and grads is not None and not loss.scales_g:

@@ -9,7 +9,9 @@ The loss is a jax.experimental.buffer_callback: its Python runs when XLA reaches
 call, eager or jitted), with XLA's own buffers (zero-copy) and, on the GPU, XLA's CUDA stream,
 on which jsdgpu queues its products and kernels in its capturable mode (no host
 synchronization). The forward pass computes the gradients too, written straight into XLA's
-output buffers; the backward rule scales them by the cotangent. Options are static.
+output buffers; the backward rule scales them by the cotangent. With reduction "none" the
+gradients are carried to backward where the call holds G (below: "the rows' own losses"), else
+backward computes the call again. Options are static.
 
 Working memory comes from CuPy's pool (the GPU's own allocations, beside XLA's): XLA takes 75%
 of the GPU's memory at start by default and the loss takes from the rest; its peak is
@@ -34,6 +36,9 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from . import api, topk
+from .backend import HeldG
+from .call import backend_for, scale_held
+from .online import keeps_row_gradients
 from .options import LossOptions, RunOptions, TopKOptions, field_names
 
 _RUN_FIELDS = ("chunk_size", "num_valid_tokens", "reduction")
@@ -85,11 +90,12 @@ def _options(options, with_grads, gpu, loss=LossOptions):
     return loss_opts, RunOptions(compute_grad=with_grads, capturable=gpu or None, **run)
 
 
-def _online(arrays, options, with_grads, gpu):
+def _online(arrays, options, with_grads, gpu, g_memory=None):
     """jsdgpu.forward on the callback's arrays (xs, ws, bs, target, the token weights and row
-    scales, then the teacher's xt, wt, bt)."""
+    scales, then the teacher's xt, wt, bt); g_memory: G's, where the call carries it (_carried)."""
     xs, ws, bs, target, weights, scales, xt, wt, bt = arrays
-    return api.forward_with(xs, ws, xt, wt, target, bs, bt, *_options(options, with_grads, gpu), weights, scales)
+    return api.forward_with(xs, ws, xt, wt, target, bs, bt, *_options(options, with_grads, gpu), weights, scales,
+                            g_memory)
 
 
 def _topk(arrays, options, with_grads, gpu):
@@ -101,9 +107,9 @@ def _topk(arrays, options, with_grads, gpu):
                                   weights, scales)
 
 
-def _callback(forward, options, with_grads, present):
-    """The buffer_callback's function: (ctx, out, *arrays), arrays the present ones of forward's;
-    out: (loss[, grad_input, grad_weight, grad_bias where present])."""
+def _callback(compute, present):
+    """The buffer_callback's function: (ctx, out, *arrays), arrays the present ones of a loss's
+    (None where not present), compute(out, arrays, gpu) with both viewed natively."""
 
     def callback(ctx, out, *buffers):
         try:
@@ -111,39 +117,130 @@ def _callback(forward, options, with_grads, present):
         except jax.errors.JaxRuntimeError:  # a CPU call has no GPU context
             stream = None
         it = iter(buffers)
-        arrays = [next(it) if p else None for p in present]
-        if stream is None:
-            return _compute(forward, out, arrays, options, with_grads, False)
+        gpu = stream is not None
+        arrays = [_native(next(it), gpu) if p else None for p in present]
+        out = [_native(b, gpu) for b in out]
+        if not gpu:
+            return compute(out, arrays, False)
         import cupy
         with cupy.cuda.ExternalStream(stream):  # the work queued on XLA's stream
-            _compute(forward, out, arrays, options, with_grads, True)
+            compute(out, arrays, True)
 
     return callback
 
 
-def _compute(forward, out, arrays, options, with_grads, gpu):
-    loss, ctx = forward([None if b is None else _native(b, gpu) for b in arrays], options, with_grads, gpu)
-    out_loss = _native(out[0], gpu)
-    out_loss[...] = loss
-    if with_grads:
-        grads = tuple(_native(b, gpu) for b in out[1:]) + (None,) * (4 - len(out))
-        api.backward(ctx, 1.0, out=grads)
+def _run_callback(compute, arrays, shapes):
+    """compute's outputs (of shapes: jax.ShapeDtypeStruct) by one callback on arrays."""
+    run = buffer_callback(_callback(compute, tuple(a is not None for a in arrays)), tuple(shapes))
+    return run(*(a for a in arrays if a is not None))
 
 
 def _call(forward, options, with_grads, arrays, student):
     """The loss (and with with_grads the gradients of student: (xs, ws, bs)) by one callback."""
-    present = tuple(a is not None for a in arrays)
     rows = (student[0].shape[0],) if _rows_own(options) else ()
     shapes = [jax.ShapeDtypeStruct(rows, jnp.float32)]
     if with_grads:
         shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in student if a is not None]
-    run = buffer_callback(_callback(forward, options, with_grads, present), tuple(shapes))
-    return run(*(a for a in arrays if a is not None))
+
+    def compute(out, arrays, gpu):
+        loss, ctx = forward(arrays, options, with_grads, gpu)
+        out[0][...] = loss
+        if with_grads:
+            api.backward(ctx, 1.0, out=tuple(out[1:]) + (None,) * (4 - len(out)))
+    return _run_callback(compute, arrays, shapes)
 
 
 def _rows_own(options):
     """Whether a callback's static options ask for the rows' own losses (reduction "none")."""
     return dict(options).get("reduction") == "none"
+
+
+# ---- the rows' own losses, their gradients carried from forward to backward ----
+#
+# As in jsdgpu.torch_rows: where a call of the rows' own losses holds G for all rows (and has no
+# student bias), its forward computes the gradients for grad_output 1 and hands backward what
+# scales them by each row's grad_output: grad_input's rows (float32), and G with what
+# grad_weight's one product needs (the computed rows' indices, their label terms kept out of G,
+# labels and row scales, 1/N and their count), as residuals of the custom_vjp; G is held in the
+# forward callback's output buffer, and backward's callback runs the backend's product on it.
+# G's layout, and whether the call holds it at all, are the backend's, which the platform
+# decides, and a traced array does not tell its platform: they are planned for JAX's default
+# platform, and the carrying code is that platform's branch of jax.lax.platform_dependent, which
+# XLA keeps where the call runs there; elsewhere the other branch computes the rows' values
+# alone and backward computes the call again.
+
+def _carried(options, student, teacher_weight):
+    """(platform, (columns, dtype) of G) where a call of the rows' own losses on JAX's default
+    platform carries its gradients (above), else None."""
+    xs, ws, bs = student
+    (vs, hs), dtype = ws.shape, np.dtype(ws.dtype)
+    gpu = jax.default_backend() == "gpu"
+    backend = backend_for("cupy" if gpu else "numpy")
+    if not keeps_row_gradients(backend, vs, teacher_weight.shape[0], hs, dtype, xs.shape[0], bs is not None,
+                               _options(options, True, gpu)[1]):
+        return None
+    return "cuda" if gpu else "cpu", backend.g_row_layout(vs, dtype)
+
+
+def _carried_shapes(student, g_layout):
+    """The carried arrays' shapes: grad_input [T, Hs] float32, G [T, columns], the computed rows'
+    indices [T] int32, their label terms [T] float32, labels [T] int32 and row scales [T]
+    float32 (each first in its rows, the rest unused), 1/N and their count."""
+    (T, hs), f32, i32 = student[0].shape, jnp.float32, jnp.int32
+    return (jax.ShapeDtypeStruct((T, hs), f32), jax.ShapeDtypeStruct((T, g_layout[0]), g_layout[1]),
+            *(jax.ShapeDtypeStruct((T,), d) for d in (i32, f32, i32, f32)), jax.ShapeDtypeStruct((), f32),
+            jax.ShapeDtypeStruct((), i32))
+
+
+def _call_carrying(options, arrays, student, g_layout):
+    """(the rows' losses, the carried arrays) of an online call by one callback, G held in its
+    output buffer."""
+
+    def compute(out, arrays, gpu):
+        loss_rows, grad_input, G, rows, label_terms, labels, g_scale, inv_n, count = out
+        loss, ctx = _online(arrays, options, True, gpu, g_memory=G)
+        loss_rows[...] = loss
+        grads, valid, xp = ctx._grads, ctx._valid_rows, ctx._backend.xp
+        held = grads.held
+        n = 0 if held is None else held.G.shape[0]
+        assert n == 0 or xp.may_share_memory(held.G, G), "G held in the engine's memory, not the buffer"
+        if valid is None:
+            grad_input[:n] = grads.grad_input
+            grad_input[n:] = 0
+            rows[:n] = xp.arange(n)
+        else:  # the valid rows' among zeros
+            grad_input[...] = 0
+            grad_input[valid] = grads.grad_input
+            rows[:n] = valid
+        if n:
+            label_terms[:n], labels[:n] = held.label_terms, held.target
+            g_scale[:n] = 1 if held.g_scale is None else held.g_scale
+        inv_n[...] = 1 if held is None else held.inv_n
+        count[...] = n
+
+    loss, *carried = _run_callback(compute, arrays, (jax.ShapeDtypeStruct(student[0].shape[:1], jnp.float32),
+                                                     *_carried_shapes(student, g_layout)))
+    return loss, tuple(carried)
+
+
+def _carried_gradients(g, carried, xs, ws):
+    """(grad_input, grad_weight) of the rows' own losses for their grad_output g [T], from the
+    carried arrays: grad_input's rows times g, and grad_weight by the backend's one product of G
+    held (backend.weight_product), each computed row's part times its grad_output
+    (call.scale_held), by a callback."""
+    grad_input, G, *held_parts = carried
+    vocab, dtype = ws.shape[0], np.dtype(ws.dtype)
+
+    def compute(out, arrays, gpu):
+        G, xs, rows, label_terms, labels, g_scale, inv_n, count, g = arrays
+        n = int(count) if not gpu else G.shape[0]  # on the GPU every row is computed (masked)
+        rows = rows[:n]
+        held = HeldG(G[:n], vocab, xs[rows], inv_n, label_terms[:n], labels[:n], g_scale[:n])
+        scale_held(held, g[rows].astype(np.float32))
+        backend_for("cupy" if gpu else "numpy").weight_product(held, None, dtype, out[0])
+
+    grad_weight, = _run_callback(compute, (G, xs, *held_parts, g), (jax.ShapeDtypeStruct(ws.shape, ws.dtype),))
+    return (grad_input * g.astype(jnp.float32)[:, None]).astype(xs.dtype), grad_weight
 
 
 def _check_options(options, loss=LossOptions):
@@ -188,20 +285,38 @@ def _loss(forward, teacher, student_input, student_weight, student_bias, target,
 
 def _loss_fwd(forward, teacher, student_input, student_weight, student_bias, target, options):
     student = (student_input, student_weight, student_bias)
+    arrays = (*student, target, *teacher)
     if _rows_own(options):  # grad_output [T] is known only in backward
-        return _call(forward, options, False, (*student, target, *teacher), student)[0], (student, target, teacher)
-    loss, *grads = _call(forward, options, True, (*student, target, *teacher), student)
+        values = lambda arrays: _call(forward, options, False, arrays, student)[0]  # noqa: E731
+        carried = forward is _online and _carried(options, student, teacher[3])
+        if not carried:
+            return values(arrays), (student, target, None, teacher)
+        platform, g_layout = carried
+        elsewhere = lambda arrays: (values(arrays), tuple(jnp.zeros(a.shape, a.dtype)  # noqa: E731
+                                                          for a in _carried_shapes(student, g_layout)))
+        loss, kept = jax.lax.platform_dependent(
+            arrays, **{platform: lambda arrays: _call_carrying(options, arrays, student, g_layout)}, default=elsewhere)
+        return loss, (student, target, kept, teacher)
+    loss, *grads = _call(forward, options, True, arrays, student)
     return loss, (tuple(grads), teacher)
 
 
 def _loss_bwd(forward, options, residuals, g):
     no_teacher_grad = jax.tree_util.tree_map(lambda a: None, residuals[-1])
-    if _rows_own(options):  # the call again, as the rows' sum times g
-        student, target, (weights, _, *teacher) = residuals
-        sums = tuple(sorted(dict(options, reduction="sum").items()))
-        grad_input, grad_weight, *grad_bias = _call(forward, sums, True, (*student, target, weights, g, *teacher),
-                                                    student)[1:]
-        return no_teacher_grad, grad_input, grad_weight, grad_bias[0] if grad_bias else None, None
+    if _rows_own(options):
+        student, target, kept, teacher = residuals
+
+        def again(g):  # the call again, as the rows' sum times g
+            weights, _, *teacher_arrays = teacher
+            sums = tuple(sorted(dict(options, reduction="sum").items()))
+            return _call(forward, sums, True, (*student, target, weights, g, *teacher_arrays), student)[1:]
+        if kept is None:
+            grad_input, grad_weight, *grad_bias = again(g)
+            return no_teacher_grad, grad_input, grad_weight, grad_bias[0] if grad_bias else None, None
+        platform = _carried(options, student, teacher[3])[0]  # forward's (no bias here)
+        grad_input, grad_weight = jax.lax.platform_dependent(
+            g, **{platform: lambda g: _carried_gradients(g, kept, *student[:2])}, default=again)
+        return no_teacher_grad, grad_input, grad_weight, None, None
     (grad_input, grad_weight, *grad_bias), _ = residuals
     scale = lambda a: (a * g).astype(a.dtype)  # noqa: E731
     return (no_teacher_grad, scale(grad_input), scale(grad_weight), scale(grad_bias[0]) if grad_bias else None,

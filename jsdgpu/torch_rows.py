@@ -18,7 +18,7 @@ decision depends on it), jsdgpu.torch's operator computes the call again in back
 import torch
 
 from .backend import HeldG
-from .call import backend_for
+from .call import backend_for, scale_held
 from .online import keeps_row_gradients
 from .torch_bridge import _NUMPY_DTYPES, caster, current_stream, from_native, to_native
 
@@ -129,7 +129,7 @@ def _weight_gradient(G: torch.Tensor, student_input: torch.Tensor, rows: torch.T
                      weight_dtype: torch.dtype) -> torch.Tensor:
     """grad_weight [vocab, Hs] in weight_dtype from _rows' carried tensors and the rows' losses'
     grad_output [T]: the one product of G held (backend.weight_product), each valid row's parts
-    times its grad_output (as call._scale_rows does eagerly)."""
+    times its grad_output (call.scale_held, as backward does eagerly)."""
     n = int(count)
     if not n:
         return torch.zeros((vocab, student_input.shape[1]), dtype=weight_dtype, device=G.device)
@@ -137,8 +137,9 @@ def _weight_gradient(G: torch.Tensor, student_input: torch.Tensor, rows: torch.T
     scales = grad_output.to(torch.float32)[valid]
     xs = caster(compute_dtype)(student_input)[valid]
     with current_stream(G):
-        held = HeldG(to_native(G[:n]), vocab, to_native(xs), to_native(inv_n), to_native(label_terms[:n] * scales),
-                     to_native(row_target[:n]), to_native(row_scales[:n] * scales))
+        held = HeldG(to_native(G[:n]), vocab, to_native(xs), to_native(inv_n), to_native(label_terms[:n]),
+                     to_native(row_target[:n]), to_native(row_scales[:n]))
+        scale_held(held, to_native(scales))
         return from_native(_backend(G.device.type).weight_product(held, None, _NUMPY_DTYPES[weight_dtype]))
 
 

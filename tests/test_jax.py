@@ -59,6 +59,85 @@ def test_jit_equals_eager_and_the_reference(rng, jdevice, dtype):
         assert rel_err(np.asarray(a.astype(jnp.float32)), want) <= tol
 
 
+@pytest.fixture
+def loss_calls(monkeypatch):
+    """The count of the online loss's calls of the core (jsdgpu.api.forward_with) so far."""
+    calls = []
+    forward_with = jsdgpu.api.forward_with
+    monkeypatch.setattr(jsdgpu.api, "forward_with", lambda *a, **k: calls.append(1) or forward_with(*a, **k))
+    return calls
+
+
+def _rows_own_step(case, device, upstream, **opts):
+    """(step, args): jax.jit(jax.value_and_grad) of the rows' losses times upstream, summed,
+    with respect to the student's input and head (and bias, where the case has one)."""
+    names = ["student_input", "student_weight", "teacher_input", "teacher_weight", "target", "student_bias",
+             "teacher_bias"]
+    args = [None if case[k] is None else jax.device_put(jnp.asarray(case[k]), device) for k in names]
+    weights = opts.pop("token_weights", None)
+    weights = None if weights is None else jax.device_put(jnp.asarray(weights), device)
+    up = jax.device_put(jnp.asarray(upstream), device)
+
+    def f(xs, ws, bs=None):
+        rows = jjax.fused_linear_jsd_loss(xs, ws, args[2], args[3], args[4], bs, args[6], token_weights=weights,
+                                          reduction="none", **opts)
+        return (rows * up).sum()
+    student = (args[0], args[1], args[5])
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1) if args[5] is None else (0, 1, 2))), student
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+@pytest.mark.parametrize("T,ignored,weighted", [(1, 0.0, False), (13, 0.3, True), (37, 0.0, False),
+                                                (300, 0.5, True), (7, 1.0, False)])
+def test_rows_own_losses_carry_their_gradients(rng, jdevice, loss_calls, dtype, T, ignored, weighted):
+    """reduction "none" without a student bias: forward computes the gradients and hands backward
+    G and the rows' parts, so the jitted step calls the loss once (with a bias, whose gradient
+    is a sum over the rows, backward computes the call again: twice); both the reference's
+    gradients for a random upstream gradient. Only where JAX's default platform is the arrays'
+    (else test_rows_own_losses_on_another_platform_than_the_default)."""
+    if jdevice.platform != jax.default_backend():
+        pytest.skip("the arrays' platform is not JAX's default")
+    opts = dict(beta=0.7, temperature=2.0, weight_hard_loss=0.4, weight_soft_loss=0.6)
+    for bias, calls in ((False, 1), (True, 2)):
+        case = make_case(rng, T=T, dtype=dtype, bias=bias, ignored=ignored, vt=1035)
+        upstream = rng.standard_normal(T).astype(np.float32)
+        weights = (rng.random(T) * 2).astype(np.float32) if weighted else None
+        step, student = _rows_own_step(case, jdevice, upstream, token_weights=weights, **opts)
+        loss_calls.clear()
+        value, grads = step(*(a for a in student if a is not None))
+        jax.block_until_ready(grads)
+        assert len(loss_calls) == calls
+        ref = jsdgpu.reference(**case, token_weights=weights, reduction="none", grad_output=upstream, **opts)
+        want = float((ref[0] * upstream).sum())
+        assert abs(float(value) - want) <= 1e-5 * max(1.0, abs(want))
+        tol = 1e-4 if dtype == np.float32 else 2.0**-7
+        for got, want in zip(grads, ref[3:]):
+            assert got.dtype == dtype
+            assert rel_err(np.asarray(got.astype(jnp.float32)), want) <= tol
+
+
+@pytest.mark.gpu
+def test_rows_own_losses_on_another_platform_than_the_default(rng, loss_calls):
+    """Arrays committed to the CPU where JAX's default platform is the GPU: the call was planned
+    for the GPU's G, so the CPU runs the other branch (the rows' values, then the call again in
+    backward: two calls), with the reference's gradients."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("JAX's default platform is not a GPU here")
+    cpu = jax.devices("cpu")[0]
+    case = make_case(rng, T=11, ignored=0.3)
+    upstream = rng.standard_normal(11).astype(np.float32)
+    step, student = _rows_own_step(case, cpu, upstream, beta=0.3)
+    value, grads = step(*student[:2])
+    jax.block_until_ready(grads)
+    assert len(loss_calls) == 2
+    ref = jsdgpu.reference(**case, reduction="none", grad_output=upstream, beta=0.3)
+    want = float((ref[0] * upstream).sum())
+    assert abs(float(value) - want) <= 1e-5 * max(1.0, abs(want))
+    for got, want in zip(grads, ref[3:5]):
+        assert next(iter(got.devices())) == cpu
+        assert rel_err(np.asarray(got), want) <= 1e-4
+
+
 def test_jitted_training_step_with_optax(rng, jdevice):
     """A jitted optax step over a small model (a linear body and an LM head, the teacher's
     hidden state fixed) whose last hidden state feeds the loss: the loss falls."""
