@@ -122,13 +122,17 @@ class ChunkLoss:
 
     def outputs(self, n_rows, chunk, hold_g, G_all=None, held_rows=None):
         """(G_all, ce, soft, Gradients, label_terms) for n_rows rows in chunks of `chunk` rows: G of
-        all of them where hold_g (the first n_rows of memory for held_rows, where given), else of a
-        chunk (None without gradients), the per-row results, and with gradients their sums and the
-        label terms (row_outputs)."""
+        all of them where hold_g (the first n_rows of g_memory where given, else of memory for
+        held_rows, where given), else of a chunk (None without gradients), the per-row results,
+        and with gradients their sums and the label terms (row_outputs)."""
         xp, compute_grad = self.backend.xp, self.run_opts.compute_grad
         if G_all is None and compute_grad and n_rows:
-            G_all = self.gradient_rows(max(n_rows, held_rows or 0), True)[:n_rows] if hold_g else \
-                self.gradient_rows(chunk, False)
+            if not hold_g:
+                G_all = self.gradient_rows(chunk, False)
+            elif self.g_memory is not None:
+                G_all = self.g_memory[:n_rows]
+            else:
+                G_all = self.gradient_rows(max(n_rows, held_rows or 0), True)[:n_rows]
         ce, soft, grads, label_terms = row_outputs(xp, n_rows, self.hs, self.vs, hold_g, self.has_bias, compute_grad)
         if G_all is not None and self.scales_g:  # G's rows stored scaled: read once
             grads.g_scale = xp.empty(n_rows, np.float32)
@@ -171,9 +175,8 @@ def run(loss, xs, other, first=None):
         ahead = None  # the guess was wrong: the rows or their chunks are others
     # a call of the rows' own losses holds G in memory of all of its rows (valid or not): of the
     # call's own shape, which a front end carries from forward to backward (jsdgpu.torch_rows), or
-    # in the front end's own (g_memory: jsdgpu.jax)
-    given_g = loss.g_memory[:n_rows] if loss.g_memory is not None and hold_g and loss.run_opts.compute_grad else None
-    out = loss.outputs(n_rows, chunk, hold_g, given_g, held_rows=n_all if loss.run_opts.rows_own else None) \
+    # the front end's own (ChunkLoss.g_memory: jsdgpu.jax)
+    out = loss.outputs(n_rows, chunk, hold_g, held_rows=n_all if loss.run_opts.rows_own else None) \
         if ahead is None else ahead[2]
     G_all, ce, soft, grads, label_terms = out
     if weights is not None and grads is not None and not loss.scales_g:
