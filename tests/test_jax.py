@@ -69,8 +69,9 @@ def loss_calls(monkeypatch):
 
 
 def _rows_own_step(case, device, upstream, **opts):
-    """(step, args): jax.jit(jax.value_and_grad) of the rows' losses times upstream, summed,
-    with respect to the student's input and head (and bias, where the case has one)."""
+    """(step, student): jax.jit(jax.value_and_grad) of the rows' losses times upstream, summed,
+    with respect to the student's input and head (and bias, where the case has one), and those
+    arrays on device (the bias None where the case has none)."""
     names = ["student_input", "student_weight", "teacher_input", "teacher_weight", "target", "student_bias",
              "teacher_bias"]
     args = [None if case[k] is None else jax.device_put(jnp.asarray(case[k]), device) for k in names]
