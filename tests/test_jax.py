@@ -117,6 +117,25 @@ def test_rows_own_losses_carry_their_gradients(rng, jdevice, loss_calls, dtype, 
             assert rel_err(np.asarray(got.astype(jnp.float32)), want) <= tol
 
 
+def test_rows_own_losses_carried_with_soft_caps_and_chunks(rng, jdevice, loss_calls):
+    """The carry with the models' scales and soft caps (G in the raw logits) and chunks of 5 rows
+    (G held across them): one call, the reference's gradients."""
+    if jdevice.platform != jax.default_backend():
+        pytest.skip("the arrays' platform is not JAX's default")
+    case = make_case(rng, T=17, ignored=0.3, vt=1040, logit_std=8.0)
+    upstream = rng.standard_normal(17).astype(np.float32)
+    opts = dict(beta=0.5, student_logit_scale=2.0, student_logit_softcap=5.0, teacher_logit_softcap=30.0)
+    step, student = _rows_own_step(case, jdevice, upstream, chunk_size=5, **opts)
+    value, grads = step(*student[:2])
+    jax.block_until_ready(grads)
+    assert len(loss_calls) == 1
+    ref = jsdgpu.reference(**case, reduction="none", grad_output=upstream, **opts)
+    want = float((ref[0] * upstream).sum())
+    assert abs(float(value) - want) <= 1e-5 * max(1.0, abs(want))
+    for got, want in zip(grads, ref[3:5]):
+        assert rel_err(np.asarray(got), want) <= 1e-4
+
+
 @pytest.mark.gpu
 def test_rows_own_losses_on_another_platform_than_the_default(rng, loss_calls):
     """Arrays committed to the CPU where JAX's default platform is the GPU: the call was planned
