@@ -68,10 +68,10 @@ def loss_calls(monkeypatch):
     return calls
 
 
-def _rows_own_step(case, device, upstream, **opts):
-    """(step, student): jax.jit(jax.value_and_grad) of the rows' losses times upstream, summed,
-    with respect to the student's input and head (and bias, where the case has one), and those
-    arrays on device (the bias None where the case has none)."""
+def _rows_own_step(case, device, upstream, jit=True, **opts):
+    """(step, student): jax.jit(jax.value_and_grad) (eager where not jit) of the rows' losses
+    times upstream, summed, with respect to the student's input and head (and bias, where the
+    case has one), and those arrays on device (the bias None where the case has none)."""
     names = ["student_input", "student_weight", "teacher_input", "teacher_weight", "target", "student_bias",
              "teacher_bias"]
     args = [None if case[k] is None else jax.device_put(jnp.asarray(case[k]), device) for k in names]
@@ -84,7 +84,8 @@ def _rows_own_step(case, device, upstream, **opts):
                                           reduction="none", **opts)
         return (rows * up).sum()
     student = (args[0], args[1], args[5])
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1) if args[5] is None else (0, 1, 2))), student
+    step = jax.value_and_grad(f, argnums=(0, 1) if args[5] is None else (0, 1, 2))
+    return jax.jit(step) if jit else step, student
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
@@ -117,15 +118,16 @@ def test_rows_own_losses_carry_their_gradients(rng, jdevice, loss_calls, dtype, 
             assert rel_err(np.asarray(got.astype(jnp.float32)), want) <= tol
 
 
-def test_rows_own_losses_carried_with_soft_caps_and_chunks(rng, jdevice, loss_calls):
+@pytest.mark.parametrize("jit", [True, False])
+def test_rows_own_losses_carried_with_soft_caps_and_chunks(rng, jdevice, loss_calls, jit):
     """The carry with the models' scales and soft caps (G in the raw logits) and chunks of 5 rows
-    (G held across them): one call, the reference's gradients."""
+    (G held across them), jitted and eagerly: one call, the reference's gradients."""
     if jdevice.platform != jax.default_backend():
         pytest.skip("the arrays' platform is not JAX's default")
     case = make_case(rng, T=17, ignored=0.3, vt=1040, logit_std=8.0)
     upstream = rng.standard_normal(17).astype(np.float32)
     opts = dict(beta=0.5, student_logit_scale=2.0, student_logit_softcap=5.0, teacher_logit_softcap=30.0)
-    step, student = _rows_own_step(case, jdevice, upstream, chunk_size=5, **opts)
+    step, student = _rows_own_step(case, jdevice, upstream, jit, chunk_size=5, **opts)
     value, grads = step(*student[:2])
     jax.block_until_ready(grads)
     assert len(loss_calls) == 1
