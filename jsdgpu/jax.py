@@ -35,10 +35,9 @@ import ml_dtypes
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import api, topk
+from . import api, online, topk
 from .backend import HeldG
 from .call import backend_for, scale_held
-from .online import keeps_row_gradients
 from .options import LossOptions, RunOptions, TopKOptions, field_names
 
 _RUN_FIELDS = ("chunk_size", "num_valid_tokens", "reduction")
@@ -98,13 +97,13 @@ def _online(arrays, options, with_grads, gpu, g_memory=None):
                             g_memory)
 
 
-def _topk(arrays, options, with_grads, gpu):
+def _topk(arrays, options, with_grads, gpu, g_memory=None):
     """jsdgpu.forward_topk on the callback's arrays (xs, ws, bs, target, the token weights and row
     scales, then the teacher's ids and logprobs); a bad row of the top-k, like a bad target,
-    makes the loss NaN on the GPU."""
+    makes the loss NaN on the GPU. g_memory: as _online's."""
     xs, ws, bs, target, weights, scales, ids, lq = arrays
     return topk.forward_topk_with(xs, ws, ids, lq, target, bs, *_options(options, with_grads, gpu, TopKOptions),
-                                  weights, scales)
+                                  weights, scales, g_memory)
 
 
 def _callback(compute, present):
@@ -157,29 +156,34 @@ def _rows_own(options):
 
 # ---- the rows' own losses, their gradients carried from forward to backward ----
 #
-# As in jsdgpu.torch_rows: where a call of the rows' own losses holds G for all rows (and has no
-# student bias), its forward computes the gradients for grad_output 1 and hands backward what
-# scales them by each row's grad_output: grad_input's rows (float32), and G with what
-# grad_weight's one product needs (the computed rows' indices, their label terms kept out of G,
-# labels and row scales, 1/N and their count), as residuals of the custom_vjp; G is held in the
-# forward callback's output buffer, and backward's callback runs the backend's product on it.
+# As in jsdgpu.torch_rows (there the online loss's alone): where a call of the rows' own losses
+# (of either loss) holds G for all rows (and has no student bias), its forward computes the
+# gradients for grad_output 1 and hands backward what scales them by each row's grad_output:
+# grad_input's rows (float32), and G with what grad_weight's one product needs (the computed
+# rows' indices, their label terms kept out of G, labels and row scales, 1/N and their count),
+# as residuals of the custom_vjp; G is held in the forward callback's output buffer, and
+# backward's callback runs the backend's product on it.
 # G's layout, and whether the call holds it at all, are the backend's, which the platform
 # decides, and a traced array does not tell its platform: they are planned for JAX's default
 # platform, and the carrying code is that platform's branch of jax.lax.platform_dependent, which
 # XLA keeps where the call runs there; elsewhere the other branch computes the rows' values
 # alone and backward computes the call again.
 
-def _carried(options, student, teacher_weight):
-    """(platform, (columns, dtype) of G) where a call of the rows' own losses on JAX's default
-    platform carries its gradients (above), else None."""
+def _carried(forward, options, student, teacher):
+    """(platform, (columns, dtype) of G) where a call of forward (_online or _topk) of the rows'
+    own losses on JAX's default platform carries its gradients (above), else None. teacher: the
+    rows' other arrays (_loss's)."""
     xs, ws, bs = student
-    (vs, hs), dtype = ws.shape, np.dtype(ws.dtype)
+    (vs, hs), dtype, T = ws.shape, np.dtype(ws.dtype), xs.shape[0]
     gpu = jax.default_backend() == "gpu"
     backend = backend_for("cupy" if gpu else "numpy")
-    if not keeps_row_gradients(backend, vs, teacher_weight.shape[0], hs, dtype, xs.shape[0], bs is not None,
-                               _options(options, True, gpu)[1]):
-        return None
-    return "cuda" if gpu else "cpu", backend.g_row_layout(vs, dtype)
+    if forward is _online:  # teacher: (weights, scales, xt, wt, bt)
+        keeps = online.keeps_row_gradients(backend, vs, teacher[3].shape[0], hs, dtype, T, bs is not None,
+                                           _options(options, True, gpu)[1])
+    else:  # teacher: (weights, scales, ids, logprobs)
+        keeps = topk.keeps_row_gradients(backend, vs, hs, dtype, teacher[3].shape[1], T, bs is not None,
+                                         _options(options, True, gpu, TopKOptions)[1])
+    return ("cuda" if gpu else "cpu", backend.g_row_layout(vs, dtype)) if keeps else None
 
 
 def _carried_shapes(student, g_layout):
@@ -192,13 +196,13 @@ def _carried_shapes(student, g_layout):
             jax.ShapeDtypeStruct((), i32))
 
 
-def _call_carrying(options, arrays, student, g_layout):
-    """(the rows' losses, the carried arrays) of an online call by one callback, G held in its
+def _call_carrying(forward, options, arrays, student, g_layout):
+    """(the rows' losses, the carried arrays) of a call of forward by one callback, G held in its
     output buffer."""
 
     def compute(out, arrays, gpu):
         loss_rows, grad_input, G, rows, label_terms, labels, g_scale, inv_n, count = out
-        loss, ctx = _online(arrays, options, True, gpu, g_memory=G)
+        loss, ctx = forward(arrays, options, True, gpu, g_memory=G)
         loss_rows[...] = loss
         grads, valid, xp = ctx._grads, ctx._valid_rows, ctx._backend.xp
         held = grads.held
@@ -288,14 +292,15 @@ def _loss_fwd(forward, teacher, student_input, student_weight, student_bias, tar
     arrays = (*student, target, *teacher)
     if _rows_own(options):  # grad_output [T] is known only in backward
         values = lambda arrays: _call(forward, options, False, arrays, student)[0]  # noqa: E731
-        carried = forward is _online and _carried(options, student, teacher[3])
+        carried = _carried(forward, options, student, teacher)
         if not carried:
             return values(arrays), (student, target, None, teacher)
         platform, g_layout = carried
         elsewhere = lambda arrays: (values(arrays), tuple(jnp.zeros(a.shape, a.dtype)  # noqa: E731
                                                           for a in _carried_shapes(student, g_layout)))
         loss, kept = jax.lax.platform_dependent(
-            arrays, **{platform: lambda arrays: _call_carrying(options, arrays, student, g_layout)}, default=elsewhere)
+            arrays, **{platform: lambda arrays: _call_carrying(forward, options, arrays, student, g_layout)},
+            default=elsewhere)
         return loss, (student, target, kept, teacher)
     loss, *grads = _call(forward, options, True, arrays, student)
     return loss, (tuple(grads), teacher)
@@ -313,7 +318,7 @@ def _loss_bwd(forward, options, residuals, g):
         if kept is None:
             grad_input, grad_weight, *grad_bias = again(g)
             return no_teacher_grad, grad_input, grad_weight, grad_bias[0] if grad_bias else None, None
-        platform = _carried(options, student, teacher[3])[0]  # forward's (no bias here)
+        platform = _carried(forward, options, student, teacher)[0]  # forward's (no bias here)
         grad_input, grad_weight = jax.lax.platform_dependent(
             g, **{platform: lambda g: _carried_gradients(g, kept, *student[:2])}, default=again)
         return no_teacher_grad, grad_input, grad_weight, None, None

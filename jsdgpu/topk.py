@@ -37,12 +37,12 @@ def forward_topk(student_input, student_weight, teacher_indices, teacher_logprob
 
 
 def forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias,
-                      loss_opts, run_opts, token_weights=None, row_scales=None):
-    """forward_topk with its options as a TopKOptions and a RunOptions (row_scales: as
+                      loss_opts, run_opts, token_weights=None, row_scales=None, g_memory=None):
+    """forward_topk with its options as a TopKOptions and a RunOptions (row_scales, g_memory: as
     api.forward_with's)."""
     arrays = dict(student_input=student_input, student_weight=student_weight, teacher_indices=teacher_indices,
                   teacher_logprobs=teacher_logprobs, target=target, student_bias=student_bias,
-                  token_weights=token_weights, row_scales=row_scales)
+                  token_weights=token_weights, row_scales=row_scales, g_memory=g_memory)
     return bridged(arrays, lambda native: _forward_topk(native, loss_opts, run_opts))
 
 
@@ -55,6 +55,28 @@ def _forward_topk(arrays, opts, run_opts):
         shard = parallel.call_shard(run_opts.vocab_parallel, capturable, xp, vs, vs)
         return (lambda call_opts: TopKLoss(backend, xs, arrays, opts, call_opts, capturable, shard)), xs, ids
     return call_loss("topk", arrays, opts, run_opts, checks.check_topk_arrays, loss_for, _forward_topk)
+
+
+def _plan_bytes(backend, vs, hs, dtype, k, own, run_opts):
+    """(ChunkLoss.per_row, ChunkLoss.spared_sum, ChunkLoss.most_rows) of the top-k loss, its
+    logits by the backend's own product where own."""
+    return (backend.topk_bytes_per_row(vs, dtype, run_opts.compute_grad, own, k),
+            spared_sum_bytes(vs, hs, dtype, run_opts), backend.topk_chunk_rows(own))
+
+
+def keeps_row_gradients(backend, vs, hs, dtype, k, n_rows, has_bias, run_opts):
+    """TopKLoss.keeps_row_gradients(n_rows) of a call on one device (no vocab parallelism) with a
+    student head of these shapes and dtype and a top-k of k, from the shapes alone, whichever
+    logits product the call takes (the backend's own one depends on the arrays' alignment and
+    the GPU too): where the plans of both keep them. What a front end that carries the kept
+    gradients from forward to backward decides as it traces (jsdgpu.jax)."""
+    shapes = ChunkLoss()
+    shapes.backend, shapes.run_opts, shapes.has_bias = backend, run_opts, has_bias
+
+    def keeps(own):
+        shapes.per_row, shapes.spared_sum, shapes.most_rows = _plan_bytes(backend, vs, hs, dtype, k, own, run_opts)
+        return shapes.keeps_row_gradients(n_rows)
+    return keeps(False) and keeps(True)
 
 
 class TopKLoss(ChunkLoss):
@@ -84,9 +106,8 @@ class TopKLoss(ChunkLoss):
         # queued in queue_first, once the call's buffers are made
         # every rank must cut the same chunks: size them by the largest shard
         widest = self.vs if shard is None else shard.max_vs
-        self.per_row = backend.topk_bytes_per_row(widest, self.ws.dtype, compute_grad, self.own, self.k)
-        self.spared_sum = spared_sum_bytes(widest, self.hs, self.ws.dtype, run_opts)
-        self.most_rows = backend.topk_chunk_rows(self.own)
+        self.per_row, self.spared_sum, self.most_rows = _plan_bytes(backend, widest, self.hs, self.ws.dtype, self.k,
+                                                                    self.own, run_opts)
         self.scales_g = shard is None and backend.topk_scales_g(opts, self.ws.dtype)
         self.check = self.bad_topk_row = None
         self.model = None if opts.models is None else opts.models[0]  # the student's (scale, cap), where not plain

@@ -6,6 +6,7 @@ import pytest
 
 import jsdgpu
 from conftest import BF16, make_case, rel_err
+from test_topk import make_topk_case
 
 jax = pytest.importorskip("jax")
 jjax = pytest.importorskip("jsdgpu.jax")
@@ -136,6 +137,40 @@ def test_rows_own_losses_carried_with_soft_caps_and_chunks(rng, jdevice, loss_ca
     assert abs(float(value) - want) <= 1e-5 * max(1.0, abs(want))
     for got, want in zip(grads, ref[3:5]):
         assert rel_err(np.asarray(got), want) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+@pytest.mark.parametrize("T,ignored,opts", [(1, 0.0, dict(beta=0.3)), (13, 0.3, dict(beta=0.0)),
+                                            (300, 0.5, dict(missing_mass="renormalize", temperature=2.0))])
+def test_topk_rows_own_losses_carry_their_gradients(rng, jdevice, monkeypatch, dtype, T, ignored, opts):
+    """The top-k loss's rows' own losses likewise: one call of the core in the jitted step (two
+    with a student bias), the reference's gradients for a random upstream gradient."""
+    if jdevice.platform != jax.default_backend():
+        pytest.skip("the arrays' platform is not JAX's default")
+    calls = []
+    forward_topk_with = jsdgpu.topk.forward_topk_with
+    monkeypatch.setattr(jsdgpu.topk, "forward_topk_with", lambda *a, **k: calls.append(1) or forward_topk_with(*a, **k))
+    for bias, n_calls in ((False, 1), (True, 2)):
+        case = make_topk_case(rng, T=T, dtype=dtype, bias=bias, ignored=ignored)
+        upstream = rng.standard_normal(T).astype(np.float32)
+        put = lambda name: jax.device_put(jnp.asarray(case[name]), jdevice)  # noqa: E731
+        student = [put("student_input"), put("student_weight")] + ([put("student_bias")] if bias else [])
+        ids, lq, target, up = put("teacher_indices"), put("teacher_logprobs"), put("target"), jnp.asarray(upstream)
+
+        def f(xs, ws, bs=None):
+            rows = jjax.fused_linear_topk_jsd_loss(xs, ws, ids, lq, target, bs, reduction="none", **opts)
+            return (rows * jax.device_put(up, jdevice)).sum()
+        calls.clear()
+        value, grads = jax.jit(jax.value_and_grad(f, argnums=tuple(range(len(student)))))(*student)
+        jax.block_until_ready(grads)
+        assert len(calls) == n_calls
+        ref = jsdgpu.reference_topk(**case, reduction="none", grad_output=upstream, **opts)
+        want = float((ref[0] * upstream).sum())
+        assert abs(float(value) - want) <= 1e-5 * max(1.0, abs(want))
+        tol = 1e-4 if dtype == np.float32 else 2.0**-7
+        for got, want in zip(grads, ref[3:]):
+            assert got.dtype == dtype
+            assert rel_err(np.asarray(got.astype(jnp.float32)), want) <= tol
 
 
 @pytest.mark.gpu
