@@ -89,6 +89,17 @@ def _rows_own_step(case, device, upstream, jit=True, **opts):
     return jax.jit(step) if jit else step, student
 
 
+def _check_rows_own(value, grads, ref, upstream, dtype=np.float32):
+    """A step of the rows' losses times upstream, summed (its value and the student's gradients,
+    in dtype), against the float64 reference's results ref for that upstream gradient."""
+    want = float((ref[0] * upstream).sum())
+    assert abs(float(value) - want) <= 1e-5 * max(1.0, abs(want))
+    tol = 1e-4 if dtype == np.float32 else 2.0**-7
+    for got, want in zip(grads, ref[3:]):
+        assert got.dtype == dtype
+        assert rel_err(np.asarray(got.astype(jnp.float32)), want) <= tol
+
+
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
 @pytest.mark.parametrize("T,ignored,weighted", [(1, 0.0, False), (13, 0.3, True), (37, 0.0, False),
                                                 (300, 0.5, True), (7, 1.0, False)])
@@ -110,13 +121,8 @@ def test_rows_own_losses_carry_their_gradients(rng, jdevice, loss_calls, dtype, 
         value, grads = step(*(a for a in student if a is not None))
         jax.block_until_ready(grads)
         assert len(loss_calls) == calls
-        ref = jsdgpu.reference(**case, token_weights=weights, reduction="none", grad_output=upstream, **opts)
-        want = float((ref[0] * upstream).sum())
-        assert abs(float(value) - want) <= 1e-5 * max(1.0, abs(want))
-        tol = 1e-4 if dtype == np.float32 else 2.0**-7
-        for got, want in zip(grads, ref[3:]):
-            assert got.dtype == dtype
-            assert rel_err(np.asarray(got.astype(jnp.float32)), want) <= tol
+        _check_rows_own(value, grads, jsdgpu.reference(**case, token_weights=weights, reduction="none",
+                                                       grad_output=upstream, **opts), upstream, dtype)
 
 
 @pytest.mark.parametrize("jit", [True, False])
@@ -132,11 +138,7 @@ def test_rows_own_losses_carried_with_soft_caps_and_chunks(rng, jdevice, loss_ca
     value, grads = step(*student[:2])
     jax.block_until_ready(grads)
     assert len(loss_calls) == 1
-    ref = jsdgpu.reference(**case, reduction="none", grad_output=upstream, **opts)
-    want = float((ref[0] * upstream).sum())
-    assert abs(float(value) - want) <= 1e-5 * max(1.0, abs(want))
-    for got, want in zip(grads, ref[3:5]):
-        assert rel_err(np.asarray(got), want) <= 1e-4
+    _check_rows_own(value, grads, jsdgpu.reference(**case, reduction="none", grad_output=upstream, **opts), upstream)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
@@ -164,13 +166,8 @@ def test_topk_rows_own_losses_carry_their_gradients(rng, jdevice, monkeypatch, d
         value, grads = jax.jit(jax.value_and_grad(f, argnums=tuple(range(len(student)))))(*student)
         jax.block_until_ready(grads)
         assert len(calls) == n_calls
-        ref = jsdgpu.reference_topk(**case, reduction="none", grad_output=upstream, **opts)
-        want = float((ref[0] * upstream).sum())
-        assert abs(float(value) - want) <= 1e-5 * max(1.0, abs(want))
-        tol = 1e-4 if dtype == np.float32 else 2.0**-7
-        for got, want in zip(grads, ref[3:]):
-            assert got.dtype == dtype
-            assert rel_err(np.asarray(got.astype(jnp.float32)), want) <= tol
+        _check_rows_own(value, grads, jsdgpu.reference_topk(**case, reduction="none", grad_output=upstream, **opts),
+                        upstream, dtype)
 
 
 @pytest.mark.gpu
@@ -187,12 +184,8 @@ def test_rows_own_losses_on_another_platform_than_the_default(rng, loss_calls):
     value, grads = step(*student[:2])
     jax.block_until_ready(grads)
     assert len(loss_calls) == 2
-    ref = jsdgpu.reference(**case, reduction="none", grad_output=upstream, beta=0.3)
-    want = float((ref[0] * upstream).sum())
-    assert abs(float(value) - want) <= 1e-5 * max(1.0, abs(want))
-    for got, want in zip(grads, ref[3:5]):
-        assert next(iter(got.devices())) == cpu
-        assert rel_err(np.asarray(got), want) <= 1e-4
+    _check_rows_own(value, grads, jsdgpu.reference(**case, reduction="none", grad_output=upstream, beta=0.3), upstream)
+    assert all(next(iter(g.devices())) == cpu for g in grads)
 
 
 def test_jitted_training_step_with_optax(rng, jdevice):
