@@ -237,10 +237,13 @@ def _carried_gradients(g, carried, xs, ws):
 
     def compute(out, arrays, gpu):
         G, xs, rows, label_terms, labels, g_scale, inv_n, count, g = arrays
-        n = int(count) if not gpu else G.shape[0]  # on the GPU every row is computed (masked)
-        rows = rows[:n]
-        held = HeldG(G[:n], vocab, xs[rows], inv_n, label_terms[:n], labels[:n], g_scale[:n])
-        scale_held(held, g[rows].astype(np.float32))
+        if gpu:  # every row is computed (masked): the rows are all of them, in order
+            n, xs_held, g_held = G.shape[0], xs, g
+        else:
+            n = int(count)
+            xs_held, g_held = xs[rows[:n]], g[rows[:n]]
+        held = HeldG(G[:n], vocab, xs_held, inv_n, label_terms[:n], labels[:n], g_scale[:n])
+        scale_held(held, g_held.astype(np.float32))
         backend_for("cupy" if gpu else "numpy").weight_product(held, None, dtype, out[0])
 
     grad_weight, = _run_callback(compute, (G, xs, *held_parts, g), (jax.ShapeDtypeStruct(ws.shape, ws.dtype),))
