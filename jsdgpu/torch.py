@@ -11,9 +11,8 @@ Traced (torch.compile, export), the loss is the operator jsdgpu::fused_linear_js
 given by a fake implementation, its gradient computed in forward (as Liger's is) and scaled by
 grad_output in backward (with reduction "none", where G is held for all rows, the operators of
 jsdgpu.torch_rows carry it to backward instead). Eagerly it is an autograd Function that calls
-jsdgpu.forward and, in backward, jsdgpu.backward with grad_output: the operator's eager dispatch
-and its pass over the gradients cost 0.6-0.9 ms a step at T = 1024 (docs/design.md, "The front
-ends"). Tensors cross to CuPy (GPU) or NumPy (CPU) without a copy; the work is queued on
+jsdgpu.forward and, in backward, jsdgpu.backward with grad_output (no operator: _runs_eagerly).
+Tensors cross to CuPy (GPU) or NumPy (CPU) without a copy; the work is queued on
 torch's current CUDA stream with nothing added to synchronize, and its memory comes from torch's
 caching allocator (so torch.cuda.max_memory_allocated counts it, freed blocks return to torch's
 cache, and a CUDA-graph capture takes it from the graph's pool). Inside a capture the core runs
@@ -258,7 +257,7 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
 
     def call(w_hard, w_soft, with_grads):
         if with_grads and reduction == "none" and not eager and torch_rows.carries(
-                xs, student_weight, teacher_weight, student_bias, compute_dtype, chunk_size, num_valid_tokens):
+                xs, student_weight, teacher_weight.shape[0], student_bias, compute_dtype, chunk_size, num_valid_tokens):
             return torch_rows.rows_loss(xs, student_weight, xt, teacher_weight, target, teacher_bias,
                                         (w_hard, w_soft, *options[2:]), chunk_size, num_valid_tokens, compute_dtype,
                                         weights)
@@ -313,8 +312,7 @@ class FusedLinearJSDLoss(torch.nn.Module):
                  compiled=True, chunk_size=None, return_soft_hard_loss=False, vocab_parallel=None, reduction="mean",
                  student_logit_scale=1.0, teacher_logit_scale=1.0, student_logit_softcap=None,
                  teacher_logit_softcap=None):
-        super().__init__()
-        # checked here too
+        super().__init__()  # the options checked here too
         LossOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_logit_scale,
                     teacher_logit_scale, student_logit_softcap, teacher_logit_softcap)
         RunOptions(reduction=reduction)
@@ -428,11 +426,16 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
                                           weight_soft_loss, beta, temperature, ignore_index, student_logit_scale,
                                           1.0, student_logit_softcap, None)
-    _topk_options(options, missing_mass)  # missing_mass's check, before any work
+    (_topk_options.__wrapped__ if torch.compiler.is_compiling() else _topk_options)(options, missing_mass)  # checks
     # a process group is no operator argument: vocab parallel runs eagerly, traced or not
     eager = vocab_parallel is not None or _runs_eagerly(xs, student_weight, ids, lq, target, student_bias, weights)
 
     def call(w_hard, w_soft, with_grads):
+        if with_grads and reduction == "none" and not eager and torch_rows.carries(
+                xs, student_weight, k, student_bias, compute_dtype, chunk_size, num_valid_tokens, topk=True):
+            return torch_rows.topk_rows_loss(xs, student_weight, ids, lq, target, missing_mass,
+                                             (w_hard, w_soft, *options[2:]), chunk_size, num_valid_tokens,
+                                             compute_dtype, weights)
         if eager:
             return _Eager.apply(lambda: _topk(xs, student_weight, ids, lq, target, student_bias, missing_mass,
                                               (w_hard, w_soft, *options[2:]), chunk_size, num_valid_tokens,
@@ -460,17 +463,15 @@ class FusedLinearTopKJSDLoss(torch.nn.Module):
                  beta=DEFAULTS.beta, ignore_index=DEFAULTS.ignore_index, temperature=DEFAULTS.temperature,
                  missing_mass="bucket", chunk_size=None, return_soft_hard_loss=False, reduction="mean",
                  student_logit_scale=1.0, student_logit_softcap=None, vocab_parallel=None):
-        super().__init__()
-        # checked here too
+        super().__init__()  # the options checked here too
         TopKOptions(weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index, student_logit_scale,
                     student_logit_softcap=student_logit_softcap, missing_mass=missing_mass)
         RunOptions(reduction=reduction)
         self.student_logit_scale, self.student_logit_softcap = student_logit_scale, student_logit_softcap
-        self.missing_mass = missing_mass
+        self.missing_mass, self.vocab_parallel = missing_mass, vocab_parallel
         self.weight_hard_loss, self.weight_soft_loss = weight_hard_loss, weight_soft_loss
         self.beta, self.ignore_index, self.temperature = beta, ignore_index, temperature
         self.chunk_size, self.return_soft_hard_loss, self.reduction = chunk_size, return_soft_hard_loss, reduction
-        self.vocab_parallel = vocab_parallel
 
     def forward(self, student_input, student_weight, teacher_indices, teacher_logprobs, true_labels,
                 student_bias=None, *, num_valid_tokens=None, token_weights=None):

@@ -10,9 +10,11 @@ in memory of all of the call's rows (engine.run), and the operator fused_linear_
 it, with grad_input's rows for grad_output 1 (float32), and what grad_weight's product needs
 (the valid rows' indices, label terms, labels and row scales, each padded to the call's rows,
 1/N, and the count of valid rows, on the CPU, so that backward reads it without waiting for the
-GPU); backward's operator carried_weight_gradient forms grad_weight from them. Where G is not
-held (too many rows for the budget, a student bias), or the rows are a symbolic size (the
-decision depends on it), jsdgpu.torch's operator computes the call again in backward instead.
+GPU); backward's operator carried_weight_gradient forms grad_weight from them. The top-k loss's
+operator fused_linear_topk_jsd_rows does the same, where both of its plans keep them
+(topk.keeps_row_gradients). Where G is not held (too many rows for the budget, a student bias),
+or the rows are a symbolic size (the decision depends on it), jsdgpu.torch's operators compute
+the call again in backward instead.
 """
 
 import torch
@@ -20,24 +22,29 @@ import torch
 from .backend import HeldG
 from .call import backend_for, scale_held
 from .online import keeps_row_gradients
+from .topk import keeps_row_gradients as topk_keeps_row_gradients
 from .torch_bridge import _NUMPY_DTYPES, caster, current_stream, from_native, to_native
 
 
-def carries(xs, ws, wt, student_bias, compute_dtype, chunk_size, num_valid_tokens):
+def carries(xs, ws, width, student_bias, compute_dtype, chunk_size, num_valid_tokens, topk=False):
     """Whether a traced call of the rows' own losses with gradients carries them (above): its
-    rows a concrete count, and the call keeping them (online.keeps_row_gradients)."""
-    shape = (xs.shape[0], *ws.shape, wt.shape[0])
+    rows a concrete count, and the call keeping them (online.keeps_row_gradients, or with topk
+    topk.keeps_row_gradients). width: the teacher's vocabulary, or with topk its k."""
+    shape = (xs.shape[0], *ws.shape, width)
     if not all(isinstance(n, int) for n in shape):
         return False
-    return _keeps(xs.device.type, *shape, ws.dtype if compute_dtype is None else compute_dtype, ws.dtype,
+    return _keeps(xs.device.type, *shape, topk, ws.dtype if compute_dtype is None else compute_dtype, ws.dtype,
                   student_bias is not None, chunk_size, num_valid_tokens)
 
 
 @torch._dynamo.assume_constant_result  # run as it is traced, on numbers: the backend's plan is no graph
-def _keeps(device_type, T, vs, hs, vt, dtype, weight_dtype, has_bias, chunk_size, num_valid_tokens):
+def _keeps(device_type, T, vs, hs, width, topk, dtype, weight_dtype, has_bias, chunk_size, num_valid_tokens):
     from .torch import _run_options
     run_opts = _run_options(chunk_size, True, num_valid_tokens, weight_dtype, None, "none")
-    return keeps_row_gradients(_backend(device_type), vs, vt, hs, _NUMPY_DTYPES[dtype], T, has_bias, run_opts)
+    backend, dtype = _backend(device_type), _NUMPY_DTYPES[dtype]
+    if topk:
+        return topk_keeps_row_gradients(backend, vs, hs, dtype, width, T, has_bias, run_opts)
+    return keeps_row_gradients(backend, vs, width, hs, dtype, T, has_bias, run_opts)
 
 
 def _backend(device_type):
@@ -52,14 +59,14 @@ def _g_layout(xs, ws, compute_dtype):
     return columns, next(t for t, n in _NUMPY_DTYPES.items() if n == np_dtype)
 
 
+_OUTPUTS = tuple[(torch.Tensor,) * 11]  # (loss, soft, hard) of each row and what backward carries
+
+
 @torch.library.custom_op("jsdgpu::fused_linear_jsd_rows", mutates_args=())
 def _rows(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
           teacher_weight: torch.Tensor, target: torch.Tensor, teacher_bias: torch.Tensor | None,
           options: list[float], ignore_index: int, chunk_size: int | None, num_valid_tokens: float | None,
-          compute_dtype: torch.dtype | None, token_weights: torch.Tensor | None,
-          caps: list[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                      torch.Tensor]:
+          compute_dtype: torch.dtype | None, token_weights: torch.Tensor | None, caps: list[float]) -> _OUTPUTS:
     """(loss, soft, hard) of each row [T], and what backward carries: grad_input [T, Hs] float32
     for grad_output 1, G [T, columns], the valid rows' indices [T] int64, their label terms [T]
     float32, labels [T] int32 (-1 past them), row scales [T] float32, 1/N (0-d float32) and their
@@ -67,14 +74,34 @@ def _rows(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_inp
     weight_soft_loss, beta, temperature, the student's and the teacher's logit scales; caps: the
     student's and the teacher's soft caps, 0 for none."""
     from .torch import _online
-    w_hard, w_soft, beta, temperature, scale_s, scale_t = options
-    cap_s, cap_t = (c or None for c in caps)
     loss, ctx = _online(student_input, student_weight, teacher_input, teacher_weight, target, None, teacher_bias,
-                        (w_hard, w_soft, beta, temperature, ignore_index, scale_s, scale_t, cap_s, cap_t), chunk_size,
-                        num_valid_tokens, True, compute_dtype, None, token_weights, "none")
-    return (loss, ctx.soft_loss, ctx.hard_loss,
-            *_carried(ctx, student_input, student_weight.shape[0],
-                      _g_layout(student_input, student_weight, compute_dtype)))
+                        _loss_fields(options, ignore_index, caps), chunk_size, num_valid_tokens, True, compute_dtype,
+                        None, token_weights, "none")
+    return _outputs(loss, ctx, student_input, student_weight, compute_dtype)
+
+
+@torch.library.custom_op("jsdgpu::fused_linear_topk_jsd_rows", mutates_args=())
+def _topk_rows(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_indices: torch.Tensor,
+               teacher_logprobs: torch.Tensor, target: torch.Tensor, missing_mass: str, options: list[float],
+               ignore_index: int, chunk_size: int | None, num_valid_tokens: float | None,
+               compute_dtype: torch.dtype | None, token_weights: torch.Tensor | None, caps: list[float]) -> _OUTPUTS:
+    """As fused_linear_jsd_rows, against the teacher's top-k (jsdgpu.forward_topk), its arguments
+    in the same places, so that the two share their autograd rule."""
+    from .torch import _topk
+    loss, ctx = _topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, None, missing_mass,
+                      _loss_fields(options, ignore_index, caps), chunk_size, num_valid_tokens, True, compute_dtype,
+                      token_weights, "none")
+    return _outputs(loss, ctx, student_input, student_weight, compute_dtype)
+
+
+def _loss_fields(options, ignore_index, caps):
+    """The LossOptions' fields in order, from an operator's arguments."""
+    w_hard, w_soft, beta, temperature, scale_s, scale_t = options
+    return (w_hard, w_soft, beta, temperature, ignore_index, scale_s, scale_t, *(c or None for c in caps))
+
+
+def _outputs(loss, ctx, xs, ws, compute_dtype):
+    return loss, ctx.soft_loss, ctx.hard_loss, *_carried(ctx, xs, ws.shape[0], _g_layout(xs, ws, compute_dtype))
 
 
 def _carried(ctx, xs, vocab, g_layout):
@@ -110,9 +137,7 @@ def _carried(ctx, xs, vocab, g_layout):
             padded(None if held is None else held.g_scale, 0.0, f32), inv_n, torch.tensor(n, dtype=torch.int64))
 
 
-@_rows.register_fake
-def _rows_fake(student_input, student_weight, teacher_input, teacher_weight, target, teacher_bias, options,
-               ignore_index, chunk_size, num_valid_tokens, compute_dtype, token_weights, caps):
+def _rows_fake(student_input, student_weight, compute_dtype):
     T, hs = student_input.shape
     columns, g_dtype = _g_layout(student_input, student_weight, compute_dtype)
     new = student_input.new_empty
@@ -120,6 +145,18 @@ def _rows_fake(student_input, student_weight, teacher_input, teacher_weight, tar
     return (rows(torch.float32), rows(torch.float32), rows(torch.float32), new((T, hs), dtype=torch.float32),
             new((T, columns), dtype=g_dtype), rows(torch.int64), rows(torch.float32), rows(torch.int32),
             rows(torch.float32), new((), dtype=torch.float32), torch.empty((), dtype=torch.int64))
+
+
+@_rows.register_fake
+def _online_fake(student_input, student_weight, teacher_input, teacher_weight, target, teacher_bias, options,
+                 ignore_index, chunk_size, num_valid_tokens, compute_dtype, token_weights, caps):
+    return _rows_fake(student_input, student_weight, compute_dtype)
+
+
+@_topk_rows.register_fake
+def _topk_fake(student_input, student_weight, teacher_indices, teacher_logprobs, target, missing_mass, options,
+               ignore_index, chunk_size, num_valid_tokens, compute_dtype, token_weights, caps):
+    return _rows_fake(student_input, student_weight, compute_dtype)
 
 
 @torch.library.custom_op("jsdgpu::carried_weight_gradient", mutates_args=())
@@ -168,11 +205,27 @@ def _rows_backward(ctx, grad_loss, grad_soft, grad_hard, *unused):
 
 
 _rows.register_autograd(_rows_backward, setup_context=_setup)
+_topk_rows.register_autograd(_rows_backward, setup_context=_setup)
 
 
 def rows_loss(xs, ws, xt, wt, target, bt, options, chunk_size, num_valid_tokens, compute_dtype, weights):
     """(loss, soft, hard) of each row by _rows. options: the LossOptions' fields in order."""
-    w_hard, w_soft, beta, temperature, ignore_index, scale_s, scale_t, cap_s, cap_t = options
-    return _rows(xs, ws, xt, wt, target, bt, [w_hard, w_soft, beta, temperature, scale_s, scale_t], ignore_index,
-                 chunk_size, num_valid_tokens, compute_dtype, weights, [cap_s or 0.0, cap_t or 0.0])[:3]
+    return _rows(xs, ws, xt, wt, target, bt, *_operator_options(options), chunk_size, num_valid_tokens,
+                 compute_dtype, weights, _caps(options))[:3]
 
+
+def topk_rows_loss(xs, ws, ids, lq, target, missing_mass, options, chunk_size, num_valid_tokens, compute_dtype,
+                   weights):
+    """(loss, soft, hard) of each row by _topk_rows, as rows_loss."""
+    return _topk_rows(xs, ws, ids, lq, target, missing_mass, *_operator_options(options), chunk_size,
+                      num_valid_tokens, compute_dtype, weights, _caps(options))[:3]
+
+
+def _operator_options(options):
+    """(options, ignore_index) of the operators from the LossOptions' fields in order."""
+    w_hard, w_soft, beta, temperature, ignore_index, scale_s, scale_t, _, _ = options
+    return [w_hard, w_soft, beta, temperature, scale_s, scale_t], ignore_index
+
+
+def _caps(options):
+    return [c or 0.0 for c in options[7:]]

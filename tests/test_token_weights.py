@@ -256,6 +256,23 @@ def test_torch_modules_take_weights_per_call(rng, torch_device, loss, compiled, 
         assert rel_err(t.grad.cpu().numpy(), want) <= 1e-4
 
 
+def compiled_rows_step(module, ts, w, form, torch_device, rng):
+    """One step of torch.compile(fullgraph=True) of module (reduction "none") on the tensors ts
+    (the student's input and weight first, given gradients here) with token weights w, under
+    autocast(bfloat16) where form is "autocast", backward through a random upstream gradient:
+    (the rows' losses, the upstream gradient, the jsdgpu operators the step ran)."""
+    import torch
+    ts[0].requires_grad_(True), ts[1].requires_grad_(True)
+    torch._dynamo.reset()
+    step = torch.compile(lambda *a, token_weights: module(*a, token_weights=token_weights), fullgraph=True)
+    upstream = rng.standard_normal(ts[0].shape[0])
+    with torch.profiler.profile() as prof:
+        with torch.autocast(torch_device, dtype=torch.bfloat16, enabled=form == "autocast"):
+            out = step(*ts, token_weights=None if w is None else torch.from_numpy(w).to(torch_device))
+        (out * torch.from_numpy(upstream).float().to(torch_device)).sum().backward()
+    return out, upstream, [e.name for e in prof.events() if e.name.startswith("jsdgpu::")]
+
+
 @pytest.mark.parametrize("T,ignored,weights,caps,form", [
     (10, 0.0, None, None, None), (10, 0.3, "mixed", None, None), (1, 0.0, None, 5.0, None), (7, 1.0, None, None, None),
     (9, 0.4, "zeros", 5.0, None), (12, 0.25, "mixed", None, "bf16"), (12, 0.25, None, 5.0, "autocast")])
@@ -266,23 +283,15 @@ def test_compiled_rows_own_losses_carry_their_gradients(rng, torch_device, T, ig
     gradients under a random upstream gradient as the float64 reference's, with rows ignored
     (all of them too), token weights, T = 1, soft caps, bf16 tensors, and fp32 ones under
     autocast(bfloat16) (against the reference of the bf16-rounded operands)."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     jtorch = pytest.importorskip("jsdgpu.torch")
     case = make_case(rng, T=T, ignored=ignored, logit_std=4.0, dtype=BF16 if form == "bf16" else np.float32)
     names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target")
     ts = [jtorch.from_native(case[n]).to(torch_device) for n in names]
-    ts[0].requires_grad_(True), ts[1].requires_grad_(True)
     w = None if weights is None else token_weights(rng, T, weights)
     opts = dict(beta=0.3, temperature=2.0, student_logit_softcap=caps, teacher_logit_softcap=caps)
-    module = jtorch.FusedLinearJSDLoss(reduction="none", **opts)
-    torch._dynamo.reset()
-    step = torch.compile(lambda *a, token_weights: module(*a, token_weights=token_weights), fullgraph=True)
-    upstream = rng.standard_normal(T)
-    with torch.profiler.profile() as prof:
-        with torch.autocast(torch_device, dtype=torch.bfloat16, enabled=form == "autocast"):
-            out = step(*ts, token_weights=None if w is None else torch.from_numpy(w).to(torch_device))
-        (out * torch.from_numpy(upstream).float().to(torch_device)).sum().backward()
-    ops = [e.name for e in prof.events() if e.name.startswith("jsdgpu::")]
+    out, upstream, ops = compiled_rows_step(jtorch.FusedLinearJSDLoss(reduction="none", **opts), ts, w, form,
+                                            torch_device, rng)
     assert "jsdgpu::fused_linear_jsd_rows" in ops and "jsdgpu::fused_linear_jsd" not in ops, sorted(set(ops))
     if form == "autocast":
         case = {k: v if k == "target" or v is None else v.astype(BF16) for k, v in case.items()}
@@ -291,6 +300,41 @@ def test_compiled_rows_own_losses_carry_their_gradients(rng, torch_device, T, ig
     for t, want in zip(ts[:2], ref[3:5]):
         assert t.grad.dtype == t.dtype  # (autocast: the fp32 tensors' gradients in fp32)
         assert rel_err(t.grad.float().cpu().numpy(), want) <= (2.0**-7 if form == "bf16" else 1e-4)
+
+
+@pytest.mark.parametrize("T,ignored,weights,missing_mass,form", [
+    (10, 0.0, None, "bucket", None), (1, 0.0, "mixed", "renormalize", None), (7, 1.0, None, "bucket", None),
+    (13, 0.3, "zeros", "renormalize", "bf16"), (12, 0.25, "mixed", "bucket", "autocast")])
+def test_compiled_topk_rows_own_losses_carry_their_gradients(rng, torch_device, T, ignored, weights, missing_mass,
+                                                             form):
+    """The top-k loss's reduction "none" under torch.compile(fullgraph=True), no student bias, as
+    the online loss's above: one call (jsdgpu::fused_linear_topk_jsd_rows, no
+    jsdgpu::fused_linear_topk_jsd in the step), and the rows' losses and the student's gradients
+    under a random upstream gradient as the float64 reference's."""
+    pytest.importorskip("torch")
+    jtorch = pytest.importorskip("jsdgpu.torch")
+    case = make_topk_case(rng, T=T, bias=False, ignored=ignored, logit_std=4.0,
+                          dtype=BF16 if form == "bf16" else np.float32)
+    names = ("student_input", "student_weight", "teacher_indices", "teacher_logprobs", "target")
+    ts = [jtorch.from_native(case[n]).to(torch_device) for n in names]
+    w = None if weights is None else token_weights(rng, T, weights)
+    opts = dict(beta=0.3, temperature=2.0, student_logit_softcap=5.0)
+    out, upstream, ops = compiled_rows_step(
+        jtorch.FusedLinearTopKJSDLoss(reduction="none", missing_mass=missing_mass, **opts), ts, w, form, torch_device,
+        rng)
+    assert "jsdgpu::fused_linear_topk_jsd_rows" in ops and "jsdgpu::fused_linear_topk_jsd" not in ops, \
+        sorted(set(ops))
+    if form == "autocast":
+        case = {k: v.astype(BF16) if k.startswith("student") and v is not None else v for k, v in case.items()}
+    ref = jsdgpu.reference_topk(**case, token_weights=w, reduction="none", grad_output=upstream,
+                                missing_mass=missing_mass, **opts)
+    np.testing.assert_allclose(out.detach().float().cpu().numpy(), ref[0], rtol=1e-5, atol=1e-6)
+    # G is 16-bit on the GPU under autocast: its rounding, 2^-9 a value, is what the gradients
+    # may differ by at most (1.01e-4 once on the H200; the CPU's float32 G gives 1e-7)
+    tolerance = {"bf16": 2.0**-7, "autocast": 2.0**-9}.get(form, 1e-4)
+    for t, want in zip(ts[:2], ref[3:5]):
+        assert t.grad.dtype == t.dtype
+        assert rel_err(t.grad.float().cpu().numpy(), want) <= tolerance
 
 
 @pytest.mark.parametrize("loss", ["online", "topk"])

@@ -918,6 +918,11 @@ def test_torch_opcheck(rng, torch_device):
         torch.library.opcheck(torch.ops.jsdgpu.fused_linear_topk_jsd.default,
                               (*args, "bucket", 0.5, 0.5, 0.3, 2.0, -100, None, None, compute_grad, None,
                                token_weights, reduction, None, 1.0, 1.0, None, None))
+    # with no student bias, "none" traced carries its gradients (jsdgpu.torch_rows)
+    for token_weights, missing_mass, caps in ((None, "bucket", [0.0, 0.0]), (weights, "renormalize", [5.0, 0.0])):
+        torch.library.opcheck(torch.ops.jsdgpu.fused_linear_topk_jsd_rows.default,
+                              (*args[:5], missing_mass, [0.5, 0.5, 0.3, 2.0, 0.5, 1.0], -100, None, None, None,
+                               token_weights, caps))
 
 
 @pytest.mark.parametrize("missing_mass", MODES)
