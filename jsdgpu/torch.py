@@ -426,7 +426,8 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
                                           weight_soft_loss, beta, temperature, ignore_index, student_logit_scale,
                                           1.0, student_logit_softcap, None)
-    (_topk_options.__wrapped__ if torch.compiler.is_compiling() else _topk_options)(options, missing_mass)  # checks
+    # missing_mass's check, before any work (uncached while traced: Dynamo warns of caches)
+    (_topk_options.__wrapped__ if torch.compiler.is_compiling() else _topk_options)(options, missing_mass)
     # a process group is no operator argument: vocab parallel runs eagerly, traced or not
     eager = vocab_parallel is not None or _runs_eagerly(xs, student_weight, ids, lq, target, student_bias, weights)
 
