@@ -139,6 +139,17 @@ class ChunkLoss:
         return G_all, ce, soft, grads, label_terms
 
 
+def plan_keeps_row_gradients(backend, run_opts, has_bias, n_rows, per_row, spared_sum, most_rows=None):
+    """ChunkLoss.keeps_row_gradients(n_rows) of a loss known by its plan's numbers alone (per_row,
+    spared_sum, most_rows: ChunkLoss's), no arrays: what a front end that carries the kept
+    gradients from forward to backward decides as it traces (online's and topk's
+    keeps_row_gradients)."""
+    plan = ChunkLoss()
+    plan.backend, plan.run_opts, plan.has_bias = backend, run_opts, has_bias
+    plan.per_row, plan.spared_sum, plan.most_rows = per_row, spared_sum, most_rows
+    return plan.keeps_row_gradients(n_rows)
+
+
 def run(loss, xs, other, first=None):
     """Compute the loss's per-row values and, with run_opts.compute_grad, the gradient sums: xs
     the call's student inputs, other the rows that go with them (the teacher's inputs, the

@@ -156,9 +156,9 @@ def _rows_own(options):
 
 # ---- the rows' own losses, their gradients carried from forward to backward ----
 #
-# As in jsdgpu.torch_rows (there the online loss's alone): where a call of the rows' own losses
-# (of either loss) holds G for all rows (and has no student bias), its forward computes the
-# gradients for grad_output 1 and hands backward what scales them by each row's grad_output:
+# As in jsdgpu.torch_rows: where a call of the rows' own losses (of either loss) holds G for all
+# rows (and has no student bias), its forward computes the gradients for grad_output 1 and
+# hands backward what scales them by each row's grad_output:
 # grad_input's rows (float32), and G with what grad_weight's one product needs (the computed
 # rows' indices, their label terms kept out of G, labels and row scales, 1/N and their count),
 # as residuals of the custom_vjp; G is held in the forward callback's output buffer, and

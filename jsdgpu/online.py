@@ -9,7 +9,7 @@ combined across ranks between the phases; grad_input is summed across ranks at t
 """
 
 from .chunks import spared_sum_bytes
-from .engine import ChunkLoss
+from .engine import ChunkLoss, plan_keeps_row_gradients
 from .parallel import combine_stats
 
 
@@ -22,11 +22,9 @@ def _row_bytes(backend, vs, vt, hs, dtype, run_opts, fused):
 def keeps_row_gradients(backend, vs, vt, hs, dtype, n_rows, has_bias, run_opts):
     """OnlineLoss.keeps_row_gradients(n_rows) of a call on one device (no vocab parallelism) with
     weights of these shapes and dtype, from the shapes alone: what a front end that carries the
-    kept gradients from forward to backward decides as it traces (jsdgpu.torch_rows)."""
-    shapes = ChunkLoss()
-    shapes.backend, shapes.run_opts, shapes.has_bias = backend, run_opts, has_bias
-    shapes.per_row, shapes.spared_sum = _row_bytes(backend, vs, vt, hs, dtype, run_opts, True)
-    return shapes.keeps_row_gradients(n_rows)
+    kept gradients from forward to backward decides as it traces (jsdgpu.torch_rows, jsdgpu.jax)."""
+    return plan_keeps_row_gradients(backend, run_opts, has_bias, n_rows,
+                                    *_row_bytes(backend, vs, vt, hs, dtype, run_opts, True))
 
 
 class OnlineLoss(ChunkLoss):

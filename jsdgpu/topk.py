@@ -14,7 +14,7 @@ from . import checks, parallel
 from .ahead import expects_all_valid
 from .call import backend_for, backward, bridged, call_loss
 from .chunks import spared_sum_bytes
-from .engine import ChunkLoss, chunk_g
+from .engine import ChunkLoss, chunk_g, plan_keeps_row_gradients
 from .options import TopKOptions, backend_budget, split_options
 
 
@@ -69,14 +69,10 @@ def keeps_row_gradients(backend, vs, hs, dtype, k, n_rows, has_bias, run_opts):
     student head of these shapes and dtype and a top-k of k, from the shapes alone, whichever
     logits product the call takes (the backend's own one depends on the arrays' alignment and
     the GPU too): where the plans of both keep them. What a front end that carries the kept
-    gradients from forward to backward decides as it traces (jsdgpu.jax)."""
-    shapes = ChunkLoss()
-    shapes.backend, shapes.run_opts, shapes.has_bias = backend, run_opts, has_bias
-
-    def keeps(own):
-        shapes.per_row, shapes.spared_sum, shapes.most_rows = _plan_bytes(backend, vs, hs, dtype, k, own, run_opts)
-        return shapes.keeps_row_gradients(n_rows)
-    return keeps(False) and keeps(True)
+    gradients from forward to backward decides as it traces (jsdgpu.torch_rows, jsdgpu.jax)."""
+    return all(plan_keeps_row_gradients(backend, run_opts, has_bias, n_rows,
+                                        *_plan_bytes(backend, vs, hs, dtype, k, own, run_opts))
+               for own in (False, True))
 
 
 class TopKLoss(ChunkLoss):
