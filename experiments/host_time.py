@@ -135,7 +135,7 @@ def time_parts(args, repeats=200):
                   student_bias=None, teacher_bias=None)
     loss_opts, run_opts = options.split_options({})
     per_row = B.bytes_per_row(ws.shape[0], wt.shape[0], ws.dtype, True, True)
-    most = plan_chunks(len(xs), None, *per_row, B.default_memory_budget)[0]
+    most = plan_chunks(len(xs), None, *per_row, B.default_budget(0))[0]
     work = B.prepare(ws, wt, None, None, most, True)
     head = min(HEAD_ROWS, most)
     pieces = {
@@ -145,7 +145,7 @@ def time_parts(args, repeats=200):
         "runs_capturable": lambda: call.runs_capturable(run_opts, "cupy"),
         "ascontiguousarray x4": lambda: [cupy.ascontiguousarray(a) for a in (xs, ws, xt, wt)],
         "chunk plan": lambda: plan_chunks(len(xs), None, *B.bytes_per_row(ws.shape[0], wt.shape[0], ws.dtype,
-                                                                           True, True), B.default_memory_budget),
+                                                                           True, True), B.default_budget(0)),
         "prepare": lambda: B.prepare(ws, wt, None, None, most, True),
         "cupy.empty": lambda: cupy.empty(1 << 20, np.uint8),
         "student logits' product (launch)": lambda: products.logits(xs[:head], ws, work.logits_s[:head]),

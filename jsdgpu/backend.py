@@ -73,12 +73,15 @@ class CallSteps(Protocol):
     with these parameters, and no other public one (tests/test_backend.py); a step a backend
     never takes raises NotImplementedError there."""
     xp: Any                     # the array module
-    default_memory_budget: int  # bytes of per-chunk buffers where the caller gives none
     # whether a default call's first products run ahead of its selection, while the host waits
     # for it (ahead.queue_head): where the work is done as it is called, there is no wait to fill
     queues_ahead: bool
 
     def on_device(self, device) -> ContextManager: ...
+
+    def default_budget(self, call_bytes):
+        """The bytes of per-chunk buffers where the caller gives no memory_budget, for a call
+        whose chunk buffers for all of its rows would take call_bytes."""
 
     def mark(self):
         """A point in the work queued so far (an event on the GPU, None on the CPU), for `after`."""

@@ -198,14 +198,16 @@ class RunOptions:
         """N, the divisor of the summed row losses (divisor)."""
         return divisor(self.given_divisor, n_valid)
 
-    def budget(self, backend):
-        """The bytes of per-chunk buffers: memory_budget, or the backend's default."""
-        return backend_budget(self.memory_budget, backend)
+    def budget(self, backend, call_bytes):
+        """The bytes of per-chunk buffers: memory_budget, or the backend's default for a call
+        whose chunk buffers for all of its rows would take call_bytes."""
+        return backend_budget(self.memory_budget, backend, call_bytes)
 
 
-def backend_budget(memory_budget, backend):
-    """memory_budget, or where it is None the backend's default: the one place it is resolved."""
-    return backend.default_memory_budget if memory_budget is None else memory_budget
+def backend_budget(memory_budget, backend, call_bytes):
+    """memory_budget, or where it is None the backend's default for a call whose chunk buffers
+    for all of its rows would take call_bytes: the one place it is resolved."""
+    return backend.default_budget(call_bytes) if memory_budget is None else memory_budget
 
 
 def divisor(num_valid_tokens, n_valid):

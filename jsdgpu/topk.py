@@ -250,8 +250,8 @@ def teacher_topk(teacher_input, teacher_weight, k, temperature=1.0, teacher_bias
     with backend.on_device(device):
         xt, wt = xp.ascontiguousarray(teacher_input), xp.ascontiguousarray(teacher_weight)
         n = xt.shape[0]
-        budget = backend_budget(memory_budget, backend)
-        chunk = chunk_size or max(1, budget // backend.topk_bytes_per_row(v, wt.dtype, False)[0])
+        row_bytes = backend.topk_bytes_per_row(v, wt.dtype, False)[0]
+        chunk = chunk_size or max(1, backend_budget(memory_budget, backend, n * row_bytes) // row_bytes)
         work = backend.topk_prepare(wt, teacher_bias, min(chunk, n), model=model)
         ids = xp.empty((n, k), np.int32)
         logprobs = xp.empty((n, k), np.float32)

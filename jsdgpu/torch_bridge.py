@@ -1,6 +1,7 @@
 """The bridge between torch tensors and the core's arrays (jsdgpu.call's, through jsdgpu.torch):
 zero-copy views both ways, CuPy on torch's current stream with memory from torch's caching
-allocator (on the CPU, the products by torch's BLAS), and the operands' dtype under autocast."""
+allocator (on the CPU, the products by torch's BLAS or NumPy's, the faster), and the operands'
+dtype under autocast."""
 
 import contextlib
 import functools
@@ -83,10 +84,11 @@ def _torch_matmul(a, b, out):
 
 def current_stream(t):
     """For the block: CuPy on t's device, on torch's current stream, with memory from torch; on
-    the CPU, the products by torch's BLAS (jsdgpu.cpu.products)."""
+    the CPU, the products by torch's BLAS or NumPy's, whichever ran a trial faster
+    (jsdgpu.cpu.products.faster_of)."""
     if not t.is_cuda:
-        from .cpu.products import through
-        return through(_torch_matmul)
+        from .cpu.products import faster_of
+        return faster_of(_torch_matmul)
     import cupy
     device = t.device.index
     stack = contextlib.ExitStack()

@@ -36,7 +36,7 @@ def test_backends_implement_the_contract(kind):
         assert public == set(contract), (part.__name__, sorted(public - set(contract)), sorted(set(contract) - public))
         for name, f in contract.items():
             assert _parameters(getattr(part, name), False) == _parameters(f, True), name
-    for name in ("xp", "default_memory_budget", "queues_ahead"):
+    for name in ("xp", "queues_ahead"):
         assert hasattr(B.__bases__[0], name), name
 
 
@@ -266,6 +266,7 @@ def test_cpu_call_splits_all_its_products_or_none(monkeypatch):
     none (after it, whatever their size); on one thread, none."""
     from jsdgpu.cpu import products
     monkeypatch.setattr(products, "PARALLEL_FROM", 100)
+    monkeypatch.setattr(products, "numpys_openblas", lambda: (None, None))  # (reached or not here)
     split = []
     monkeypatch.setattr(products, "split_matmul", lambda a, b, out: split.append(out.shape))
     small, large = np.ones((3, 4), np.float32), np.ones((30, 4), np.float32)
@@ -277,6 +278,42 @@ def test_cpu_call_splits_all_its_products_or_none(monkeypatch):
         for a in (first, then):
             call.matmul(a, np.ones((4, 3), np.float32), np.empty((len(a), 3), np.float32))
         assert split == want, (threads, len(first), len(then))
+
+
+def test_cpu_call_through_another_blas_takes_the_faster(monkeypatch):
+    """A call of faster_of(other) (the torch front end's, other torch's matmul) takes other for
+    all of its products unless its first is large (PARALLEL_FROM values) and NumPy's ran the
+    trial faster; then NumPy's, split as an own call's. The trial finds a slow other slower and
+    one that does nothing faster."""
+    import time
+
+    from jsdgpu.cpu import products
+    monkeypatch.setattr(products, "PARALLEL_FROM", 100)
+    monkeypatch.setattr(products, "numpys_openblas", lambda: (None, None))
+    monkeypatch.setattr(products, "get_num_threads", lambda: 2)
+    took = []
+    monkeypatch.setattr(products, "split_matmul", lambda a, b, out: took.append(("numpy", len(a))))
+    other = lambda a, b, out: took.append(("other", len(a)))  # noqa: E731
+    small, large = np.ones((3, 4), np.float32), np.ones((30, 4), np.float32)
+    for faster, first, want in ((True, large, ["numpy", "numpy"]), (True, small, ["other", "other"]),
+                                (False, large, ["other", "other"])):
+        monkeypatch.setattr(products, "numpy_is_faster", lambda fn: faster)
+        took.clear()
+        with products.faster_of(other):
+            for a in (first, large):
+                products.matmul(a, np.ones((4, 3), np.float32), np.empty((len(a), 3), np.float32))
+        assert [name for name, _ in took] == want, (faster, len(first))
+    monkeypatch.undo()
+    monkeypatch.setattr(products, "TRIAL_SHAPE", (64, 32, 256))
+
+    def slow(a, b, out):
+        time.sleep(0.01)
+        return np.matmul(a, b, out=out)
+    try:
+        assert products.numpy_is_faster(slow)
+        assert not products.numpy_is_faster(lambda a, b, out: out)
+    finally:
+        products.numpy_is_faster.cache_clear()
 
 
 def test_cpu_loss_with_every_product_split(rng, monkeypatch):

@@ -27,15 +27,40 @@ def test_chunk_sizes_agree(xp, rng, chunk_size, memory_budget):
 
 
 def test_grad_weight_summed_in_blocks_of_the_vocabulary(rng, monkeypatch):
-    """The CPU backend adds a chunk's part of grad_weight PART_ROWS rows of the vocabulary at a
+    """The CPU backend adds a chunk's part of grad_weight PART_BYTES of the vocabulary's rows at a
     time (cpu.steps.CpuSteps.grad_products): blocks that do not divide the vocabulary, over chunks with
     G per chunk, give the reference's gradients."""
     from jsdgpu.cpu import steps
-    monkeypatch.setattr(steps, "PART_ROWS", 300)  # 1031 rows: blocks of 300, the last of 131
+    monkeypatch.setattr(steps, "PART_BYTES", 300 * 4 * 16)  # 1031 rows of H = 16: blocks of 300, the last of 131
     case = make_case(rng, T=17, bias=True, ignored=0.3)
     loss, ctx = jsdgpu.forward(**case, chunk_size=4, memory_budget=1, beta=0.4)
     assert ctx._grads.held is None
     ref = jsdgpu.reference(**case, beta=0.4)
+    for got, want in zip(jsdgpu.backward(ctx), ref[3:]):
+        assert rel_err(got, want) <= 1e-4
+
+
+def test_cpu_default_budget_grows_with_the_call(rng, monkeypatch):
+    """Where no memory_budget is given, the CPU backend's is a sixteenth of the call's chunk
+    buffers for all of its rows, from BUDGET_LEAST to BUDGET_MOST (cpu.steps.CpuSteps.default_budget),
+    and a call's plan takes it for the call's rows, valid or not; the answer is the reference's."""
+    from jsdgpu import engine
+    from jsdgpu.cpu import steps
+    B = steps.CpuSteps
+    assert B.default_budget(0) == steps.BUDGET_LEAST
+    assert B.default_budget(16 * (steps.BUDGET_LEAST + 4096)) == steps.BUDGET_LEAST + 4096
+    assert B.default_budget(16 * steps.BUDGET_MOST + 16) == steps.BUDGET_MOST
+    # bench_cpu.py's T = 512, V = 128256: both models' float32 logits, 8 V bytes a row, in 16 chunks
+    assert plan_chunks(512, None, 8 * 128256, 0, 0, B.default_budget(512 * 8 * 128256)) == (32, False)
+    budgets = []
+    plan = engine.plan_chunks
+    monkeypatch.setattr(engine, "plan_chunks", lambda *a, **k: budgets.append(a[5]) or plan(*a, **k))
+    monkeypatch.setattr(steps, "BUDGET_LEAST", 1)
+    case = make_case(rng, T=17, bias=True, ignored=0.3)
+    loss, ctx = jsdgpu.forward(**case, beta=0.4)
+    assert budgets and set(budgets) == {17 * 4 * (1031 + 1031) // 16}  # one row's buffers and a few bytes
+    ref = jsdgpu.reference(**case, beta=0.4)
+    assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0]
     for got, want in zip(jsdgpu.backward(ctx), ref[3:]):
         assert rel_err(got, want) <= 1e-4
 

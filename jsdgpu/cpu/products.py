@@ -1,7 +1,9 @@
 """The CPU backend's matrix products, in one place: NumPy's matmul (its BLAS, OpenBLAS in NumPy's
-wheels), or, inside `through(fn)`, fn's. The torch front end's calls on CPU tensors take torch's
-(jsdgpu.torch_bridge.current_stream: MKL in PyTorch's x86 wheels; docs/design.md, "The CPU
-backend").
+wheels), or, inside `through(fn)`, fn's. The torch front end's calls on CPU tensors take the
+faster of torch's BLAS (MKL in PyTorch's x86 wheels) and NumPy's, by a trial product the first
+time a call's products are large enough to matter (`faster_of`, from
+jsdgpu.torch_bridge.current_stream): which one is faster depends on the machine (docs/design.md,
+"The CPU backend").
 
 Inside `own_threads()` (every call of the backend: CpuSteps.on_device), a call whose row kernels
 run on Numba's threads (its first product's arrays past cpu/threads.py's PARALLEL_FROM values)
@@ -22,6 +24,7 @@ import os
 import pathlib
 import re
 import threading
+import time
 
 import numpy as np
 from numba import get_num_threads
@@ -132,19 +135,62 @@ def _openblas_on_one_thread():
 
 
 class _CallProducts:
-    """A call's products: all split (split_matmul) or none, as its first product says: split
+    """A call's products, as its first product says: all split (split_matmul) or none, split
     where one of its arrays holds PARALLEL_FROM values or more, as the chunk's logits do where
-    the row kernels run on Numba's threads. (Smaller, the kernels run on one thread, beside
-    which OpenBLAS's spinning threads take no core they need; and a call whose products mixed
-    both ways would leave OpenBLAS's threads spinning beside ours.)"""
+    the row kernels run on Numba's threads (smaller, the kernels run on one thread, beside which
+    OpenBLAS's spinning threads take no core they need; and a call whose products mixed both
+    ways would leave OpenBLAS's threads spinning beside ours). With other (another BLAS's
+    matmul, faster_of's), all by other unless they are that large and NumPy's ran the trial
+    faster (numpy_is_faster)."""
 
-    def __init__(self):
+    def __init__(self, other=None):
         self.split = None
+        self.other = other
 
     def matmul(self, a, b, out):
         if self.split is None:
-            self.split = get_num_threads() > 1 and max(a.size, b.size, out.size) >= PARALLEL_FROM
+            large = max(a.size, b.size, out.size) >= PARALLEL_FROM
+            if self.other is not None and not (large and numpy_is_faster(self.other)):
+                self.split = False
+            else:
+                self.other = None
+                self.split = large and get_num_threads() > 1 and numpys_openblas() is not None
+        if self.other is not None:
+            return self.other(a, b, out)
         return split_matmul(a, b, out) if self.split else np.matmul(a, b, out=out)
+
+
+# the trial product of numpy_is_faster: [rows, H] @ [H, V] with the output just past
+# PARALLEL_FROM values, as the least of the logits products it chooses for
+TRIAL_SHAPE = (512, 256, PARALLEL_FROM // 512)
+
+
+@functools.lru_cache(maxsize=None)
+def numpy_is_faster(other):
+    """Whether NumPy's products (as a large call takes them: _CallProducts) ran the trial product
+    faster than other(a, b, out), in this process: the best of three each, after one. On two
+    cores of an AMD EPYC NumPy's OpenBLAS took 0.64-0.89 times MKL's time on the step's
+    products, on a Xeon MKL was faster (docs/design.md, "The CPU backend"); about 0.2 s, once."""
+    m, k, n = TRIAL_SHAPE
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+    out = np.empty((m, n), np.float32)
+    numpy = _CallProducts().matmul
+
+    def best(fn):
+        fn(a, b, out)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn(a, b, out)
+            times.append(time.perf_counter() - start)
+        return min(times)
+    return best(numpy) < best(other)
+
+
+def faster_of(other):
+    """For the block (a call), matmul is a _CallProducts' with other (another BLAS's matmul)."""
+    return through(_CallProducts(other).matmul)
 
 
 def own_threads():

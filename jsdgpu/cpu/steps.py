@@ -36,21 +36,30 @@ class Selection:
                     count, weights=self._weights)
 
 
-# rows of the vocabulary a block of a chunk's part of grad_weight takes (CpuSteps.grad_products):
-# 16 MiB at H = 256
-PART_ROWS = 16384
+# bytes of the block a chunk's part of grad_weight is formed in, some rows of the vocabulary at a
+# time (CpuSteps.grad_products): 4096 rows at H = 256, a few percent of the step's memory at
+# V = 128256 (at 16384 rows, 16 MiB, it was a tenth of it) and of the same speed
+PART_BYTES = 4 << 20
+# the default memory budget's bounds (CpuSteps.default_budget)
+BUDGET_LEAST, BUDGET_MOST = 32 << 20, 192 << 20
 
 
 class CpuSteps:
     """The steps of a call that every loss takes; static methods, as every part of the backend."""
     xp = np
-    # 192 MiB: with G written over the student's logits, T = 1024 at V = 128256 (hidden 256) took
-    # 0.70 of compiled PyTorch's time and 0.08 of its memory (docs/design.md, "The CPU backend")
-    default_memory_budget = 192 * 2**20
     # No head ahead of the selection: nothing runs meanwhile, and NumPy's float32 products give a
     # row different last bits in products of different row counts, so a head sized by the last
     # call would make a call's bits depend on the calls before it
     queues_ahead = False
+
+    @staticmethod
+    def default_budget(call_bytes):
+        """A sixteenth of the call's chunk buffers for all of its rows, from 32 to 192 MiB: the
+        memory grows with the call as the logits it replaces do, so that at every shape of
+        bench/bench_cpu.py it is under a tenth of compiled PyTorch's, whose float32 grad_weight
+        alone takes three quarters of that tenth at T = 512, V = 128256, H = 256; 192 MiB, where
+        the speed is, from T = 4096 there (docs/design.md, "The CPU backend")."""
+        return min(BUDGET_MOST, max(BUDGET_LEAST, call_bytes // 16))
 
     @staticmethod
     def on_device(device):
@@ -142,16 +151,18 @@ class CpuSteps:
         grad_input *= rows
         if grads.grad_weight is not None:  # else weight_product makes it
             # 1/N on the chunk's inputs, which are small ([rows, H]): the first chunk writes, the
-            # others add their product, PART_ROWS rows of the vocabulary at a time (a [V, H]
+            # others add their product, PART_BYTES of the vocabulary's rows at a time (a [V, H]
             # product would hold the sum's memory twice)
             xs_n = xs.astype(np.float32) * rows
             if start == 0:
                 matmul(G.T, xs_n, grads.grad_weight)
             else:
                 if work.part is None:
-                    work.part = np.empty((min(PART_ROWS, G.shape[1]), xs.shape[1]), np.float32)
-                for v0 in range(0, G.shape[1], PART_ROWS):
-                    part = work.part[:min(PART_ROWS, G.shape[1] - v0)]
+                    block = max(1, PART_BYTES // (4 * xs.shape[1]))
+                    work.part = np.empty((min(block, G.shape[1]), xs.shape[1]), np.float32)
+                block = len(work.part)
+                for v0 in range(0, G.shape[1], block):
+                    part = work.part[:min(block, G.shape[1] - v0)]
                     matmul(G[:, v0:v0 + len(part)].T, xs_n, part)
                     grads.grad_weight[v0:v0 + len(part)] += part
         if grads.grad_bias is not None:

@@ -59,8 +59,11 @@ class CudaSteps:
     """The steps of a call that every loss takes (the products and sums of the gradient, the
     selection); static methods, as every part of the backend."""
     xp = cupy
-    default_memory_budget = 5 * 2**29  # 2.5 GiB: T = 8192 at V = 128256 in 4 chunks
     queues_ahead = True
+
+    @staticmethod
+    def default_budget(call_bytes):
+        return 5 * 2**29  # 2.5 GiB, whatever the call: T = 8192 at V = 128256 in 4 chunks
 
     @staticmethod
     def on_device(device):
