@@ -282,9 +282,9 @@ def test_cpu_call_splits_all_its_products_or_none(monkeypatch):
 
 def test_cpu_call_through_another_blas_takes_the_faster(monkeypatch):
     """A call of faster_of(other) (the torch front end's, other torch's matmul) takes other for
-    all of its products unless its first is large (PARALLEL_FROM values) and NumPy's ran the
-    trial faster; then NumPy's, split as an own call's. The trial finds a slow other slower and
-    one that does nothing faster."""
+    all of its products unless NumPy's ran the trial faster; then NumPy's, split as an own
+    call's are (where its first product is large). The trial finds a slow other slower and one
+    that does nothing faster."""
     import time
 
     from jsdgpu.cpu import products
@@ -292,11 +292,12 @@ def test_cpu_call_through_another_blas_takes_the_faster(monkeypatch):
     monkeypatch.setattr(products, "numpys_openblas", lambda: (None, None))
     monkeypatch.setattr(products, "get_num_threads", lambda: 2)
     took = []
-    monkeypatch.setattr(products, "split_matmul", lambda a, b, out: took.append(("numpy", len(a))))
+    monkeypatch.setattr(products, "split_matmul", lambda a, b, out: took.append(("split", len(a))))
+    monkeypatch.setattr(products.np, "matmul", lambda a, b, out: took.append(("numpy", len(a))))
     other = lambda a, b, out: took.append(("other", len(a)))  # noqa: E731
     small, large = np.ones((3, 4), np.float32), np.ones((30, 4), np.float32)
-    for faster, first, want in ((True, large, ["numpy", "numpy"]), (True, small, ["other", "other"]),
-                                (False, large, ["other", "other"])):
+    for faster, first, want in ((True, large, ["split", "split"]), (True, small, ["numpy", "numpy"]),
+                                (False, large, ["other", "other"]), (False, small, ["other", "other"])):
         monkeypatch.setattr(products, "numpy_is_faster", lambda fn: faster)
         took.clear()
         with products.faster_of(other):

@@ -1,9 +1,8 @@
 """The CPU backend's matrix products, in one place: NumPy's matmul (its BLAS, OpenBLAS in NumPy's
 wheels), or, inside `through(fn)`, fn's. The torch front end's calls on CPU tensors take the
-faster of torch's BLAS (MKL in PyTorch's x86 wheels) and NumPy's, by a trial product the first
-time a call's products are large enough to matter (`faster_of`, from
-jsdgpu.torch_bridge.current_stream): which one is faster depends on the machine (docs/design.md,
-"The CPU backend").
+faster of torch's BLAS (MKL in PyTorch's x86 wheels) and NumPy's, by a trial product once a
+process (`faster_of`, from jsdgpu.torch_bridge.current_stream): which one is faster depends on
+the machine (docs/design.md, "The CPU backend").
 
 Inside `own_threads()` (every call of the backend: CpuSteps.on_device), a call whose row kernels
 run on Numba's threads (its first product's arrays past cpu/threads.py's PARALLEL_FROM values)
@@ -140,8 +139,7 @@ class _CallProducts:
     the row kernels run on Numba's threads (smaller, the kernels run on one thread, beside which
     OpenBLAS's spinning threads take no core they need; and a call whose products mixed both
     ways would leave OpenBLAS's threads spinning beside ours). With other (another BLAS's
-    matmul, faster_of's), all by other unless they are that large and NumPy's ran the trial
-    faster (numpy_is_faster)."""
+    matmul, faster_of's), all by other unless NumPy's ran the trial faster (numpy_is_faster)."""
 
     def __init__(self, other=None):
         self.split = None
@@ -149,19 +147,19 @@ class _CallProducts:
 
     def matmul(self, a, b, out):
         if self.split is None:
-            large = max(a.size, b.size, out.size) >= PARALLEL_FROM
-            if self.other is not None and not (large and numpy_is_faster(self.other)):
+            if self.other is not None and not numpy_is_faster(self.other):
                 self.split = False
             else:
                 self.other = None
-                self.split = large and get_num_threads() > 1 and numpys_openblas() is not None
+                self.split = (get_num_threads() > 1 and numpys_openblas() is not None
+                              and max(a.size, b.size, out.size) >= PARALLEL_FROM)
         if self.other is not None:
             return self.other(a, b, out)
         return split_matmul(a, b, out) if self.split else np.matmul(a, b, out=out)
 
 
-# the trial product of numpy_is_faster: [rows, H] @ [H, V] with the output just past
-# PARALLEL_FROM values, as the least of the logits products it chooses for
+# the trial product of numpy_is_faster: [rows, H] @ [H, V], its output PARALLEL_FROM values (as a
+# chunk's logits product where NumPy's would be split), about 0.02 s
 TRIAL_SHAPE = (512, 256, PARALLEL_FROM // 512)
 
 
@@ -169,8 +167,10 @@ TRIAL_SHAPE = (512, 256, PARALLEL_FROM // 512)
 def numpy_is_faster(other):
     """Whether NumPy's products (as a large call takes them: _CallProducts) ran the trial product
     faster than other(a, b, out), in this process: the best of three each, after one. On two
-    cores of an AMD EPYC NumPy's OpenBLAS took 0.64-0.89 times MKL's time on the step's
-    products, on a Xeon MKL was faster (docs/design.md, "The CPU backend"); about 0.2 s, once."""
+    cores of an AMD EPYC NumPy's OpenBLAS took 0.64-0.85 times MKL's time on the three products'
+    shapes at T = 512, V = 128256, where on a Xeon MKL's steps were faster (docs/design.md, "The
+    CPU backend"); about 0.2 s, once. Small products are taken as large ones are: the trial's
+    answer is the machine's."""
     m, k, n = TRIAL_SHAPE
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
