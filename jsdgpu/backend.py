@@ -81,7 +81,7 @@ class CallSteps(Protocol):
 
     def default_budget(self, call_bytes):
         """The bytes of per-chunk buffers where the caller gives no memory_budget, for a call
-        whose chunk buffers for all of its rows would take call_bytes."""
+        whose chunk buffers for all of its rows would take call_bytes (None: the largest call)."""
 
     def mark(self):
         """A point in the work queued so far (an event on the GPU, None on the CPU), for `after`."""

@@ -200,13 +200,17 @@ class RunOptions:
 
     def budget(self, backend, call_bytes):
         """The bytes of per-chunk buffers: memory_budget, or the backend's default for a call
-        whose chunk buffers for all of its rows would take call_bytes."""
-        return backend_budget(self.memory_budget, backend, call_bytes)
+        whose chunk buffers for all of its rows would take call_bytes; a call of the rows' own
+        losses takes the default of the largest call, where G held for all of its rows spares
+        computing the call again in backward (about 1.6 times the step: docs/design.md, "Token
+        weights and the sum")."""
+        return backend_budget(self.memory_budget, backend, None if self.rows_own else call_bytes)
 
 
 def backend_budget(memory_budget, backend, call_bytes):
     """memory_budget, or where it is None the backend's default for a call whose chunk buffers
-    for all of its rows would take call_bytes: the one place it is resolved."""
+    for all of its rows would take call_bytes (None: the largest call's): the one place it is
+    resolved."""
     return backend.default_budget(call_bytes) if memory_budget is None else memory_budget
 
 

@@ -63,6 +63,15 @@ def test_cpu_default_budget_grows_with_the_call(rng, monkeypatch):
     assert abs(float(loss) - ref[0]) <= 1e-5 * ref[0]
     for got, want in zip(jsdgpu.backward(ctx), ref[3:]):
         assert rel_err(got, want) <= 1e-4
+    # a call of the rows' own losses takes the largest call's, so that G held spares computing
+    # the call again in backward where 192 MiB holds it (T = 300, V = 32000: G is 38 MB)
+    assert B.default_budget(None) == steps.BUDGET_MOST
+    monkeypatch.undo()
+    from jsdgpu.online import keeps_row_gradients
+    from jsdgpu.options import RunOptions
+    shapes = (jsdgpu.call.backend_for("numpy"), 32000, 32000, 16, np.dtype(np.float32), 300, False)
+    assert keeps_row_gradients(*shapes, RunOptions(reduction="none"))
+    assert not keeps_row_gradients(*shapes, RunOptions(reduction="none", memory_budget=steps.BUDGET_LEAST))
 
 
 def test_plan_chunks():

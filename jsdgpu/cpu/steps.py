@@ -59,7 +59,7 @@ class CpuSteps:
         bench/bench_cpu.py it is under a tenth of compiled PyTorch's, whose float32 grad_weight
         alone takes three quarters of that tenth at T = 512, V = 128256, H = 256; 192 MiB, where
         the speed is, from T = 3140 there (docs/design.md, "The CPU backend")."""
-        return min(BUDGET_MOST, max(BUDGET_LEAST, call_bytes // 16))
+        return BUDGET_MOST if call_bytes is None else min(BUDGET_MOST, max(BUDGET_LEAST, call_bytes // 16))
 
     @staticmethod
     def on_device(device):
