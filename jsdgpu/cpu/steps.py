@@ -38,7 +38,8 @@ class Selection:
 
 # bytes of the block a chunk's part of grad_weight is formed in, some rows of the vocabulary at a
 # time (CpuSteps.grad_products): 4096 rows at H = 256, a few percent of the step's memory at
-# V = 128256 (at 16384 rows, 16 MiB, it was a tenth of it) and of the same speed
+# V = 128256, where 16384 rows (16 MiB) were a tenth of it, at no cost beyond the runs' noise
+# (docs/design.md, "The CPU backend")
 PART_BYTES = 4 << 20
 # the default memory budget's bounds (CpuSteps.default_budget)
 BUDGET_LEAST, BUDGET_MOST = 32 << 20, 192 << 20
@@ -58,7 +59,8 @@ class CpuSteps:
         memory grows with the call as the logits it replaces do, so that at every shape of
         bench/bench_cpu.py it is under a tenth of compiled PyTorch's, whose float32 grad_weight
         alone takes three quarters of that tenth at T = 512, V = 128256, H = 256; 192 MiB, where
-        the speed is, from T = 3140 there (docs/design.md, "The CPU backend")."""
+        the speed is, from T = 3140 there (docs/design.md, "The CPU backend"). call_bytes None
+        (a call of the rows' own losses: options.RunOptions.budget): 192 MiB."""
         return BUDGET_MOST if call_bytes is None else min(BUDGET_MOST, max(BUDGET_LEAST, call_bytes // 16))
 
     @staticmethod
