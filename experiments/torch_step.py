@@ -30,6 +30,7 @@ calls.
     python experiments/torch_step.py --tokens 1024 8192
     python experiments/torch_step.py --tokens 1024 --profile
     python experiments/torch_step.py --parts        # the bridge's pieces alone
+    python experiments/torch_step.py --ignored 0 0.4 0.1 0.3 --allocations  # a module step's, by site
     python experiments/torch_step.py --ignored 0 0.4 0.1 0.3 --profile   # other ignored rows each step
     python experiments/torch_step.py --ignored 0 0.4 0.1 0.3 --turns     # module ÷ CuPy call, in turns
 """
@@ -204,6 +205,12 @@ def bridge_parts(repeats=200):
     def stream_block():
         with jtorch.current_stream(t):
             pass
+
+    def empty_in_torch():
+        with jtorch.current_stream(t):
+            start = time.perf_counter()
+            cupy.empty(1024, cupy.float32)
+            return time.perf_counter() - start
     pool = cupy.get_default_memory_pool()
     pieces = {"cupy.from_dlpack(tensor)": lambda: cupy.from_dlpack(t.detach()),
               "to_native(tensor)": lambda: jtorch.to_native(t),
@@ -212,16 +219,45 @@ def bridge_parts(repeats=200):
               "current_stream(tensor) block": stream_block,
               "4 KiB from CuPy's pool, freed": lambda: pool.malloc(4096),
               "4 KiB from torch for CuPy (the bridge's allocator), freed": lambda: _torch_memory(t.device.index, 4096),
-              "4 KiB as a uint8 tensor, freed": lambda: torch.empty(4096, dtype=torch.uint8, device=t.device)}
+              "4 KiB as a uint8 tensor, freed": lambda: torch.empty(4096, dtype=torch.uint8, device=t.device),
+              "cupy.empty of 4 KiB from CuPy's pool, freed": lambda: cupy.empty(1024, cupy.float32),
+              "cupy.empty of 4 KiB inside current_stream (from torch), freed": empty_in_torch}
     print("| piece | µs |")
     print("| --- | --- |")
     for name, piece in pieces.items():
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            piece()
-            times.append(1e6 * (time.perf_counter() - start))
+            inside = piece()  # a float: the piece timed itself (inside the block it needs)
+            times.append(1e6 * (inside if isinstance(inside, float) else time.perf_counter() - start))
         print(f"| {name} | {statistics.median(times):.1f} |")
+
+
+def allocations(fn, n_sets):
+    """Each allocation one step of fn makes through torch's allocator (the bridge's
+    _torch_memory, seen by a profile hook): its bytes and the jsdgpu lines that made it, in order
+    (after 2 steps of each set, so that no product is tuned in it)."""
+    from jsdgpu.torch_bridge import _torch_memory
+    for i in range(2 * n_sets):
+        fn(i % n_sets)
+    made = []
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code is _torch_memory.__code__:
+            sites, f = [], frame.f_back
+            while f is not None and len(sites) < 3:
+                if "/jsdgpu/" in f.f_code.co_filename:
+                    sites.append(f"{f.f_code.co_filename.split('/jsdgpu/')[-1]}:{f.f_lineno}")
+                f = f.f_back
+            made.append((frame.f_locals["nbytes"], " <- ".join(sites)))
+    sys.setprofile(hook)
+    try:
+        fn(0)
+    finally:
+        sys.setprofile(None)
+    print(f"  {len(made)} allocations through torch's allocator in one step:")
+    for nbytes, site in made:
+        print(f"    {nbytes:>11d} B  {site}")
 
 
 def main():
@@ -235,6 +271,8 @@ def main():
                    help="the module, then the compiled module, and the CuPy call in turns, step by step")
     p.add_argument("--host-profile", action="store_true",
                    help="the cupy, module and compiled steps' Python under cProfile")
+    p.add_argument("--allocations", action="store_true",
+                   help="a module step's allocations through torch's allocator, by size and site")
     p.add_argument("--ignored", type=float, nargs="+",
                    help="the sets' shares of ignored rows, one set each (a run's: 0 0.4 0.1 0.3)")
     args = p.parse_args()
@@ -260,6 +298,8 @@ def main():
                 profile(fns[name], args.out, f"{name}_{T}")
             if args.host_profile:
                 host_profile(fns[name], len(sets), f"{name}_{T}")
+        if args.allocations:
+            allocations(fns["module"], len(sets))
         del sets, fns
         cupy.get_default_memory_pool().free_all_blocks()
     print("| T | step | ms (events) | host ms before the first product | cudaMalloc | cudaFree |")
