@@ -65,11 +65,14 @@ class ChunkLoss:
     ahead = None
     work = None
 
+    def budget(self, n_rows):
+        """The bytes of per-chunk buffers of a call of n_rows rows (options.RunOptions.budget)."""
+        return self.run_opts.budget(self.backend, n_rows * self.per_row[0])
+
     def plan(self, n_rows):
         """(rows per chunk, hold_g) for n_rows > 0 rows (chunks.plan_chunks)."""
         run_opts = self.run_opts
-        budget = run_opts.budget(self.backend, n_rows * self.per_row[0])
-        return plan_chunks(n_rows, run_opts.chunk_size, *self.per_row, budget, self.most_rows,
+        return plan_chunks(n_rows, run_opts.chunk_size, *self.per_row, self.budget(n_rows), self.most_rows,
                            run_opts.rows_own, self.spared_sum)
 
     def keeps_row_gradients(self, n_rows):
@@ -180,8 +183,7 @@ def run(loss, xs, other, first=None):
         xs, other = loss.take_rows(rows.valid_rows, xs, other)
     weights = row_weights(backend.xp, loss.token_weights, loss.row_scales, rows)
     inv_n, n_rows = rows.inv_n, xs.shape[0]
-    budget = loss.run_opts.budget(backend, n_all * loss.per_row[0])  # the plan's (ChunkLoss.plan)
-    chunk, hold_g = cut_chunks(loss.products, xs, other, head, most, loss.per_row, budget,
+    chunk, hold_g = cut_chunks(loss.products, xs, other, head, most, loss.per_row, loss.budget(n_all),
                                loss.spared_sum)
     ahead = loss.ahead
     if ahead is not None and (rows.valid_rows is not None or ahead[:2] != (chunk, hold_g)):

@@ -169,13 +169,19 @@ def _rows_own(options):
 # XLA keeps where the call runs there; elsewhere the other branch computes the rows' values
 # alone and backward computes the call again.
 
+def _default_platform():
+    """(JAX's default platform as jax.lax.platform_dependent names it, whether it is a GPU)."""
+    gpu = jax.default_backend() == "gpu"
+    return "cuda" if gpu else "cpu", gpu
+
+
 def _carried(forward, options, student, teacher):
     """(platform, (columns, dtype) of G) where a call of forward (_online or _topk) of the rows'
     own losses on JAX's default platform carries its gradients (above), else None. teacher: the
     rows' other arrays (_loss's)."""
     xs, ws, bs = student
     (vs, hs), dtype, T = ws.shape, np.dtype(ws.dtype), xs.shape[0]
-    gpu = jax.default_backend() == "gpu"
+    platform, gpu = _default_platform()
     backend = backend_for("cupy" if gpu else "numpy")
     if forward is _online:  # teacher: (weights, scales, xt, wt, bt)
         keeps = online.keeps_row_gradients(backend, vs, teacher[3].shape[0], hs, dtype, T, bs is not None,
@@ -183,7 +189,7 @@ def _carried(forward, options, student, teacher):
     else:  # teacher: (weights, scales, ids, logprobs)
         keeps = topk.keeps_row_gradients(backend, vs, hs, dtype, teacher[3].shape[1], T, bs is not None,
                                          _options(options, True, gpu, TopKOptions)[1])
-    return ("cuda" if gpu else "cpu", backend.g_row_layout(vs, dtype)) if keeps else None
+    return (platform, backend.g_row_layout(vs, dtype)) if keeps else None
 
 
 def _carried_shapes(student, g_layout):
@@ -321,9 +327,8 @@ def _loss_bwd(forward, options, residuals, g):
         if kept is None:
             grad_input, grad_weight, *grad_bias = again(g)
             return no_teacher_grad, grad_input, grad_weight, grad_bias[0] if grad_bias else None, None
-        platform = _carried(forward, options, student, teacher)[0]  # forward's (no bias here)
         grad_input, grad_weight = jax.lax.platform_dependent(
-            g, **{platform: lambda g: _carried_gradients(g, kept, *student[:2])}, default=again)
+            g, **{_default_platform()[0]: lambda g: _carried_gradients(g, kept, *student[:2])}, default=again)
         return no_teacher_grad, grad_input, grad_weight, None, None
     (grad_input, grad_weight, *grad_bias), _ = residuals
     scale = lambda a: (a * g).astype(a.dtype)  # noqa: E731

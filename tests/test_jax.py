@@ -60,13 +60,17 @@ def test_jit_equals_eager_and_the_reference(rng, jdevice, dtype):
         assert rel_err(np.asarray(a.astype(jnp.float32)), want) <= tol
 
 
+def counted(monkeypatch, module, name):
+    """A list that grows by one at each call of module.name (a loss's call of the core) from now."""
+    calls, fn = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or fn(*a, **k))
+    return calls
+
+
 @pytest.fixture
 def loss_calls(monkeypatch):
-    """The count of the online loss's calls of the core (jsdgpu.api.forward_with) so far."""
-    calls = []
-    forward_with = jsdgpu.api.forward_with
-    monkeypatch.setattr(jsdgpu.api, "forward_with", lambda *a, **k: calls.append(1) or forward_with(*a, **k))
-    return calls
+    """The online loss's calls of the core (jsdgpu.api.forward_with) so far."""
+    return counted(monkeypatch, jsdgpu.api, "forward_with")
 
 
 def _rows_own_step(case, device, upstream, jit=True, **opts):
@@ -149,9 +153,7 @@ def test_topk_rows_own_losses_carry_their_gradients(rng, jdevice, monkeypatch, d
     with a student bias), the reference's gradients for a random upstream gradient."""
     if jdevice.platform != jax.default_backend():
         pytest.skip("the arrays' platform is not JAX's default")
-    calls = []
-    forward_topk_with = jsdgpu.topk.forward_topk_with
-    monkeypatch.setattr(jsdgpu.topk, "forward_topk_with", lambda *a, **k: calls.append(1) or forward_topk_with(*a, **k))
+    calls = counted(monkeypatch, jsdgpu.topk, "forward_topk_with")
     for bias, n_calls in ((False, 1), (True, 2)):
         case = make_topk_case(rng, T=T, dtype=dtype, bias=bias, ignored=ignored)
         upstream = rng.standard_normal(T).astype(np.float32)
