@@ -18,6 +18,7 @@ This times, on the same inputs, the step taken apart:
 
 - cupy: jsdgpu.forward + jsdgpu.backward on CuPy arrays;
 - bridged: the same on torch tensors (the bridge, torch's stream and allocator);
+- bridged_grad: the same on the student's tensors as the module gets them (requiring a gradient);
 - op: the custom operator called directly, its gradients computed (no autograd);
 - module: FusedLinearJSDLoss, loss.backward(), the gradients dropped (as bench.py's step);
 - compiled: the same module under torch.compile(fullgraph=True).
@@ -33,6 +34,12 @@ calls.
     python experiments/torch_step.py --ignored 0 0.4 0.1 0.3 --allocations  # a module step's, by site
     python experiments/torch_step.py --ignored 0 0.4 0.1 0.3 --profile   # other ignored rows each step
     python experiments/torch_step.py --ignored 0 0.4 0.1 0.3 --turns     # module ÷ CuPy call, in turns
+    python experiments/torch_step.py --ignored 0 0.4 0.1 0.3 --first-product  # the host's Python before it
+
+--first-product (2026-12-04): the bridge (tensor views, the stream block) and the module's own
+path were most of what the module's host adds before the first product; with the block made
+lighter, the module's host reached it 0.15 ms sooner, and the module took 1.045 times the CuPy
+call in turns against 1.058 before (docs/design.md, "The front ends").
 """
 
 import argparse
@@ -62,6 +69,11 @@ def variants(sets):
         loss, ctx = jsdgpu.forward(xs.detach(), ws.detach(), xt, wt, target)
         jsdgpu.backward(ctx)
 
+    def bridged_grad(i):  # the student's tensors as the module gets them (requiring a gradient)
+        xs, ws, xt, wt, target = tsets[i]
+        loss, ctx = jsdgpu.forward(xs, ws, xt, wt, target)
+        jsdgpu.backward(ctx)
+
     def op(i):
         xs, ws, xt, wt, target = tsets[i]
         with torch.no_grad():
@@ -81,7 +93,7 @@ def variants(sets):
         xs, ws, xt, wt, target = tsets[i]
         compiled_fn(xs, ws, xt, wt, target).backward()
         xs.grad = ws.grad = None
-    return dict(cupy=cupy_step, bridged=bridged, op=op, module=module, compiled=compiled)
+    return dict(cupy=cupy_step, bridged=bridged, bridged_grad=bridged_grad, op=op, module=module, compiled=compiled)
 
 
 def measure(fn, n_sets, repeats):
@@ -186,6 +198,44 @@ def host_profile(fn, n_sets, tag, steps=30):
     stats.sort_stats("cumulative").print_stats(45)
 
 
+def host_to_first_product(fns, n_sets, names=("cupy", "bridged", "module"), steps=30):
+    """Each step's Python from its start to its first product's queuing, under cProfile (which
+    stops there), for each of names: its total and its functions of most time with their callees,
+    then, for each name against the one before it, the functions whose own time differs most (per
+    step; the profiler's own cost a call included)."""
+    import cProfile
+    import pstats
+
+    import cupy
+
+    from jsdgpu.cuda import products
+    own = {}
+    for name in names:
+        fn = fns[name]
+        for i in range(2 * n_sets + 1):
+            fn(i % n_sets)
+        profiler = cProfile.Profile()
+        for i in range(steps):
+            cupy.cuda.Device().synchronize()
+            stopped = []
+            with products.observing(lambda *_: stopped or (profiler.disable(), stopped.append(1))):
+                profiler.enable()
+                fn(i % n_sets)
+            profiler.disable()
+        own[name] = {f"{pathlib.Path(f[0]).name}:{f[1]}:{f[2]}": (v[2] / steps * 1e6, v[1] / steps, v[3] / steps * 1e6)
+                     for f, v in pstats.Stats(profiler).stats.items()}
+        print(f"  {name}: {sum(v[0] for v in own[name].values()):.1f} µs of Python a step before the first product"
+              f" (profiled), {sum(v[1] for v in own[name].values()):.0f} calls; most µs with callees:")
+        for k, v in sorted(own[name].items(), key=lambda kv: -kv[1][2])[:25]:
+            print(f"    {v[2]:8.1f}  own {v[0]:7.1f}  calls {v[1]:5.1f}  {k}")
+    for a, b in zip(names, names[1:]):
+        keys = sorted(set(own[a]) | set(own[b]), key=lambda k: -abs(own[b].get(k, (0,))[0] - own[a].get(k, (0,))[0]))
+        print(f"  own µs a step, {b} against {a} (the largest differences):")
+        for k in keys[:20]:
+            x, y = own[a].get(k, (0, 0, 0)), own[b].get(k, (0, 0, 0))
+            print(f"    {y[0] - x[0]:+8.1f}  {x[0]:7.1f} -> {y[0]:7.1f}  calls {x[1]:5.1f} -> {y[1]:5.1f}  {k}")
+
+
 def bridge_parts(repeats=200):
     """Median µs of the bridge's pieces, each alone, back to back: a [1024, 2048] bf16 tensor
     viewed by CuPy through DLPack and by jsdgpu.torch.to_native, a 0-d CuPy array viewed by
@@ -271,6 +321,8 @@ def main():
                    help="the module, then the compiled module, and the CuPy call in turns, step by step")
     p.add_argument("--host-profile", action="store_true",
                    help="the cupy, module and compiled steps' Python under cProfile")
+    p.add_argument("--first-product", action="store_true",
+                   help="the cupy, bridged and module steps' Python before the first product, function by function")
     p.add_argument("--allocations", action="store_true",
                    help="a module step's allocations through torch's allocator, by size and site")
     p.add_argument("--ignored", type=float, nargs="+",
@@ -300,6 +352,8 @@ def main():
                 host_profile(fns[name], len(sets), f"{name}_{T}")
         if args.allocations:
             allocations(fns["module"], len(sets))
+        if args.first_product:
+            host_to_first_product(fns, len(sets))
         del sets, fns
         cupy.get_default_memory_pool().free_all_blocks()
     print("| T | step | ms (events) | host ms before the first product | cudaMalloc | cudaFree |")

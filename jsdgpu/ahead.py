@@ -131,9 +131,12 @@ def queue_head(loss, xs, other, most, first=None):
     rows, as many as the least share of valid rows gives, gathered on the device from the
     selection kernel's output (the rows past its count are computed for nothing); never more
     than the first chunk (cut_chunks). Either way the products are queued before the host reads
-    the selection, and the selection runs beside them (backend.mark, select_rows' after), so that
-    the host's wait is for the selection alone and the GPU runs the head meanwhile, and while the
-    host queues what follows (docs/design.md, "The host before the first product"). A backend
+    the selection, so that the host's wait is for the selection alone and the GPU runs the head
+    meanwhile, and while the host queues what follows (docs/design.md, "The host before the first
+    product"): the head of first rows as they are runs beside the selection (backend.mark,
+    select_rows' after), a gathered head after it on the caller's stream, where nothing of the call
+    comes before it (beside a mark made just before, it would wait for the same work, through a
+    side stream's four more CUDA calls of host time). A backend
     that does not queue ahead (the CPU's, queues_ahead) selects first: its head is empty. In a
     default call whose head is its first rows as they are, loss.before_wait queues the loss's own
     work before the host's wait (the top-k loss's first row kernel)."""
@@ -149,7 +152,7 @@ def queue_head(loss, xs, other, most, first=None):
     as_they_are, head = planned_head(most, n_all)
     after = None if first is None or not as_they_are else first.queued(most, head)
     queued_ahead = after is not None
-    if not queued_ahead:  # before the head: the selection waits for what was queued before it only
+    if not queued_ahead and as_they_are:  # before the head: the selection waits for what was queued before it only
         after = backend.mark()
     if n_all and as_they_are:
         products(xs[:head], other[:head], student=not queued_ahead)

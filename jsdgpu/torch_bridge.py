@@ -3,7 +3,6 @@ zero-copy views both ways, CuPy on torch's current stream with memory from torch
 allocator (on the CPU, the products by torch's BLAS or NumPy's, the faster), and the operands'
 dtype under autocast."""
 
-import contextlib
 import functools
 
 import ml_dtypes
@@ -28,8 +27,11 @@ def to_native(t):
         dtype = _NUMPY_DTYPES.get(t.dtype)
         if dtype is None or t.numel() == 0:
             return cupy.from_dlpack(t.detach())
+        if t.is_contiguous():  # the common case: its size and CuPy's own strides, without working them out
+            memory = cupy.cuda.UnownedMemory(t.data_ptr(), dtype.itemsize * t.numel(), t, t.get_device())
+            return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0))
         size = dtype.itemsize * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
-        memory = cupy.cuda.UnownedMemory(t.data_ptr(), size, t, t.device.index)
+        memory = cupy.cuda.UnownedMemory(t.data_ptr(), size, t, t.get_device())
         return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
                             tuple(dtype.itemsize * s for s in t.stride()))
     t = t.detach()
@@ -89,14 +91,43 @@ def current_stream(t):
     if not t.is_cuda:
         from .cpu.products import faster_of
         return faster_of(_torch_matmul)
-    import cupy
-    device = t.device.index
-    stack = contextlib.ExitStack()
-    stack.enter_context(cupy.cuda.Device(device))
-    stack.enter_context(torch.cuda.device(device))
-    stack.enter_context(_cupy_stream(torch.cuda.current_stream(device).cuda_stream, device))
-    stack.enter_context(cupy.cuda.using_allocator(_allocator(device)))
-    return stack
+    device = t.get_device()
+    return _OnTorchStream(device, _cupy_stream(_raw_stream(device), device))
+
+
+class _OnTorchStream:
+    """The block of current_stream on a CUDA device: CuPy's and torch's current device, CuPy's
+    current stream (torch's, made once by its pointer) and allocator (torch's). Four contexts
+    entered and left in order, as contextlib.ExitStack would, without its bookkeeping: this is
+    host time before the step's first product, which runs two to three times slower there than
+    back to back (docs/design.md, "The front ends")."""
+    __slots__ = ("_contexts",)
+
+    def __init__(self, device, stream):
+        import cupy
+        self._contexts = (cupy.cuda.Device(device), torch.cuda.device(device), stream,
+                          cupy.cuda.using_allocator(_allocator(device)))
+
+    def __enter__(self):
+        for entered, context in enumerate(self._contexts):
+            try:
+                context.__enter__()
+            except BaseException:
+                for inner in reversed(self._contexts[:entered]):
+                    inner.__exit__(None, None, None)
+                raise
+        return self
+
+    def __exit__(self, *exc):
+        for context in reversed(self._contexts):
+            context.__exit__(*exc)
+
+
+def _raw_stream(device):
+    """The pointer of torch's current stream on the device: torch's own accessor of it (what
+    Inductor's code calls), where torch.cuda.current_stream makes a Stream object first."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return torch.cuda.current_stream(device).cuda_stream if raw is None else raw(device)
 
 
 # Made once: each is host time before the step's first product (and CuPy's ExternalStream warns

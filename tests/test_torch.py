@@ -1,5 +1,7 @@
 """jsdgpu.torch: the Liger-compatible module, on the CPU and on the GPU."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -192,6 +194,28 @@ def test_runs_on_the_current_torch_stream(rng):
     g = grads_of(ts)
     for got, want in zip((g[0], g[1], g[5]), ref[3:]):
         assert rel_err(got, want) <= 1e-4
+
+
+@pytest.mark.gpu
+def test_the_stream_block_puts_cupy_on_torchs_stream_and_memory_and_puts_it_back():
+    """Inside current_stream(t), CuPy's current stream is torch's and its memory is torch's; after
+    it, CuPy's device, stream and allocator are what they were, also where the block raised."""
+    import cupy
+    t = torch.zeros(1, device="cuda")
+    stream = torch.cuda.Stream()
+    before = cupy.cuda.get_current_stream().ptr, cupy.cuda.get_allocator(), cupy.cuda.runtime.getDevice()
+    made = []
+    for raises in (False, True):
+        with torch.cuda.stream(stream), contextlib.suppress(KeyError):
+            with jtorch.current_stream(t):
+                assert cupy.cuda.get_current_stream().ptr == stream.cuda_stream
+                held = torch.cuda.memory_allocated()
+                made.append(cupy.empty(1 << 20, cupy.uint8))
+                assert torch.cuda.memory_allocated() >= held + made[-1].nbytes
+                if raises:
+                    raise KeyError
+        assert (cupy.cuda.get_current_stream().ptr, cupy.cuda.get_allocator(), cupy.cuda.runtime.getDevice()) == before
+    stream.synchronize()
 
 
 @pytest.mark.gpu
