@@ -99,7 +99,7 @@ class _OnTorchStream:
     """The block of current_stream on a CUDA device: CuPy's and torch's current device, CuPy's
     current stream (torch's, made once by its pointer) and allocator (torch's). Four contexts
     entered and left in order, as contextlib.ExitStack would, without its bookkeeping: this is
-    host time before the step's first product, which runs two to three times slower there than
+    host time before the step's first product, where Python runs two to six times slower than
     back to back (docs/design.md, "The front ends")."""
     __slots__ = ("_contexts",)
 
