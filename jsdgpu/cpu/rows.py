@@ -14,7 +14,7 @@ import math
 import numba
 import numpy as np
 
-from .divergences import column, grad_dz, soft
+from .divergences import FORWARD_KL, JSD, REVERSE_KL, column, grad_dz, soft
 from .fastmath import FAST, exp64
 from .threads import rows_in_parallel
 
@@ -74,14 +74,9 @@ def _row_stats(s, t, y, inv_temp, vs, vt, e_z, e_t):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _row_kl(s, t, inv_temp, mode, beta, stats, p, h):
-    """(a, b) of one row with its statistics (_row_stats'). Where p and h have room (the fused
-    kernel's), they hold the student columns' exp(z - max z) and exp(t / T - max) (_row_stats),
-    and their p and h are written over them (the gradient reads them there)."""
+def _kl_columns(s, t, inv_temp, mode, beta, lse_z, lse_t, inv_z, inv_t, p, h):
+    """(a, b) of one row's columns for one divergence (mode: a constant where _row_kl calls it)."""
     vs, vt = len(s), len(t)
-    mz, mt, sum_z, sum_t = stats[1], stats[2], stats[4], stats[5]
-    lse_z, lse_t = mz + math.log(sum_z), mt + math.log(sum_t)
-    inv_z, inv_t = 1.0 / sum_z, 1.0 / sum_t
     keep = len(p) >= vs
     a = 0.0
     b = 0.0
@@ -102,6 +97,23 @@ def _row_kl(s, t, inv_temp, mode, beta, stats, p, h):
         a += da
         b += db
     return a, b
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _row_kl(s, t, inv_temp, mode, beta, stats, p, h):
+    """(a, b) of one row with its statistics (_row_stats'). Where p and h have room (the fused
+    kernel's), they hold the student columns' exp(z - max z) and exp(t / T - max) (_row_stats),
+    and their p and h are written over them (the gradient reads them there). One loop a
+    divergence, each with its mode a constant: with the mode a variable, LLVM if-converts
+    column's branch on it in the vectorized loop, and every divergence paid for the JSD's log."""
+    mz, mt, sum_z, sum_t = stats[1], stats[2], stats[4], stats[5]
+    lse_z, lse_t = mz + math.log(sum_z), mt + math.log(sum_t)
+    inv_z, inv_t = 1.0 / sum_z, 1.0 / sum_t
+    if mode == FORWARD_KL:
+        return _kl_columns(s, t, inv_temp, FORWARD_KL, beta, lse_z, lse_t, inv_z, inv_t, p, h)
+    if mode == JSD:
+        return _kl_columns(s, t, inv_temp, JSD, beta, lse_z, lse_t, inv_z, inv_t, p, h)
+    return _kl_columns(s, t, inv_temp, REVERSE_KL, beta, lse_z, lse_t, inv_z, inv_t, p, h)
 
 
 @numba.njit(fastmath=FAST, inline="always")
