@@ -101,7 +101,8 @@ def row_kernel_bandwidth(T, V):
     """(GB/s of the fused row kernel on one chunk of T rows, the copy's GB/s)."""
     import numba
 
-    from jsdgpu.cpu.rows import fused_kernel
+    from jsdgpu.cpu.online_work import CpuOnlineRows, CpuWork
+    from jsdgpu.options import LossOptions
 
     @numba.njit(parallel=True)
     def copy(a, b):
@@ -114,8 +115,10 @@ def row_kernel_bandwidth(T, V):
     target = rng.integers(0, V, T).astype(np.int32)
     ce, jsd, terms = (np.empty(T, np.float32) for _ in range(3))
 
+    work, opts = CpuWork(None, None, None, None, s, t, fused=True), LossOptions()
+
     def rows():
-        fused_kernel(s, t, target, 1.0, 1, 0.5, 0.5, 0.5, ce, jsd, G, terms, True, 1.0, 0.0)
+        CpuOnlineRows.fused_rows(work, target, opts, ce, jsd, G, terms)
     a = np.ones(2**28, np.float32)
     b = np.empty_like(a)
     best = {}

@@ -98,28 +98,37 @@ def test_headers_inlined_once():
 
 @pytest.mark.parametrize("divergence,beta", [(0, 0.0), (2, 1.0), (1, 0.5), (1, 0.3), (1, 0.9), (1, 1.0 / 6.0),
                                              (1, 1e-6), (1, 1.0 - 1e-6)])
-def test_soft_polynomial_is_good_to_float32(divergence, beta):
-    """The precise soft terms' polynomial (sources.soft_terms: F(d) / d^2 on |d| < 1, row_math.cuh's
-    column_terms, in bits), evaluated as the kernels do (Horner in float32), against F in float64: within a
-    few float32 roundings everywhere; and the float64 F against its plain formula where that does
-    not cancel (|d| >= 1/2)."""
+@pytest.mark.parametrize("unit", ["bits", "nats"])
+def test_soft_polynomial_is_good_to_float32(divergence, beta, unit):
+    """The precise soft terms' polynomial (F(d) / d^2 on |d| < 1, row_math.cuh's column_terms) as
+    the kernels take it, in bits (sources.soft_terms, the GPU's) and in nats (soft_poly.soft_poly
+    in float32, the CPU's fused kernel's), evaluated as they do (Horner in float32), against F in
+    float64: within a few float32 roundings everywhere; and the float64 F against its plain
+    formula where that does not cancel (|d| >= 1/2)."""
     import numpy as np
+    from jsdgpu import soft_poly
     from jsdgpu.options import Divergence
-    b, *coeffs = sources.soft_terms(Divergence(divergence), beta)
+    b = soft_poly.mixture_weight(divergence, beta)
+    if unit == "bits":
+        _, *coeffs = sources.soft_terms(Divergence(divergence), beta)
+        per_unit = np.log(2.0)
+    else:
+        coeffs = soft_poly.soft_poly(divergence, beta).astype(np.float32)
+        per_unit = 1.0
     d = np.linspace(-1.0, 1.0, 4001)
     d = d[d != 0.0]
-    d2 = (d / np.log(2.0)).astype(np.float32)  # in bits, as the kernels take it
+    du = (d / per_unit).astype(np.float32)  # in the kernel's unit, as it takes it
     acc = np.full(d.shape, coeffs[-1], np.float32)
     for c in coeffs[-2::-1]:
-        acc = (acc * d2 + c).astype(np.float32)
-    got = acc.astype(np.float64) * d2.astype(np.float64) ** 2
-    want = sources._soft_term(Divergence(divergence), float(b), d2 * np.log(2.0)) * (d2 * np.log(2.0)) ** 2
+        acc = (acc * du + c).astype(np.float32)
+    got = acc.astype(np.float64) * du.astype(np.float64) ** 2
+    want = soft_poly.soft_term(Divergence(divergence), b, du * per_unit) * (du * per_unit) ** 2
     assert np.max(np.abs(got / want - 1)) <= 4e-7
     far = np.array([-1.0, -0.75, -0.5, 0.5, 0.75, 1.0])
     phi = 1 + np.exp(far) * (far - 1)
-    y = float(b) * np.expm1(far)
-    plain = phi if divergence != 1 else float(b) * phi - ((1 + y) * np.log1p(y) - y)
-    np.testing.assert_allclose(sources._soft_term(Divergence(divergence), float(b), far) * far**2, plain, rtol=1e-9)
+    y = b * np.expm1(far)
+    plain = phi if divergence != 1 else b * phi - ((1 + y) * np.log1p(y) - y)
+    np.testing.assert_allclose(soft_poly.soft_term(Divergence(divergence), b, far) * far**2, plain, rtol=1e-9)
 
 
 def test_tanh_polynomial_within_2_ulp():

@@ -93,3 +93,29 @@ def test_rows_near_and_far_in_one_chunk(xp, rng, dtype, beta, memory_budget):
     tol = 1e-4 if dtype == "float32" else 2.0**-7
     for got, want in zip((gi, gw, gb), ref[3:]):
         assert rel_err(got, want) <= tol
+
+
+@pytest.mark.parametrize("temperature", [0.25, 1.0])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_a_largest_logit_far_past_the_first_columns(xp, rng, temperature, beta):
+    """Rows whose largest logit is 150 above every other, past the first 256 columns (the CPU's
+    fused kernel shifts a row's exps by its first columns' largest logit, and makes them again
+    with the row's largest where that overflowed): as the float64 reference."""
+    case = make_case(rng, T=5, hs=16, ht=16, vs=1031, vt=1031, bias=True, logit_std=2.0)
+    case["student_bias"][600] += 150.0
+    case["teacher_bias"][700] += 150.0
+    opts = dict(beta=beta, temperature=temperature)
+    loss, ctx = jsdgpu.forward(**to_xp(case, xp), **opts)
+    assert_near_float64(case, "float32", opts, loss, ctx.hard_loss, ctx.soft_loss, jsdgpu.backward(ctx))
+
+
+@pytest.mark.parametrize("beta", [0.5, 1.0])
+def test_sharp_rows_whose_student_mass_is_in_the_pad(xp, rng, beta):
+    """A teacher vocabulary wider than the student's, whose pad columns (z = 0) hold nearly all of
+    the student's tempered mass (every student logit below 0), at temperature 0.05: the pad's
+    share of the statistics and sums, and the real columns' gradients beside it."""
+    case = make_case(rng, T=5, hs=16, ht=16, vs=515, vt=523, bias=True, logit_std=8.0)
+    case["student_bias"] -= 40.0
+    opts = dict(beta=beta, temperature=0.05)
+    loss, ctx = jsdgpu.forward(**to_xp(case, xp), **opts)
+    assert_near_float64(case, "float32", opts, loss, ctx.hard_loss, ctx.soft_loss, jsdgpu.backward(ctx))

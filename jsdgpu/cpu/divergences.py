@@ -1,15 +1,20 @@
 """The soft part's divergences on the CPU, each in one place (as jsdgpu/cuda/src/divergences.cuh
-holds them on the GPU): for the online loss's row kernels (rows.py; Numba, inlined, switched on
-the mode's code) a column's shares of the KL sums and its gradient's h, the row's soft part from
-its sums, and a column's dz; for the top-k loss (jsdgpu/topk_shards.py; NumPy or CuPy, float64)
-the categories' soft part and u, and the gradient's dz. Adding a divergence: docs/design.md,
-"Where a divergence's math lives"."""
+holds them on the GPU): for the online loss's fused row kernel (rows.py; Numba, inlined, switched
+on the mode's code, a constant at each call) a column's float32 terms, the GPU's (column32), the
+row's soft part from their sums and a column's dz; for its phase kernels (float64) a column's
+shares of the KL sums and its gradient's h, the row's soft part from its sums, and a column's
+dz; for the top-k loss (jsdgpu/topk_shards.py; NumPy or CuPy, float64) the categories' soft part
+and u, and the gradient's dz. Adding a divergence: docs/design.md, "Where a divergence's math
+lives"."""
+
+import functools
 
 import numba
 import numpy as np
 
+from .. import soft_poly
 from ..options import Divergence
-from .fastmath import FAST, SMALLEST_NORMAL, log64
+from .fastmath import F32, FAST, SMALLEST_NORMAL, log32, log64
 
 FORWARD_KL, JSD, REVERSE_KL = int(Divergence.FORWARD_KL), int(Divergence.JSD), int(Divergence.REVERSE_KL)
 
@@ -51,6 +56,116 @@ def grad_dz(p, h, a, mode, beta):
     JSD, 1 in reverse KL."""
     c = 1.0 - beta if mode == JSD else 1.0
     return p - h if mode == FORWARD_KL else c * p * (h - a)
+
+
+# ---- the fused kernel's column terms, in float32 (jsdgpu/cuda/src/row_math.cuh, column_terms) ----
+#
+# As on the GPU: each soft part is a sum over the columns of w F(d) >= 0, w the probability of
+# the weight distribution (p; q in reverse KL, and in the JSD with beta > 1/2: mirrored), d =
+# ln(o / w) the log-ratio of the other's, formed from the logits' difference t - s, and F second
+# order in d, so that no column's term cancels against another's and the exps' roundings reach a
+# small divergence at second order only (docs/design.md, "Small divergences"). On |d| < 1, F(d)
+# = d^2 P(d) (jsdgpu/soft_poly.py, in nats here); elsewhere its formula: w Phi(d) = w + o (d - 1)
+# for the KLs; for the JSD with b >= 1/6 the column's shares of the fast sums, and with a smaller
+# b, b w Phi(d) - w G(y) (row_math.cuh has the math). Unlike the GPU's, the row's logsumexps are
+# float64 and each p and q the exp of a float32 logit less a float32 shift: none of the GPU's
+# corrections for logsumexps rounded to float32 (its unrounded_sums) is needed.
+
+SMALL_B_BELOW = F32(1.0 / 6.0)  # row_math.cuh's SMALL_B_BELOW
+PRECISE_BELOW = 0.1  # nats: where a row's soft part is the precise sum's (row_math.cuh's PRECISE_BELOW_BITS)
+
+
+@functools.lru_cache(maxsize=None)
+def precise_terms(divergence, beta):
+    """(b, P's coefficients as a float32 array) of column32's precise sum (soft_poly.py)."""
+    return soft_poly.mixture_weight(divergence, beta), soft_poly.soft_poly(divergence, beta).astype(np.float32)
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def soft_poly_of(poly, d):
+    """P(d) (soft_poly.py) of the nine float32 coefficients, by Horner."""
+    return ((((((((poly[8] * d + poly[7]) * d + poly[6]) * d + poly[5]) * d + poly[4]) * d + poly[3]) * d
+               + poly[2]) * d + poly[1]) * d + poly[0])
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def column32(s, t, p, q, mode, small_b, row, poly):
+    """One column's (a, b, precise, w, h), float32: its shares of the fast sums a = sum p (lp -
+    lm) and b = sum q (lq - lm) (m the mixture, p in forward KL, q in reverse KL; in reverse KL a
+    relative to the reference column, as the GPU's: rows.py), of the precise sum and of the weights'
+    sum, and the gradient's h (q in forward KL, lp - lm in the JSD, h - h_ref in reverse KL); from
+    its logits s, t and probabilities p, q. mode and small_b (the JSD's b < 1/6): constants where
+    rows.py calls it; row: the row's (c = lse_z - lse_t, scale = 1 / temperature, the reference
+    column's t - s, mirrored, beta, 1 - beta, b); poly: P's coefficients."""
+    c, scale, diff_ref, mirrored, beta, one_minus_beta, b = row
+    diff = t - s
+    # ln(q / p). c's float32 rounding (up to 3e-8 |c|, the two models' logits' offset at most)
+    # shifts every column's d alike: second order in a small divergence's precise sum; in the fast
+    # sums, up to that many nats, the size of the logits' own roundings there. (c in two parts,
+    # (diff scale + c_hi) + c_lo, is reassociated by the fast math into one.)
+    d = diff * scale + c
+    if mode == FORWARD_KL:
+        w, o, dd = p, q, d
+        a, bq, h = F32(0.0), q * d, q
+    elif mode == REVERSE_KL:
+        w, o, dd = q, p, -d
+        h = (diff_ref - diff) * scale
+        a, bq = p * h, F32(0.0)
+    else:
+        dd = -d if mirrored else d
+        w, o = (q, p) if mirrored else (p, q)
+        # the smaller of w and o over the larger, in [0, 1] (nothing overflows; 1 where both are
+        # 0), by a division of the two where the GPU takes 2^-|d| (an exp: 2-2.5 ms more at 512
+        # rows of 32000); and the mixture's log relative to the larger, in [ln b, 0], never a
+        # difference of two large logs. Which one is larger is their own word, not d's sign: the
+        # two differ where one has flushed to 0 (exp32 below e^-87), and there d's sign took the
+        # ratio of 0 for the other's over it, and a column's term to inf.
+        o_larger = o > w
+        larger = o if o_larger else w
+        ratio = (w if o_larger else o) / larger if larger > F32(0.0) else F32(1.0)
+        l = log32((F32(1.0) - b) * ratio + b if o_larger else b * ratio + (F32(1.0) - b))
+        d_larger = dd if o_larger else F32(0.0)  # ln(larger / w)
+        h_w, h_o = -l - d_larger, (F32(0.0) if o_larger else dd) - l  # ln(w / m), ln(o / m)
+        h = h_o if mirrored else h_w
+        a, bq = p * h, q * (h_w if mirrored else h_o)
+    if abs(dd) < F32(1.0):
+        precise = w * (dd * dd) * soft_poly_of(poly, dd)
+    elif mode != JSD:
+        precise = w + o * (dd - F32(1.0))  # w Phi(d)
+    elif not small_b:
+        # the fast shares are w H_b(d) here, cancelling by a factor of a few at most
+        # (row_math.cuh, Divergence<JSD>::far_soft)
+        precise = beta * bq + one_minus_beta * a
+    else:
+        o_less_w = b * (o - w)  # m - w
+        if abs(o_less_w) < F32(0.1) * w:  # |y| < 1/10: G(y) / y^2 by its series
+            y = b * (F32(1.0) / ratio - F32(1.0) if o_larger else ratio - F32(1.0))
+            g = ((((((F32(1 / 56) * y - F32(1 / 42)) * y + F32(1 / 30)) * y - F32(1 / 20)) * y + F32(1 / 12)) * y
+                  - F32(1 / 6)) * y + F32(0.5))
+            w_g = w * (y * y) * g
+        else:  # m ln(m / w) - (m - w)
+            w_g = (w + o_less_w) * (l + d_larger) - o_less_w
+        precise = b * (w + o * (dd - F32(1.0))) - w_g
+    return a, bq, precise, w, h
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def soft_of_sums(a, b, precise, weights, mode, beta, h_ref):
+    """The row's soft part from its column32 sums (float64): the fast sums' value (reverse KL's a
+    is relative to the reference column's h_ref) from PRECISE_BELOW nats up (and where the precise
+    sum is NaN: a NaN reaches the loss), else the precise sum over the weights' (their
+    normalization's error, common to both, cancels)."""
+    fast = b if mode == FORWARD_KL else (beta * b + (1.0 - beta) * a if mode == JSD else h_ref + a)
+    return fast if fast >= PRECISE_BELOW or precise != precise else precise / weights
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def grad_dz32(p, h, kl, mode, one_minus_beta):
+    """A column's dz from column32's p and h and the row's kl (a: relative in reverse KL), float32:
+    p - q in forward KL, else c p (h - kl), c = 1 - beta in the JSD, 1 in reverse KL."""
+    if mode == FORWARD_KL:
+        return p - h
+    return (one_minus_beta if mode == JSD else F32(1.0)) * p * (h - kl)
 
 
 # ---- the top-k loss's categories (topk_shards.py): log P, log q, P, q [rows, categories], float64 ----

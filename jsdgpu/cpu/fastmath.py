@@ -1,12 +1,11 @@
-"""float64 exp and log of our own for the CPU's Numba kernels: branch-free polynomials that LLVM
-vectorizes, where libm's are a call per column (docs/design.md, "The CPU backend"); and the fast
-math the kernels compile with."""
+"""float64 and float32 exp and log of our own for the CPU's Numba kernels: branch-free
+polynomials that LLVM vectorizes, where libm's are a call per column (docs/design.md, "The CPU
+backend"); and the fast math the kernels compile with."""
 
 import math
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
@@ -17,28 +16,30 @@ _LOG2E = 1.4426950408889634
 _LN2_HI, _LN2_LO = 0.6931471803691238, 1.9082149292705877e-10  # ln 2 in two parts (Cody and Waite)
 _SQRT_HALF_BITS = 0x3FE6A09E667F3BCD  # the bits of sqrt(1/2)
 SMALLEST_NORMAL = 2.2250738585072014e-308
+F32 = np.float32
+_LN2_HI32, _LN2_LO32 = F32(0.693359375), F32(-2.12194440e-4)  # ln 2 in two float32 parts
+_SQRT_HALF_BITS32 = 0x3F3504F3  # the bits of float32 sqrt(1/2)
 
 
-@intrinsic
-def _double_of_bits(typingctx, bits):
-    """The float64 whose bits are the int64 `bits`."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-    return types.float64(types.int64), codegen
+def _bitcast(source, target):
+    """An intrinsic: the `target` (a Numba type) whose bits are those of its `source` argument."""
+    @intrinsic
+    def cast(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(target))
+        return target(source), codegen
+    return cast
 
 
-@intrinsic
-def _bits_of_double(typingctx, x):
-    """The int64 whose bits are the float64 `x`."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(64))
-    return types.int64(types.float64), codegen
+_double_of_bits, _bits_of_double = _bitcast(types.int64, types.float64), _bitcast(types.float64, types.int64)
+_float_of_bits, _bits_of_float = _bitcast(types.int32, types.float32), _bitcast(types.float32, types.int32)
 
 
 @numba.njit(fastmath=FAST, inline="always")
 def exp64(x):
-    """e^x to a few 1e-16 relative (0 below -708, where a float64 would be subnormal; NaN for a
-    NaN): x = n ln 2 + r, |r| <= ln(2) / 2, e^r by its Taylor series to r^13, 2^n from its bits."""
+    """e^x to 2e-15 relative for |x| <= 40, 3e-14 at the ends of its range
+    (tests/test_cpu_fastmath.py; 0 below -708, where a float64 would be subnormal; NaN for a NaN):
+    x = n ln 2 + r, |r| <= ln(2) / 2, e^r by its Taylor series to r^13, 2^n from its bits."""
     c = min(max(x, -708.0), 709.0)
     n = math.floor(c * _LOG2E + 0.5)
     r = (c - n * _LN2_HI) - n * _LN2_LO
@@ -63,3 +64,32 @@ def log64(x):
     s = (((((s * u2 + 1.0 / 11.0) * u2 + 1.0 / 9.0) * u2 + 1.0 / 7.0) * u2 + 1.0 / 5.0) * u2 + 1.0 / 3.0) * u2 + 1.0
     n = np.float64(k)
     return (n * _LN2_HI + 2.0 * u * s) + n * _LN2_LO
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def exp32(x):
+    """e^x of a float32 to 2e-7 relative for |x| <= 40, 4e-7 at the ends of its range
+    (tests/test_cpu_fastmath.py; 0 below -87, near where a float32 becomes subnormal, inf from
+    about 88.4, where 2^n is, NaN for a NaN): x = n ln 2 + r, |r| <= ln(2) / 2, e^r by its Taylor
+    series to r^7, 2^n from its bits. (np.floor: math.floor would make n an int64, and the lanes
+    float64.)"""
+    c = min(max(x, F32(-87.0)), F32(88.7))
+    n = np.floor(c * F32(_LOG2E) + F32(0.5))
+    r = (c - n * _LN2_HI32) - n * _LN2_LO32
+    e = (((((F32(1 / 5040) * r + F32(1 / 720)) * r + F32(1 / 120)) * r + F32(1 / 24)) * r + F32(1 / 6)) * r
+         + F32(0.5)) * r
+    e = (e * r + r + F32(1.0)) * _float_of_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+    return x if x != x else (F32(0.0) if x < F32(-87.0) else e)
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def log32(x):
+    """ln x of a normal float32 x > 0 to 2e-7 relative (absolute past e; tests/test_cpu_fastmath.py),
+    as log64 in float32: ln f = 2 atanh(u) by its series to u^11."""
+    bits = _bits_of_float(x)
+    k = (bits - np.int32(_SQRT_HALF_BITS32)) >> np.int32(23)
+    f = _float_of_bits(bits - (k << np.int32(23)))
+    u = (f - F32(1.0)) / (f + F32(1.0))
+    u2 = u * u
+    s = ((((F32(2 / 11) * u2 + F32(2 / 9)) * u2 + F32(2 / 7)) * u2 + F32(2 / 5)) * u2 + F32(2 / 3)) * u2
+    return F32(k) * F32(0.6931471805599453) + (F32(2.0) * u + u * s)

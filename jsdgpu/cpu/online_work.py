@@ -5,6 +5,7 @@ import dataclasses
 
 import numpy as np
 
+from .divergences import precise_terms
 from .products import matmul
 from .rows import finish_kernel, fused_kernel, kl_kernel, stats_kernel
 from .steps import as_model_logits, f32
@@ -88,9 +89,11 @@ class CpuOnlineRows:
             CpuOnlineRows.model_logits(work, n, opts.models)
             scale, cap = opts.models[0]
             inv_cap = 0.0 if cap is None else 1.0 / cap
+        soft_b, poly = precise_terms(opts.divergence, opts.beta)
         fused_kernel(work.s[:n], work.t[:n], target, 1.0 / opts.temperature, int(opts.divergence), opts.beta,
-                     opts.weight_hard_loss, opts.w_soft_over_t, ce, jsd, G if compute_grad else _NO_G,
-                     label_terms if compute_grad else _NO_TERMS, compute_grad, scale, inv_cap)
+                     opts.one_minus_beta, soft_b, poly, opts.weight_hard_loss, opts.w_soft_over_t, ce, jsd,
+                     G if compute_grad else _NO_G, label_terms if compute_grad else _NO_TERMS, compute_grad, scale,
+                     inv_cap)
 
     @staticmethod
     def row_stats(work, target, opts):

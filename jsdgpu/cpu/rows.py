@@ -1,21 +1,23 @@
 """The CPU backend's row kernels (Numba, parallel over rows): the fused kernel, which does a
 row's whole work while the row is in the core's cache (statistics, KL sums, results and gradient
 row), and the three phases of the same work that vocab parallelism combines across ranks between
-(row statistics; KL sums; results and gradient). Their math is float64 (sums and per-column
-terms), with an exp and a log of their own (fastmath.py); each divergence's terms are
+(row statistics; KL sums; results and gradient). The fused kernel's columns are float32 (the
+GPU kernel's second-order terms), its sums and logsumexps float64; the phases' math is float64
+throughout; each with an exp and a log of its own (fastmath.py). Each divergence's terms are
 divergences.py's.
 
 Non-finite inputs give non-finite results, as the contract says: the kernels are compiled without
 the no-NaN and no-infinity assumptions of fast math, keeping only reassociation (the vectorized
-sums) and contraction, and `exp64` keeps a NaN."""
+sums) and contraction, and `exp64` and `exp32` keep a NaN."""
 
 import math
 
 import numba
 import numpy as np
 
-from .divergences import FORWARD_KL, JSD, REVERSE_KL, column, grad_dz, soft
-from .fastmath import FAST, exp64
+from .divergences import (SMALL_B_BELOW, FORWARD_KL, JSD, REVERSE_KL, column, column32, grad_dz, grad_dz32, soft,
+                          soft_of_sums)
+from .fastmath import F32, FAST, exp32, exp64
 from .threads import rows_in_parallel
 
 
@@ -170,23 +172,219 @@ def _results(s, i, y, stats, a, b, inv_temp, mode, beta, w_hard, w_soft_over_t, 
                       p, h, model_scale, model_inv_cap, label_derivative, G[i])
 
 
+# ---- the fused kernel: float32 columns, float64 rows (docs/design.md, "The CPU backend") ----
+
+# Columns a float32 partial sum takes before it is added to the row's float64 sum: a float64 sum
+# inside the column loop would take the loop to eight float32 lanes from sixteen (it took 18.5 ms
+# where float32 sums took 12.3, 512 rows of 32000)
+_BLOCK = 1024
+# The first columns whose largest logit shifts a row's exps: the exps and their sum then take one
+# pass over the row, where the row's maximum first would take two reads of it from memory; a sum
+# past _SUM_ABOVE (a logit far above the first columns', beyond where float32 p keeps its
+# precision; or inf or NaN) is made again with the row's maximum
+_SHIFT_COLUMNS = 256
+_SUM_ABOVE = 1e17
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _exp_sum(x, scale, shift, e):
+    """sum over x of exp32(x scale - shift) (float64, of float32 sums a block), the exps kept in e
+    where it has room."""
+    keep = len(e) >= len(x)
+    total = 0.0
+    for lo in range(0, len(x), _BLOCK):
+        x_block = x[lo:lo + _BLOCK]
+        e_block = e[lo:lo + _BLOCK]
+        part = F32(0.0)
+        for j in range(len(x_block)):  # (over a view: indices from a block's start kept it scalar)
+            v = exp32(x_block[j] * scale - shift)
+            part += v
+            if keep:
+                e_block[j] = v
+        total += part
+    return total
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _shifted_exp_sum(x, scale, pad, e):
+    """(shift, sum of exp(z - shift)) of the row z = x scale padded with `pad` zeros (float32 shift,
+    float64 sum), the exps kept in e where it has room (its pad columns' too)."""
+    for first in (True, False):  # a second time only with the row's maximum: _SUM_ABOVE
+        shift = F32(_row_max(x[:_SHIFT_COLUMNS] if first else x)) * scale
+        if pad:
+            shift = max(shift, F32(0.0))
+        total = _exp_sum(x, scale, shift, e)
+        if pad:
+            e_pad = exp32(-shift)
+            total += pad * np.float64(e_pad)
+            if len(e) > len(x):
+                e[len(x):] = e_pad
+        if total < _SUM_ABOVE:
+            break
+    return shift, total
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _reference_column(s, t):
+    """(t - s, s, t) of reverse KL's reference column (row_math.cuh, "A sharp row"): the first
+    that holds the student's largest logit; (0, 0, NaN) where none does (a row of NaN). A scan,
+    from the cache (any such column will do): the largest t of those columns, the GPU's choice,
+    in eight chains of maxima took 2-2.5 ms more at 512 rows of 32000 (docs/record.md). (Where a
+    teacher's pad holds the largest z, no column of G is near one-hot and any reference will do.)"""
+    s_max = F32(_row_max(s))
+    j = 0
+    while j < len(s) and s[j] != s_max:
+        j += 1
+    if j == len(s):
+        return F32(0.0), F32(0.0), F32(np.nan)
+    return t[j] - s[j], s[j], t[j]
+
+
+@numba.njit(fastmath=FAST)
+def _padded(s, vt):
+    """The student's row with the teacher's pad (zeros: z = 0 there) where the teacher has one, else
+    itself. (A function of its own: in the kernel's body Numba's array analysis took the two for
+    arrays of one size, and asserted it.)"""
+    if vt == len(s):
+        return s
+    z = np.zeros(vt, np.float32)
+    z[:len(s)] = s
+    return z
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _column_block(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_next, touch_next):
+    """A block's float32 sums of column32's a, b, precise and w, and with touch_next (a constant)
+    of the next row's logits s_next + t_next (_row_sums); p and h written over the exps."""
+    a = b = precise = weights = touched = F32(0.0)
+    for j in range(len(s)):
+        pj, qj = p[j] * inv_z, h[j] * inv_t
+        da, db, dp, dw, hj = column32(s[j], t[j], pj, qj, mode, small_b, row, poly)
+        a += da
+        b += db
+        precise += dp
+        weights += dw
+        p[j] = pj
+        h[j] = hj
+        if touch_next:
+            touched += s_next[j] + t_next[j]
+    return a, b, precise, weights, touched
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _column_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_next, touch_next):
+    """The row's sums (float64) of column32's terms, a block at a time, and _column_block's
+    touched sum (float32)."""
+    a = b = precise = weights = 0.0
+    touched = F32(0.0)
+    for lo in range(0, len(s), _BLOCK):
+        end = lo + _BLOCK
+        da, db, dp, dw, dt = _column_block(s[lo:end], t[lo:end], p[lo:end], h[lo:end], inv_z, inv_t, mode, small_b,
+                                           row, poly, s_next[lo:end], t_next[lo:end], touch_next)
+        a += da
+        b += db
+        precise += dp
+        weights += dw
+        touched += dt
+    return a, b, precise, weights, touched
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _row_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_next):
+    """_column_sums with the mode and small_b constants: a loop of its own for each (column32's
+    branches on them would be if-converted in one loop, and every divergence pay for all). The
+    JSD's loops also read the next row's logits s_next, t_next (_next_row's), so that they are in
+    the cache when that row's statistics take them: the JSD's column math is long enough to hide
+    their way from memory, the KLs' is not (docs/design.md, "The CPU backend")."""
+    if mode == FORWARD_KL:
+        return _column_sums(s, t, p, h, inv_z, inv_t, FORWARD_KL, False, row, poly, s_next, t_next, False)
+    if mode == REVERSE_KL:
+        return _column_sums(s, t, p, h, inv_z, inv_t, REVERSE_KL, False, row, poly, s_next, t_next, False)
+    if small_b:
+        return _column_sums(s, t, p, h, inv_z, inv_t, JSD, True, row, poly, s_next, t_next, True)
+    return _column_sums(s, t, p, h, inv_z, inv_t, JSD, False, row, poly, s_next, t_next, True)
+
+
+@numba.njit(fastmath=FAST)
+def _next_row(s, t, i, z_cols, t_i):
+    """The logits the column pass of row i reads ahead (_row_sums): row i + 1's, where there is
+    one and the student's row is as long as the teacher's; else row i's own (z_cols, t_i), in the
+    cache. (A function of its own, as _padded.)"""
+    if i + 1 < s.shape[0] and s.shape[1] == t.shape[1]:
+        return s[i + 1], t[i + 1]
+    return z_cols, t_i
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _gradient_columns(s, p, h, kl, mode, one_minus_beta, w_hard, k_soft, softmax_is_p, shift_s, inv_sum_s,
+                      model_scale, model_inv_cap, G):
+    """G's row (float32): (w_hard softmax(s) + k_soft dz) times the student model's derivative;
+    softmax(s) is p where softmax_is_p (a constant here), else exp(s - shift_s) / sum_s, as the
+    statistics made it (where exp(s - lse_s) would take lse_s in one float32, off by up to 1e-5
+    at a logsumexp of 160). G may be s's memory: a column's s is read before its G is written."""
+    for j in range(len(G)):
+        x = s[j]
+        softmax = p[j] if softmax_is_p else exp32(x - shift_s) * inv_sum_s
+        zc = x * model_inv_cap
+        G[j] = (w_hard * softmax + k_soft * grad_dz32(p[j], h[j], kl, mode, one_minus_beta)) * (
+            model_scale * (F32(1.0) - zc * zc))
+
+
 @rows_in_parallel
 @numba.njit(parallel=True, fastmath=FAST, cache=True)
-def fused_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms, write_grad,
-                 model_scale, model_inv_cap):
+def fused_kernel(s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, poly, w_hard, w_soft_over_t, ce, jsd,
+                 G, label_terms, write_grad, model_scale, model_inv_cap):
     """Each row's CE and soft part, and with write_grad its gradient row (without the 1/N of the
     mean; in the raw logits where s is the student model's: _model_derivative) and label term:
-    the three phases' work on one row at a time, read from memory once. G may be s's memory."""
+    the three phases' work on one row at a time, read from memory once, its columns in float32
+    (divergences.column32) and its sums and logsumexps in float64. soft_b and poly: the JSD's b
+    and P's nine coefficients (jsdgpu/soft_poly.py). G may be s's memory."""
     n, vs = s.shape
     vt = t.shape[1]
+    scale = F32(inv_temp)
+    same_z = scale == F32(1.0) and vt == vs  # z is s
+    row_poly = (poly[0], poly[1], poly[2], poly[3], poly[4], poly[5], poly[6], poly[7], poly[8])
+    b, beta32, one_minus_beta32 = F32(soft_b), F32(beta), F32(one_minus_beta)
+    none = np.empty(0, np.float32)
     for i in numba.prange(n):
-        y = target[i]
-        p = np.empty(vs)  # exp(z - max z), then p (_row_stats, _row_kl)
-        h = np.empty(vs)  # exp(t / T - max), then h
-        stats = _row_stats(s[i], t[i], y, inv_temp, vs, vt, p, h)
-        a, b = _row_kl(s[i], t[i], inv_temp, mode, beta, stats, p, h)
-        _results(s[i], i, y, stats, a, b, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms,
-                 write_grad, p, h, model_scale, model_inv_cap)
+        s_i, t_i, y = s[i], t[i], target[i]
+        # exp(z - shift), then p; and past them _row_sums' touched sum (a use of its reads ahead,
+        # which Numba and LLVM would otherwise drop, where a NaN or inf of it must not reach a result)
+        p = np.empty(vt + 1, np.float32)
+        h = np.empty(vt, np.float32)  # exp(t / T - shift), then h
+        shift_s, sum_s = _shifted_exp_sum(s_i, F32(1.0), 0, p if same_z else none)
+        shift_z, sum_z = (shift_s, sum_s) if same_z else _shifted_exp_sum(s_i, scale, vt - vs, p)
+        shift_t, sum_t = _shifted_exp_sum(t_i, scale, 0, h)
+        lse_s, lse_z, lse_t = shift_s + math.log(sum_s), shift_z + math.log(sum_z), shift_t + math.log(sum_t)
+        c = lse_z - lse_t
+        z_cols = _padded(s_i, vt)
+        diff_ref, h_ref = F32(0.0), -c
+        if mode == REVERSE_KL:
+            diff_ref, s_ref, t_ref = _reference_column(s_i, t_i)
+            h_ref = (np.float64(s_ref) - np.float64(t_ref)) * np.float64(scale) - c
+            if not math.isfinite(h_ref):  # (a teacher logit of -inf there: the divergence is inf)
+                diff_ref, h_ref = F32(0.0), -c
+        row = (F32(c), scale, diff_ref, beta > 0.5, beta32, one_minus_beta32, b)
+        s_next, t_next = _next_row(s, t, i, z_cols, t_i)
+        a, b_sum, precise, weights, p[vt] = _row_sums(z_cols, t_i, p, h, F32(1.0 / sum_z), F32(1.0 / sum_t), mode,
+                                                      b < SMALL_B_BELOW, row, row_poly, s_next, t_next)
+        target_logit = np.float64(s_i[y]) if y >= 0 else 0.0
+        ce[i] = lse_s - target_logit
+        jsd[i] = soft_of_sums(a, b_sum, precise, weights, mode, beta, h_ref)
+        if write_grad:
+            apart = _label_apart(y, target_logit, lse_s)
+            label_derivative = _model_derivative(s_i[y], model_scale, model_inv_cap) if y >= 0 else 1.0
+            label_terms[i] = -w_hard * label_derivative if apart else 0.0
+            kl, k_soft, inv_sum_s = F32(a), F32(w_soft_over_t), F32(1.0 / sum_s)
+            m_scale, m_inv_cap = F32(model_scale), F32(model_inv_cap)
+            if same_z:
+                _gradient_columns(s_i, p, h, kl, mode, one_minus_beta32, F32(w_hard), k_soft, True, shift_s,
+                                  inv_sum_s, m_scale, m_inv_cap, G[i])
+            else:
+                _gradient_columns(s_i, p, h, kl, mode, one_minus_beta32, F32(w_hard), k_soft, False, shift_s,
+                                  inv_sum_s, m_scale, m_inv_cap, G[i])
+            if y >= 0 and not apart:
+                G[i, y] -= w_hard * label_derivative
 
 
 # ---- the three phases (vocab parallelism: each rank's shard, combined between them) ----

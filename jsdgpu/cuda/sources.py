@@ -11,6 +11,7 @@ import re
 import ml_dtypes
 import numpy as np
 
+from .. import soft_poly
 from ..options import Divergence
 
 SRC = pathlib.Path(__file__).with_name("src")
@@ -86,41 +87,18 @@ TOPK_LOGITS_K_STEP = 64  # its K step (BK): the columns of Xs and Ws a box of th
 
 # ---- the precise soft part's polynomial (row_math.cuh, column_terms) ----
 
-SOFT_POLY_TERMS = 9  # row_math.cuh's SOFT_POLY_TERMS
-
-
-def _soft_term(divergence, b, d):
-    """F(d) / d^2 in float64 (row_math.cuh, column_terms): Phi(d) = 1 + e^d (d - 1) for the KLs,
-    H_b(d) = b Phi(d) - G(b (e^d - 1)), G(y) = (1 + y) ln(1 + y) - y for the JSD; each by its
-    series where its formula would cancel."""
-    d = np.asarray(d, np.float64)
-    k = np.arange(30.0)
-    fact = np.cumprod(np.concatenate([[1.0], np.arange(1.0, 32.0)]))
-    phi = np.where(np.abs(d) < 0.1, (d[:, None] ** k * (k + 1) / fact[2:32]).sum(1) * d**2,
-                   1 + np.exp(d) * (d - 1))
-    if divergence != Divergence.JSD:
-        return phi / d**2
-    y = b * np.expm1(d)
-    g = np.where(np.abs(y) < 0.01, ((-y[:, None]) ** k / ((k + 1) * (k + 2))).sum(1) * y**2,
-                 (1 + y) * np.log1p(y) - y)
-    return (b * phi - g) / d**2
+SOFT_POLY_TERMS = soft_poly.SOFT_POLY_TERMS
 
 
 @functools.lru_cache(maxsize=None)
 def soft_terms(divergence, beta):
-    """The kernels' (soft_b, P2's coefficients of d2^0 .. d2^8), float32: the JSD's b = min(beta,
-    1 - beta) (0 for the KLs), and with d2 = d / ln 2 the polynomial P2 with d2^2 P2(d2) = F(d) on
-    |d| < 1, from a Chebyshev fit of F(d) / d^2 at 64 nodes in float64 (analytic there: its
-    nearest singularity is pi or more away), good to float32's rounding
-    (tests/test_cuda_sources.py)."""
-    divergence = Divergence(divergence)
-    b = min(beta, 1.0 - beta) if divergence == Divergence.JSD else 0.0
-    nodes = np.cos(np.pi * (np.arange(64) + 0.5) / 64)
-    cheb = np.polynomial.chebyshev.chebfit(nodes, _soft_term(divergence, b, nodes), SOFT_POLY_TERMS - 1)
-    # the kernels take d in bits (d2 = d / ln 2) and form d2^2 P2(d2) = d^2 P(d): P2's coefficient of
-    # d2^j is P's times ln(2)^(j + 2)
+    """The kernels' (soft_b, P2's coefficients of d2^0 .. d2^8), float32: the JSD's b (0 for the
+    KLs), and with d2 = d / ln 2 the polynomial P2 with d2^2 P2(d2) = F(d) on |d| < 1
+    (jsdgpu/soft_poly.py's P, in bits)."""
+    # d2^2 P2(d2) = d^2 P(d): P2's coefficient of d2^j is P's times ln(2)^(j + 2)
     ln2 = np.log(2.0) ** (np.arange(SOFT_POLY_TERMS) + 2)
-    return tuple(np.float32(c) for c in (b, *(np.polynomial.chebyshev.cheb2poly(cheb) * ln2)))
+    return tuple(np.float32(c) for c in (soft_poly.mixture_weight(divergence, beta),
+                                         *(soft_poly.soft_poly(divergence, beta) * ln2)))
 
 
 # ---- the soft caps' tanh (common.cuh, soft_tanh) ----

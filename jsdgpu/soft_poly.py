@@ -1,0 +1,44 @@
+"""The precise soft part's polynomial, shared by the GPU's kernels (in bits: jsdgpu/cuda/sources.py,
+soft_terms) and the CPU's fused kernel (in nats: jsdgpu/cpu/divergences.py): every divergence's
+soft part is a sum over the columns of w F(d), w a probability and d the log-ratio of the other
+distribution's to it, F second order in d, and on |d| < 1 the kernels form F(d) = d^2 P(d)
+(jsdgpu/cuda/src/row_math.cuh, "one column's terms"; docs/design.md, "Small divergences")."""
+
+import numpy as np
+
+from .options import Divergence
+
+SOFT_POLY_TERMS = 9  # P's coefficients, of d^0 .. d^8 (row_math.cuh's SOFT_POLY_TERMS)
+
+
+def soft_term(divergence, b, d):
+    """F(d) / d^2 in float64: Phi(d) = 1 + e^d (d - 1) for the KLs, H_b(d) = b Phi(d) - G(b (e^d -
+    1)), G(y) = (1 + y) ln(1 + y) - y for the JSD; each by its series where its formula would
+    cancel."""
+    d = np.asarray(d, np.float64)
+    k = np.arange(30.0)
+    fact = np.cumprod(np.concatenate([[1.0], np.arange(1.0, 32.0)]))
+    phi = np.where(np.abs(d) < 0.1, (d[:, None] ** k * (k + 1) / fact[2:32]).sum(1) * d**2,
+                   1 + np.exp(d) * (d - 1))
+    if divergence != Divergence.JSD:
+        return phi / d**2
+    y = b * np.expm1(d)
+    g = np.where(np.abs(y) < 0.01, ((-y[:, None]) ** k / ((k + 1) * (k + 2))).sum(1) * y**2,
+                 (1 + y) * np.log1p(y) - y)
+    return (b * phi - g) / d**2
+
+
+def mixture_weight(divergence, beta):
+    """The JSD's b = min(beta, 1 - beta), the mixture's weight of the other distribution where the
+    weight distribution is the one of the larger weight (0 for the KLs)."""
+    return min(beta, 1.0 - beta) if Divergence(divergence) == Divergence.JSD else 0.0
+
+
+def soft_poly(divergence, beta):
+    """P's coefficients of d^0 .. d^8 in float64 (d in nats), with d^2 P(d) = F(d) on |d| < 1: a
+    Chebyshev fit of F(d) / d^2 at 64 nodes (analytic there: its nearest singularity is pi or
+    more away), good to float32's rounding (tests/test_cuda_sources.py)."""
+    divergence = Divergence(divergence)
+    nodes = np.cos(np.pi * (np.arange(64) + 0.5) / 64)
+    values = soft_term(divergence, mixture_weight(divergence, beta), nodes)
+    return np.polynomial.chebyshev.cheb2poly(np.polynomial.chebyshev.chebfit(nodes, values, SOFT_POLY_TERMS - 1))
