@@ -1,11 +1,10 @@
 """The soft part's divergences on the CPU, each in one place (as jsdgpu/cuda/src/divergences.cuh
 holds them on the GPU): for the online loss's fused row kernel (rows.py; Numba, inlined, switched
-on the mode's code, a constant at each call) a column's float32 terms, the GPU's (column32), the
-row's soft part from their sums and a column's dz; for its phase kernels (float64) a column's
-shares of the KL sums and its gradient's h, the row's soft part from its sums, and a column's
-dz; for the top-k loss (jsdgpu/topk_shards.py; NumPy or CuPy, float64) the categories' soft part
-and u, and the gradient's dz. Adding a divergence: docs/design.md, "Where a divergence's math
-lives"."""
+on the mode's code, a constant at each call) a column's float32 terms, the GPU's (column32), and
+the row's soft part from their sums; for its phase kernels (float64) a column's shares of the KL
+sums and its gradient's h, and the row's soft part from its sums; for both, a column's dz; for
+the top-k loss (jsdgpu/topk_shards.py; NumPy or CuPy, float64) the categories' soft part and u,
+and the gradient's dz. Adding a divergence: docs/design.md, "Where a divergence's math lives"."""
 
 import functools
 
@@ -50,11 +49,12 @@ def soft(a, b, mode, beta):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def grad_dz(p, h, a, mode, beta):
-    """A column's dz, the soft part's gradient in its tempered logit, from its p and h (column's)
-    and the row's a: p - q in forward KL (h is q there), else c p (h - a), c = 1 - beta in the
-    JSD, 1 in reverse KL."""
-    c = 1.0 - beta if mode == JSD else 1.0
+def grad_dz(p, h, a, mode, c):
+    """A column's dz, the soft part's gradient in its tempered logit, from its p and h (column's or
+    column32's) and the row's a (its kl; relative in column32's reverse KL): p - q in forward KL
+    (h is q there), else c p (h - a), with the row's c = 1 - beta in the JSD, 1 in reverse KL
+    (each kernel's, in its own precision: a float64 c would take the float32 kernel's gradient
+    loop to float64)."""
     return p - h if mode == FORWARD_KL else c * p * (h - a)
 
 
@@ -151,21 +151,12 @@ def column32(s, t, p, q, mode, small_b, row, poly):
 
 @numba.njit(fastmath=FAST, inline="always")
 def soft_of_sums(a, b, precise, weights, mode, beta, h_ref):
-    """The row's soft part from its column32 sums (float64): the fast sums' value (reverse KL's a
-    is relative to the reference column's h_ref) from PRECISE_BELOW nats up (and where the precise
-    sum is NaN: a NaN reaches the loss), else the precise sum over the weights' (their
-    normalization's error, common to both, cancels)."""
-    fast = b if mode == FORWARD_KL else (beta * b + (1.0 - beta) * a if mode == JSD else h_ref + a)
+    """The row's soft part from its column32 sums (float64): the fast sums' value (soft's; reverse
+    KL's a is relative to the reference column's h_ref, 0 elsewhere) from PRECISE_BELOW nats up
+    (and where the precise sum is NaN: a NaN reaches the loss), else the precise sum over the
+    weights' (their normalization's error, common to both, cancels)."""
+    fast = soft(a + h_ref, b, mode, beta)
     return fast if fast >= PRECISE_BELOW or precise != precise else precise / weights
-
-
-@numba.njit(fastmath=FAST, inline="always")
-def grad_dz32(p, h, kl, mode, one_minus_beta):
-    """A column's dz from column32's p and h and the row's kl (a: relative in reverse KL), float32:
-    p - q in forward KL, else c p (h - kl), c = 1 - beta in the JSD, 1 in reverse KL."""
-    if mode == FORWARD_KL:
-        return p - h
-    return (one_minus_beta if mode == JSD else F32(1.0)) * p * (h - kl)
 
 
 # ---- the top-k loss's categories (topk_shards.py): log P, log q, P, q [rows, categories], float64 ----

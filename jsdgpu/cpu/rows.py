@@ -15,7 +15,7 @@ import math
 import numba
 import numpy as np
 
-from .divergences import (SMALL_B_BELOW, FORWARD_KL, JSD, REVERSE_KL, column, column32, grad_dz, grad_dz32, soft,
+from .divergences import (SMALL_B_BELOW, FORWARD_KL, JSD, REVERSE_KL, column, column32, grad_dz, soft,
                           soft_of_sums)
 from .fastmath import F32, FAST, exp32, exp64
 from .threads import rows_in_parallel
@@ -144,9 +144,10 @@ def _gradient_row(s, y, lse_s, softmax_is_p, mode, beta, a, w_hard, w_soft_over_
     (softmax_is_p: no temperature and no pad, so that softmax(s) is p), times the student model's
     derivative where its logits are the model's (label_derivative: the derivative at the label).
     G may be s's own memory: a column's s is read before its G is written."""
+    c = 1.0 - beta if mode == JSD else 1.0  # grad_dz's
     for j in range(len(G)):
         x = np.float64(s[j])
-        dz = grad_dz(p[j], h[j], a, mode, beta)
+        dz = grad_dz(p[j], h[j], a, mode, c)
         softmax = p[j] if softmax_is_p else exp64(x - lse_s)
         G[j] = (w_hard * softmax + w_soft_over_t * dz) * _model_derivative(x, model_scale, model_inv_cap)
     if y >= 0 and not label_apart:
@@ -316,9 +317,10 @@ def _next_row(s, t, i, z_cols, t_i):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _gradient_columns(s, p, h, kl, mode, one_minus_beta, w_hard, k_soft, softmax_is_p, shift_s, inv_sum_s,
-                      model_scale, model_inv_cap, G):
-    """G's row (float32): (w_hard softmax(s) + k_soft dz) times the student model's derivative;
+def _gradient_columns(s, p, h, kl, mode, c, w_hard, k_soft, softmax_is_p, shift_s, inv_sum_s, model_scale,
+                      model_inv_cap, G):
+    """G's row (float32): (w_hard softmax(s) + k_soft dz) times the student model's derivative (dz:
+    grad_dz's, c its factor);
     softmax(s) is p where softmax_is_p (a constant here), else exp(s - shift_s) / sum_s, as the
     statistics made it (where exp(s - lse_s) would take lse_s in one float32, off by up to 1e-5
     at a logsumexp of 160). G may be s's memory: a column's s is read before its G is written."""
@@ -326,7 +328,7 @@ def _gradient_columns(s, p, h, kl, mode, one_minus_beta, w_hard, k_soft, softmax
         x = s[j]
         softmax = p[j] if softmax_is_p else exp32(x - shift_s) * inv_sum_s
         zc = x * model_inv_cap
-        G[j] = (w_hard * softmax + k_soft * grad_dz32(p[j], h[j], kl, mode, one_minus_beta)) * (
+        G[j] = (w_hard * softmax + k_soft * grad_dz(p[j], h[j], kl, mode, c)) * (
             model_scale * (F32(1.0) - zc * zc))
 
 
@@ -358,7 +360,7 @@ def fused_kernel(s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, pol
         lse_s, lse_z, lse_t = shift_s + math.log(sum_s), shift_z + math.log(sum_z), shift_t + math.log(sum_t)
         c = lse_z - lse_t
         z_cols = _padded(s_i, vt)
-        diff_ref, h_ref = F32(0.0), -c
+        diff_ref, h_ref = F32(0.0), 0.0  # (h_ref: reverse KL's alone)
         if mode == REVERSE_KL:
             diff_ref, s_ref, t_ref = _reference_column(s_i, t_i)
             h_ref = (np.float64(s_ref) - np.float64(t_ref)) * np.float64(scale) - c
@@ -377,12 +379,13 @@ def fused_kernel(s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, pol
             label_terms[i] = -w_hard * label_derivative if apart else 0.0
             kl, k_soft, inv_sum_s = F32(a), F32(w_soft_over_t), F32(1.0 / sum_s)
             m_scale, m_inv_cap = F32(model_scale), F32(model_inv_cap)
+            c_dz = one_minus_beta32 if mode == JSD else F32(1.0)  # grad_dz's
             if same_z:
-                _gradient_columns(s_i, p, h, kl, mode, one_minus_beta32, F32(w_hard), k_soft, True, shift_s,
-                                  inv_sum_s, m_scale, m_inv_cap, G[i])
+                _gradient_columns(s_i, p, h, kl, mode, c_dz, F32(w_hard), k_soft, True, shift_s, inv_sum_s, m_scale,
+                                  m_inv_cap, G[i])
             else:
-                _gradient_columns(s_i, p, h, kl, mode, one_minus_beta32, F32(w_hard), k_soft, False, shift_s,
-                                  inv_sum_s, m_scale, m_inv_cap, G[i])
+                _gradient_columns(s_i, p, h, kl, mode, c_dz, F32(w_hard), k_soft, False, shift_s, inv_sum_s, m_scale,
+                                  m_inv_cap, G[i])
             if y >= 0 and not apart:
                 G[i, y] -= w_hard * label_derivative
 
