@@ -1,24 +1,26 @@
 """How long does the CPU's fused row kernel take for each divergence and temperature?
 
-Times `jsdgpu.cpu.rows.fused_kernel` alone, as the backend calls it (`CpuOnlineRows.fused_rows`):
+Times `jsdgpu.cpu.rows.fused_kernel` alone, as the backend calls it (`CpuOnlineRows.fused_rows`,
+its gradient written over the student's logits, which are restored, untimed, before each call):
 its statistics, KL sums, results and gradient row on one chunk of logits, the teacher the
 student plus noise, for each divergence at temperatures 1 and 2, with the gradient; the best of
-five calls after one, ms. It times the jsdgpu that
-PYTHONPATH gives (this script puts no path of its own first), so two codes compare in turns:
+five calls after one, ms. It times the jsdgpu that PYTHONPATH gives (this script puts no path of
+its own first), so two codes compare in turns, each with a Numba cache of its own (Numba's
+cache does not see a change in a module the kernel calls into):
 
-    mkdir -p /tmp/old && git archive 9116466 jsdgpu | tar -x -C /tmp/old
+    mkdir -p /tmp/old && git archive d2285bd jsdgpu | tar -x -C /tmp/old
     for r in 1 2; do
       NUMBA_CACHE_DIR=/tmp/nc_old PYTHONPATH=/tmp/old python experiments/cpu_row_kernel.py
       NUMBA_CACHE_DIR=/tmp/nc_new PYTHONPATH=. python experiments/cpu_row_kernel.py
     done
 
 Answer (this project's CI kind of machine, 2 cores of an AMD EPYC, 2026-12-05; docs/design.md,
-"The CPU backend"), 512 rows of V = 32000, ms, two rounds in turns, each code with a Numba cache
-of its own (NUMBA_CACHE_DIR: Numba's cache does not see a change in a module the kernel calls
-into), the float64 kernel (9116466) / the float32 one: at temperature 1, forward KL 15.78 and
-16.48 / 7.72 and 7.69, the JSD 20.54 and 20.39 / 10.04 and 9.99, reverse KL 16.28 and 16.89 /
-10.90 and 10.93; at temperature 2, 21.79 and 21.44 / 8.19 and 7.84, 25.66 and 25.26 / 11.75 and
-11.24, 21.00 and 21.72 / 11.48 and 11.15.
+"The CPU backend"), 512 rows of V = 32000, ms, two rounds in turns, d2285bd / the kernel whose
+gradient loop no longer meets its own logits' memory (and with the vectorized maxima, one
+division in the JSD's columns, int32 steps in log32): at temperature 1, forward KL 13.69 and
+12.86 / 6.12 and 6.18, the JSD 16.07 and 15.29 / 8.19 and 8.17, reverse KL 16.65 and 16.10 /
+6.59 and 6.59; at temperature 2, 28.12 and 27.41 / 7.12 and 7.20, 31.01 and 30.52 / 10.11 and
+10.07, 30.89 and 30.48 / 7.49 and 7.73.
 """
 
 import argparse
@@ -38,25 +40,23 @@ def main(argv=None):
     from jsdgpu.options import LossOptions
 
     rng = np.random.default_rng(0)
-    s = rng.standard_normal((a.tokens, a.vocab), dtype=np.float32) * 4
-    t = s + rng.standard_normal((a.tokens, a.vocab), dtype=np.float32) * np.float32(a.noise)
+    logits = rng.standard_normal((a.tokens, a.vocab), dtype=np.float32) * 4
+    t = logits + rng.standard_normal((a.tokens, a.vocab), dtype=np.float32) * np.float32(a.noise)
+    s = np.empty_like(logits)  # G is written over it, as the backend has it: restored before each call
     target = rng.integers(0, a.vocab, a.tokens).astype(np.int32)
     ce, jsd, label_terms = (np.empty(a.tokens, np.float32) for _ in range(3))
-    G = np.empty_like(s)  # (apart from s: each call reads the same logits)
     work = CpuWork(None, None, None, None, s, t, fused=True)
     print("| divergence | temperature | ms |\n| --- | --- | --- |")
     for beta in (0.0, 0.5, 1.0):
         for temperature in (1.0, 2.0):
             opts = LossOptions(beta=beta, temperature=temperature)
-
-            def call():  # (the backend's call of the kernel: the same in the codes compared)
-                CpuOnlineRows.fused_rows(work, target, opts, ce, jsd, G, label_terms)
-            call()
             times = []
-            for _ in range(5):
+            for _ in range(6):  # (the first: compilation, or Numba's cache)
+                s[...] = logits
                 start = time.perf_counter()
-                call()
+                CpuOnlineRows.fused_rows(work, target, opts, ce, jsd, s, label_terms)  # (the backend's call)
                 times.append(time.perf_counter() - start)
+            times = times[1:]
             print(f"| {opts.divergence.name.lower()} | {temperature:g} | {min(times) * 1e3:.2f} |")
 
 

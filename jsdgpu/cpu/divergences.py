@@ -121,8 +121,10 @@ def column32(s, t, p, q, mode, small_b, row, poly):
         # two differ where one has flushed to 0 (exp32 below e^-87), and there d's sign took the
         # ratio of 0 for the other's over it, and a column's term to inf.
         o_larger = o > w
-        larger = o if o_larger else w
-        ratio = (w if o_larger else o) / larger if larger > F32(0.0) else F32(1.0)
+        larger = max(w, o)
+        ratio = min(w, o) / larger if larger > F32(0.0) else F32(1.0)
+        # (min and max, not selects on o_larger: LLVM took those into a division of each order,
+        # each masked)
         l = log32((F32(1.0) - b) * ratio + b if o_larger else b * ratio + (F32(1.0) - b))
         d_larger = dd if o_larger else F32(0.0)  # ln(larger / w)
         h_w, h_o = -l - d_larger, (F32(0.0) if o_larger else dd) - l  # ln(w / m), ln(o / m)

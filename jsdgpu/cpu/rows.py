@@ -17,23 +17,8 @@ import numpy as np
 
 from .divergences import (SMALL_B_BELOW, FORWARD_KL, JSD, REVERSE_KL, column, column32, grad_dz, soft,
                           soft_of_sums)
-from .fastmath import F32, FAST, exp32, exp64
+from .fastmath import F32, FAST, exp32, exp64, max32
 from .threads import rows_in_parallel
-
-
-@numba.njit(fastmath=FAST, inline="always")
-def _row_max(x):
-    """The largest of x (-inf where empty), as float64, in eight chains: one chain of dependent
-    max took twice as long (LLVM keeps it scalar: a max with NaN is not reassociable). A NaN is
-    passed over here; it reaches the results through the sums."""
-    n = len(x)
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = np.float32(-np.inf)
-    for j in range(0, n - 7, 8):
-        m0, m1, m2, m3 = max(m0, x[j]), max(m1, x[j + 1]), max(m2, x[j + 2]), max(m3, x[j + 3])
-        m4, m5, m6, m7 = max(m4, x[j + 4]), max(m5, x[j + 5]), max(m6, x[j + 6]), max(m7, x[j + 7])
-    for j in range(n - n % 8, n):
-        m0 = max(m0, x[j])
-    return np.float64(max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7))))
 
 
 @numba.njit(fastmath=FAST, inline="always")
@@ -42,8 +27,8 @@ def _row_stats(s, t, y, inv_temp, vs, vt, e_z, e_t):
     target logit) of one row: z = s / temperature padded with zeros to vt. Where e_z and e_t have
     room (the fused kernel's), the student columns' exp(z - max z) and exp(t / T - max) are kept
     there (its KL sums take p and q from them)."""
-    ms = _row_max(s[:vs])
-    mt = _row_max(t[:vt])
+    ms = np.float64(max32(s[:vs]))
+    mt = np.float64(max32(t[:vt]))
     mz = ms * inv_temp
     if vt > vs:
         mz = max(mz, 0.0)
@@ -211,7 +196,7 @@ def _shifted_exp_sum(x, scale, pad, e):
     """(shift, sum of exp(z - shift)) of the row z = x scale padded with `pad` zeros (float32 shift,
     float64 sum), the exps kept in e where it has room (its pad columns' too)."""
     for first in (True, False):  # a second time only with the row's maximum: _SUM_ABOVE
-        shift = F32(_row_max(x[:_SHIFT_COLUMNS] if first else x)) * scale
+        shift = max32(x[:_SHIFT_COLUMNS] if first else x) * scale
         if pad:
             shift = max(shift, F32(0.0))
         total = _exp_sum(x, scale, shift, e)
@@ -228,17 +213,20 @@ def _shifted_exp_sum(x, scale, pad, e):
 @numba.njit(fastmath=FAST, inline="always")
 def _reference_column(s, t):
     """(t - s, s, t) of reverse KL's reference column (row_math.cuh, "A sharp row"): the first
-    that holds the student's largest logit; (0, 0, NaN) where none does (a row of NaN). A scan,
-    from the cache (any such column will do): the largest t of those columns, the GPU's choice,
-    in eight chains of maxima took 2-2.5 ms more at 512 rows of 32000 (docs/record.md). (Where a
-    teacher's pad holds the largest z, no column of G is near one-hot and any reference will do.)"""
-    s_max = F32(_row_max(s))
-    j = 0
-    while j < len(s) and s[j] != s_max:
-        j += 1
-    if j == len(s):
-        return F32(0.0), F32(0.0), F32(np.nan)
-    return t[j] - s[j], s[j], t[j]
+    that holds the student's largest logit; (0, 0, NaN) where none does (a row with a NaN above
+    its numbers). Any such column will do: the largest t of those columns, the GPU's choice, took
+    2-2.5 ms more at 512 rows of 32000 (docs/record.md). Found by the vectorized max32 of blocks,
+    then a scan of the block that holds it: a scan of the row, or a vectorized reduction to the
+    first index, took 2 ms more. (Where a teacher's pad holds the largest z, no column of G is
+    near one-hot and any reference will do.)"""
+    s_max = max32(s)
+    for lo in range(0, len(s), _BLOCK):
+        block = s[lo:lo + _BLOCK]
+        if max32(block) == s_max:
+            for j in range(len(block)):
+                if block[j] == s_max:
+                    return t[lo + j] - s_max, s_max, t[lo + j]
+    return F32(0.0), F32(0.0), F32(np.nan)
 
 
 @numba.njit(fastmath=FAST)
@@ -317,19 +305,32 @@ def _next_row(s, t, i, z_cols, t_i):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _gradient_columns(s, p, h, kl, mode, c, w_hard, k_soft, softmax_is_p, shift_s, inv_sum_s, model_scale,
-                      model_inv_cap, G):
-    """G's row (float32): (w_hard softmax(s) + k_soft dz) times the student model's derivative (dz:
-    grad_dz's, c its factor);
-    softmax(s) is p where softmax_is_p (a constant here), else exp(s - shift_s) / sum_s, as the
-    statistics made it (where exp(s - lse_s) would take lse_s in one float32, off by up to 1e-5
-    at a logsumexp of 160). G may be s's memory: a column's s is read before its G is written."""
-    for j in range(len(G)):
+def _gradient_block(s, p, h, kl, mode, c, w_hard, k_soft, softmax_is_p, shift_s, inv_sum_s, model_scale,
+                    model_inv_cap):
+    """A block of G's row (float32), written over h: (w_hard softmax(s) + k_soft dz) times the
+    student model's derivative (dz: grad_dz's, c its factor); softmax(s) is p where softmax_is_p (a
+    constant here), else exp(s - shift_s) / sum_s, as the statistics made it (where exp(s - lse_s)
+    would take lse_s in one float32, off by up to 1e-5 at a logsumexp of 160)."""
+    for j in range(len(s)):
         x = s[j]
         softmax = p[j] if softmax_is_p else exp32(x - shift_s) * inv_sum_s
         zc = x * model_inv_cap
-        G[j] = (w_hard * softmax + k_soft * grad_dz(p[j], h[j], kl, mode, c)) * (
-            model_scale * (F32(1.0) - zc * zc))
+        h[j] = (w_hard * softmax + k_soft * grad_dz(p[j], h[j], kl, mode, c)) * (model_scale * (F32(1.0) - zc * zc))
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _gradient_columns(s, p, h, kl, mode, c, w_hard, k_soft, softmax_is_p, shift_s, inv_sum_s, model_scale,
+                      model_inv_cap, G):
+    """G's row, a block at a time: _gradient_block's over h, then copied to G, which may be s's
+    memory. (Written straight to G, a loop over s and G in one memory was scalar: LLVM's check
+    that a store does not overlap a later load finds them overlapping, and takes its scalar loop;
+    the row then took 5.5 ms more at 512 rows of 32000.)"""
+    for lo in range(0, len(G), _BLOCK):
+        end = lo + _BLOCK
+        h_block = h[lo:end]
+        _gradient_block(s[lo:end], p[lo:end], h_block, kl, mode, c, w_hard, k_soft, softmax_is_p, shift_s, inv_sum_s,
+                        model_scale, model_inv_cap)
+        G[lo:end] = h_block[:len(G[lo:end])]
 
 
 @rows_in_parallel
