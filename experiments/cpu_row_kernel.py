@@ -5,8 +5,9 @@ its gradient written over the student's logits, which are restored, untimed, bef
 its statistics, KL sums, results and gradient row on one chunk of logits, the teacher the
 student plus noise, for each divergence at temperatures 1 and 2, with the gradient; the best of
 five calls after one, ms. It times the jsdgpu that PYTHONPATH gives (this script puts no path of
-its own first), so two codes compare in turns, each with a Numba cache of its own (Numba's
-cache does not see a change in a module the kernel calls into):
+its own first), so two codes compare in turns, each with a Numba cache of its own (the older
+codes' kernels are keyed by rows.py alone, and would not see a change made in a module they
+inline):
 
     mkdir -p /tmp/old && git archive d2285bd jsdgpu | tar -x -C /tmp/old
     for r in 1 2; do

@@ -2,6 +2,7 @@
 contract's methods, and the selection of the valid rows."""
 
 import inspect
+import pathlib
 
 import numpy as np
 import pytest
@@ -133,6 +134,25 @@ def test_cpu_fused_kernel_writes_g_over_the_student_logits():
     for fused, own_g, shared in ((True, False, True), (True, True, False), (False, False, False)):
         work = B.prepare(w, np.zeros((120, 8), np.float32), None, None, 16, fused)
         assert np.shares_memory(B.gradient_rows(work, 16, own_g), work.s) == shared
+
+
+def test_cpu_kernels_cache_keys_hold_the_modules_they_take_in(tmp_path, monkeypatch):
+    """Numba keys a cached kernel by its own file, its bytecode and its closure's contents: each
+    CPU row kernel is a closure over the digest of the modules it inlines (rows._sources_digest),
+    so that a change to one of them alone compiles the kernels again rather than running the old
+    ones from the cache; the digest moves with any of those modules' bytes."""
+    from jsdgpu import options
+    from jsdgpu.cpu import divergences, fastmath, rows
+    digest = rows._sources_digest()
+    for kernel in (rows.fused_kernel, rows.stats_kernel, rows.kl_kernel, rows.finish_kernel):
+        assert [cell.cell_contents for cell in kernel.__wrapped__.py_func.__closure__] == [digest]
+    for module in (divergences, fastmath, options):
+        changed = tmp_path / f"{module.__name__}.py"
+        changed.write_bytes(pathlib.Path(module.__file__).read_bytes() + b"\n")
+        with monkeypatch.context() as patch:
+            patch.setattr(module, "__file__", str(changed))
+            assert rows._sources_digest() != digest
+    assert rows._sources_digest() == digest
 
 
 def test_cpu_kernels_on_one_thread_below_parallel_from(monkeypatch):

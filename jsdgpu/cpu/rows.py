@@ -10,11 +10,15 @@ Non-finite inputs give non-finite results, as the contract says: the kernels are
 the no-NaN and no-infinity assumptions of fast math, keeping only reassociation (the vectorized
 sums) and contraction, and `exp64` and `exp32` keep a NaN."""
 
+import hashlib
 import math
+import pathlib
 
 import numba
 import numpy as np
 
+from .. import options
+from . import divergences, fastmath
 from .divergences import (SMALL_B_BELOW, FORWARD_KL, JSD, REVERSE_KL, column, column32, grad_dz, soft,
                           soft_of_sums)
 from .fastmath import F32, FAST, exp32, exp64, max32
@@ -156,6 +160,11 @@ def _results(s, i, y, stats, a, b, inv_temp, mode, beta, w_hard, w_soft_over_t, 
         # another rank)
         _gradient_row(s, y, lse_s, inv_temp == 1.0 and lse_z == lse_s, mode, beta, a, w_hard, w_soft_over_t, apart,
                       p, h, model_scale, model_inv_cap, label_derivative, G[i])
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _stats_of(stats, i):
+    return stats[0, i], stats[1, i], stats[2, i], stats[3, i], stats[4, i], stats[5, i], stats[6, i]
 
 
 # ---- the fused kernel: float32 columns, float64 rows (docs/design.md, "The CPU backend") ----
@@ -333,110 +342,128 @@ def _gradient_columns(s, p, h, kl, mode, c, w_hard, k_soft, softmax_is_p, shift_
         G[lo:end] = h_block[:len(G[lo:end])]
 
 
-@rows_in_parallel
-@numba.njit(parallel=True, fastmath=FAST, cache=True)
-def fused_kernel(s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, poly, w_hard, w_soft_over_t, ce, jsd,
-                 G, label_terms, write_grad, model_scale, model_inv_cap):
-    """Each row's CE and soft part, and with write_grad its gradient row (without the 1/N of the
-    mean; in the raw logits where s is the student model's: _model_derivative) and label term:
-    the three phases' work on one row at a time, read from memory once, its columns in float32
-    (divergences.column32) and its sums and logsumexps in float64. soft_b and poly: the JSD's b
-    and P's nine coefficients (jsdgpu/soft_poly.py). G may be s's memory."""
-    n, vs = s.shape
-    vt = t.shape[1]
-    scale = F32(inv_temp)
-    same_z = scale == F32(1.0) and vt == vs  # z is s
-    row_poly = (poly[0], poly[1], poly[2], poly[3], poly[4], poly[5], poly[6], poly[7], poly[8])
-    b, beta32, one_minus_beta32 = F32(soft_b), F32(beta), F32(one_minus_beta)
-    none = np.empty(0, np.float32)
-    for i in numba.prange(n):
-        s_i, t_i, y = s[i], t[i], target[i]
-        # exp(z - shift), then p; and past them _row_sums' touched sum (a use of its reads ahead,
-        # which Numba and LLVM would otherwise drop, where a NaN or inf of it must not reach a result)
-        p = np.empty(vt + 1, np.float32)
-        h = np.empty(vt, np.float32)  # exp(t / T - shift), then h
-        shift_s, sum_s = _shifted_exp_sum(s_i, F32(1.0), 0, p if same_z else none)
-        shift_z, sum_z = (shift_s, sum_s) if same_z else _shifted_exp_sum(s_i, scale, vt - vs, p)
-        shift_t, sum_t = _shifted_exp_sum(t_i, scale, 0, h)
-        lse_s, lse_z, lse_t = shift_s + math.log(sum_s), shift_z + math.log(sum_z), shift_t + math.log(sum_t)
-        c = lse_z - lse_t
-        z_cols = _padded(s_i, vt)
-        diff_ref, h_ref = F32(0.0), 0.0  # (h_ref: reverse KL's alone)
-        if mode == REVERSE_KL:
-            diff_ref, s_ref, t_ref = _reference_column(s_i, t_i)
-            h_ref = (np.float64(s_ref) - np.float64(t_ref)) * np.float64(scale) - c
-            if not math.isfinite(h_ref):  # (a teacher logit of -inf there: the divergence is inf)
-                diff_ref, h_ref = F32(0.0), -c
-        row = (F32(c), scale, diff_ref, beta > 0.5, beta32, one_minus_beta32, b)
-        s_next, t_next = _next_row(s, t, i, z_cols, t_i)
-        a, b_sum, precise, weights, p[vt] = _row_sums(z_cols, t_i, p, h, F32(1.0 / sum_z), F32(1.0 / sum_t), mode,
-                                                      b < SMALL_B_BELOW, row, row_poly, s_next, t_next)
-        target_logit = np.float64(s_i[y]) if y >= 0 else 0.0
-        ce[i] = lse_s - target_logit
-        jsd[i] = soft_of_sums(a, b_sum, precise, weights, mode, beta, h_ref)
-        if write_grad:
-            apart = _label_apart(y, target_logit, lse_s)
-            label_derivative = _model_derivative(s_i[y], model_scale, model_inv_cap) if y >= 0 else 1.0
-            label_terms[i] = -w_hard * label_derivative if apart else 0.0
-            kl, k_soft, inv_sum_s = F32(a), F32(w_soft_over_t), F32(1.0 / sum_s)
-            m_scale, m_inv_cap = F32(model_scale), F32(model_inv_cap)
-            c_dz = one_minus_beta32 if mode == JSD else F32(1.0)  # grad_dz's
-            if same_z:
-                _gradient_columns(s_i, p, h, kl, mode, c_dz, F32(w_hard), k_soft, True, shift_s, inv_sum_s, m_scale,
-                                  m_inv_cap, G[i])
-            else:
-                _gradient_columns(s_i, p, h, kl, mode, c_dz, F32(w_hard), k_soft, False, shift_s, inv_sum_s, m_scale,
-                                  m_inv_cap, G[i])
-            if y >= 0 and not apart:
-                G[i, y] -= w_hard * label_derivative
+# ---- the kernels, their cache keyed by what they take in ----
+
+def _sources_digest():
+    """The digest of the modules whose code or constants the kernels below take in at compilation
+    (inlined functions, frozen globals): divergences.py, fastmath.py and options.py."""
+    digest = hashlib.sha256()
+    for module in (divergences, fastmath, options):
+        digest.update(pathlib.Path(module.__file__).read_bytes())
+    return digest.hexdigest()
 
 
-# ---- the three phases (vocab parallelism: each rank's shard, combined between them) ----
+def _kernels(sources):
+    """The four kernels, each a closure over `sources` (_sources_digest's). Numba keys a kernel's
+    cache by its own file's time and size, its own bytecode and its closure's contents: without
+    the digest, a change to a module it inlines, with rows.py unchanged (a pull, a checkout),
+    left the old kernel running from the cache (docs/design.md, "The CPU backend")."""
 
-@rows_in_parallel
-@numba.njit(parallel=True, fastmath=FAST, cache=True)
-def stats_kernel(s, t, target, inv_temp, stats):
-    """stats [7, n]: the maxima of s, z = s / temperature (padded with zeros to vt) and
-    t / temperature; the sums of exp(x - max) of each; the target logit (0 where target < 0)."""
-    n, vs = s.shape
-    vt = t.shape[1]
-    none = np.empty(0)
-    for i in numba.prange(n):
-        (stats[0, i], stats[1, i], stats[2, i], stats[3, i], stats[4, i], stats[5, i],
-         stats[6, i]) = _row_stats(s[i], t[i], target[i], inv_temp, vs, vt, none, none)
+    @rows_in_parallel
+    @numba.njit(parallel=True, fastmath=FAST, cache=True)
+    def fused_kernel(s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, poly, w_hard, w_soft_over_t, ce, jsd,
+                     G, label_terms, write_grad, model_scale, model_inv_cap):
+        """Each row's CE and soft part, and with write_grad its gradient row (without the 1/N of the
+        mean; in the raw logits where s is the student model's: _model_derivative) and label term:
+        the three phases' work on one row at a time, read from memory once, its columns in float32
+        (divergences.column32) and its sums and logsumexps in float64. soft_b and poly: the JSD's b
+        and P's nine coefficients (jsdgpu/soft_poly.py). G may be s's memory."""
+        sources  # (its cache key: _kernels)
+        n, vs = s.shape
+        vt = t.shape[1]
+        scale = F32(inv_temp)
+        same_z = scale == F32(1.0) and vt == vs  # z is s
+        row_poly = (poly[0], poly[1], poly[2], poly[3], poly[4], poly[5], poly[6], poly[7], poly[8])
+        b, beta32, one_minus_beta32 = F32(soft_b), F32(beta), F32(one_minus_beta)
+        none = np.empty(0, np.float32)
+        for i in numba.prange(n):
+            s_i, t_i, y = s[i], t[i], target[i]
+            # exp(z - shift), then p; and past them _row_sums' touched sum (a use of its reads ahead,
+            # which Numba and LLVM would otherwise drop, where a NaN or inf of it must not reach a result)
+            p = np.empty(vt + 1, np.float32)
+            h = np.empty(vt, np.float32)  # exp(t / T - shift), then h
+            shift_s, sum_s = _shifted_exp_sum(s_i, F32(1.0), 0, p if same_z else none)
+            shift_z, sum_z = (shift_s, sum_s) if same_z else _shifted_exp_sum(s_i, scale, vt - vs, p)
+            shift_t, sum_t = _shifted_exp_sum(t_i, scale, 0, h)
+            lse_s, lse_z, lse_t = shift_s + math.log(sum_s), shift_z + math.log(sum_z), shift_t + math.log(sum_t)
+            c = lse_z - lse_t
+            z_cols = _padded(s_i, vt)
+            diff_ref, h_ref = F32(0.0), 0.0  # (h_ref: reverse KL's alone)
+            if mode == REVERSE_KL:
+                diff_ref, s_ref, t_ref = _reference_column(s_i, t_i)
+                h_ref = (np.float64(s_ref) - np.float64(t_ref)) * np.float64(scale) - c
+                if not math.isfinite(h_ref):  # (a teacher logit of -inf there: the divergence is inf)
+                    diff_ref, h_ref = F32(0.0), -c
+            row = (F32(c), scale, diff_ref, beta > 0.5, beta32, one_minus_beta32, b)
+            s_next, t_next = _next_row(s, t, i, z_cols, t_i)
+            a, b_sum, precise, weights, p[vt] = _row_sums(z_cols, t_i, p, h, F32(1.0 / sum_z), F32(1.0 / sum_t), mode,
+                                                          b < SMALL_B_BELOW, row, row_poly, s_next, t_next)
+            target_logit = np.float64(s_i[y]) if y >= 0 else 0.0
+            ce[i] = lse_s - target_logit
+            jsd[i] = soft_of_sums(a, b_sum, precise, weights, mode, beta, h_ref)
+            if write_grad:
+                apart = _label_apart(y, target_logit, lse_s)
+                label_derivative = _model_derivative(s_i[y], model_scale, model_inv_cap) if y >= 0 else 1.0
+                label_terms[i] = -w_hard * label_derivative if apart else 0.0
+                kl, k_soft, inv_sum_s = F32(a), F32(w_soft_over_t), F32(1.0 / sum_s)
+                m_scale, m_inv_cap = F32(model_scale), F32(model_inv_cap)
+                c_dz = one_minus_beta32 if mode == JSD else F32(1.0)  # grad_dz's
+                if same_z:
+                    _gradient_columns(s_i, p, h, kl, mode, c_dz, F32(w_hard), k_soft, True, shift_s, inv_sum_s,
+                                      m_scale, m_inv_cap, G[i])
+                else:
+                    _gradient_columns(s_i, p, h, kl, mode, c_dz, F32(w_hard), k_soft, False, shift_s, inv_sum_s,
+                                      m_scale, m_inv_cap, G[i])
+                if y >= 0 and not apart:
+                    G[i, y] -= w_hard * label_derivative
+
+    # ---- the three phases (vocab parallelism: each rank's shard, combined between them) ----
+
+    @rows_in_parallel
+    @numba.njit(parallel=True, fastmath=FAST, cache=True)
+    def stats_kernel(s, t, target, inv_temp, stats):
+        """stats [7, n]: the maxima of s, z = s / temperature (padded with zeros to vt) and
+        t / temperature; the sums of exp(x - max) of each; the target logit (0 where target < 0)."""
+        sources  # (its cache key: _kernels)
+        n, vs = s.shape
+        vt = t.shape[1]
+        none = np.empty(0)
+        for i in numba.prange(n):
+            (stats[0, i], stats[1, i], stats[2, i], stats[3, i], stats[4, i], stats[5, i],
+             stats[6, i]) = _row_stats(s[i], t[i], target[i], inv_temp, vs, vt, none, none)
+
+    @rows_in_parallel
+    @numba.njit(parallel=True, fastmath=FAST, cache=True)
+    def kl_kernel(s, t, inv_temp, mode, beta, stats, kl):
+        """kl [2, n]: a and b of each row."""
+        sources  # (its cache key: _kernels)
+        n = s.shape[0]
+        none = np.empty(0)
+        for i in numba.prange(n):
+            kl[0, i], kl[1, i] = _row_kl(s[i], t[i], inv_temp, mode, beta, _stats_of(stats, i), none, none)
+
+    @rows_in_parallel
+    @numba.njit(parallel=True, fastmath=FAST, cache=True)
+    def finish_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, stats, kl, ce, jsd, G,
+                      label_terms, write_grad):
+        """The row's CE and JSD values, and with write_grad its gradient row without the 1/N of
+        the mean; the label's one-hot term kept apart where it dominates (as the fused GPU kernel does,
+        where G is 16-bit)."""
+        sources  # (its cache key: _kernels)
+        n, vs = s.shape
+        for i in numba.prange(n):
+            row = _stats_of(stats, i)
+            p = np.empty(vs if write_grad else 0)
+            h = np.empty(vs if write_grad else 0)
+            for j in range(len(p)):  # what _row_kl takes p and h from (the rows' statistics, all ranks')
+                p[j] = exp64(np.float64(s[i, j]) * inv_temp - row[1])
+                h[j] = exp64(t[i, j] * inv_temp - row[2])
+            if write_grad:
+                _row_kl(s[i], t[i], inv_temp, mode, beta, row, p, h)  # (this rank's sums: not needed)
+            _results(s[i], i, target[i], row, kl[0, i], kl[1, i], inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd,
+                      G, label_terms, write_grad, p, h, 1.0, 0.0)  # (the models' passes are around the phases)
+
+    return fused_kernel, stats_kernel, kl_kernel, finish_kernel
 
 
-@numba.njit(fastmath=FAST, inline="always")
-def _stats_of(stats, i):
-    return stats[0, i], stats[1, i], stats[2, i], stats[3, i], stats[4, i], stats[5, i], stats[6, i]
-
-
-@rows_in_parallel
-@numba.njit(parallel=True, fastmath=FAST, cache=True)
-def kl_kernel(s, t, inv_temp, mode, beta, stats, kl):
-    """kl [2, n]: a and b of each row."""
-    n = s.shape[0]
-    none = np.empty(0)
-    for i in numba.prange(n):
-        kl[0, i], kl[1, i] = _row_kl(s[i], t[i], inv_temp, mode, beta, _stats_of(stats, i), none, none)
-
-
-@rows_in_parallel
-@numba.njit(parallel=True, fastmath=FAST, cache=True)
-def finish_kernel(s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, stats, kl, ce, jsd, G,
-                  label_terms, write_grad):
-    """The row's CE and JSD values, and with write_grad its gradient row without the 1/N of
-    the mean; the label's one-hot term kept apart where it dominates (as the fused GPU kernel does,
-    where G is 16-bit)."""
-    n, vs = s.shape
-    for i in numba.prange(n):
-        row = _stats_of(stats, i)
-        p = np.empty(vs if write_grad else 0)
-        h = np.empty(vs if write_grad else 0)
-        for j in range(len(p)):  # what _row_kl takes p and h from (the rows' statistics, all ranks')
-            p[j] = exp64(np.float64(s[i, j]) * inv_temp - row[1])
-            h[j] = exp64(t[i, j] * inv_temp - row[2])
-        if write_grad:
-            _row_kl(s[i], t[i], inv_temp, mode, beta, row, p, h)  # (this rank's sums: not needed)
-        _results(s[i], i, target[i], row, kl[0, i], kl[1, i], inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd,
-                  G, label_terms, write_grad, p, h, 1.0, 0.0)  # (the models' passes are around the phases)
+fused_kernel, stats_kernel, kl_kernel, finish_kernel = _kernels(_sources_digest())
