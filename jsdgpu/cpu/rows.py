@@ -26,40 +26,26 @@ from .threads import rows_in_parallel
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _row_stats(s, t, y, inv_temp, vs, vt, e_z, e_t):
+def _row_stats(s, t, y, inv_temp, vs, vt):
     """(max s, max z, max t / T, sum exp(s - max), sum exp(z - max z), sum exp(t / T - max), the
-    target logit) of one row: z = s / temperature padded with zeros to vt. Where e_z and e_t have
-    room (the fused kernel's), the student columns' exp(z - max z) and exp(t / T - max) are kept
-    there (its KL sums take p and q from them)."""
+    target logit) of one row: z = s / temperature padded with zeros to vt."""
     ms = np.float64(max32(s[:vs]))
     mt = np.float64(max32(t[:vt]))
     mz = ms * inv_temp
     if vt > vs:
         mz = max(mz, 0.0)
     mt = mt * inv_temp
-    keep = len(e_z) >= vs
     sum_s = 0.0
     for j in range(vs):
-        e = exp64(np.float64(s[j]) - ms)
-        sum_s += e
-        if keep:
-            e_z[j] = e
+        sum_s += exp64(np.float64(s[j]) - ms)
     if inv_temp == 1.0 and vt == vs:
         sum_z = sum_s
     else:
         sum_z = (vt - vs) * exp64(-mz)
         for j in range(vs):
-            e = exp64(np.float64(s[j]) * inv_temp - mz)
-            sum_z += e
-            if keep:
-                e_z[j] = e
+            sum_z += exp64(np.float64(s[j]) * inv_temp - mz)
     sum_t = 0.0
-    for j in range(vs):  # (vt >= vs: the student is padded, never the teacher)
-        e = exp64(t[j] * inv_temp - mt)
-        sum_t += e
-        if keep:
-            e_t[j] = e
-    for j in range(vs, vt):
+    for j in range(vt):  # (vt >= vs: the student is padded, never the teacher)
         sum_t += exp64(t[j] * inv_temp - mt)
     return ms, mz, mt, sum_s, sum_z, sum_t, (np.float64(s[y]) if y >= 0 else 0.0)
 
@@ -92,9 +78,9 @@ def _kl_columns(s, t, inv_temp, mode, beta, lse_z, lse_t, inv_z, inv_t, p, h):
 
 @numba.njit(fastmath=FAST, inline="always")
 def _row_kl(s, t, inv_temp, mode, beta, stats, p, h):
-    """(a, b) of one row with its statistics (_row_stats'). Where p and h have room (the fused
-    kernel's), they hold the student columns' exp(z - max z) and exp(t / T - max) (_row_stats),
-    and their p and h are written over them (the gradient reads them there). One loop a
+    """(a, b) of one row with its statistics (_row_stats'). Where p and h have room (the finish
+    kernel's, with the gradient), they hold the student columns' exp(z - max z) and exp(t / T -
+    max), and their p and h are written over them (the gradient reads them there). One loop a
     divergence, each with its mode a constant: with the mode a variable, LLVM if-converts
     column's branch on it in the vectorized loop, and every divergence paid for the JSD's log."""
     mz, mt, sum_z, sum_t = stats[1], stats[2], stats[4], stats[5]
@@ -319,7 +305,8 @@ def _gradient_block(s, p, h, kl, mode, c, w_hard, k_soft, softmax_is_p, shift_s,
     """A block of G's row (float32), written over h: (w_hard softmax(s) + k_soft dz) times the
     student model's derivative (dz: grad_dz's, c its factor); softmax(s) is p where softmax_is_p (a
     constant here), else exp(s - shift_s) / sum_s, as the statistics made it (where exp(s - lse_s)
-    would take lse_s in one float32, off by up to 1e-5 at a logsumexp of 160)."""
+    would take lse_s in one float32, off by up to 1e-5 at a logsumexp of 160). (The derivative is
+    model_derivative's written in float32: its float64 1.0 would widen the loop's lanes.)"""
     for j in range(len(s)):
         x = s[j]
         softmax = p[j] if softmax_is_p else exp32(x - shift_s) * inv_sum_s
@@ -427,10 +414,9 @@ def _kernels(sources):
         sources  # (its cache key: _kernels)
         n, vs = s.shape
         vt = t.shape[1]
-        none = np.empty(0)
         for i in numba.prange(n):
             (stats[0, i], stats[1, i], stats[2, i], stats[3, i], stats[4, i], stats[5, i],
-             stats[6, i]) = _row_stats(s[i], t[i], target[i], inv_temp, vs, vt, none, none)
+             stats[6, i]) = _row_stats(s[i], t[i], target[i], inv_temp, vs, vt)
 
     @rows_in_parallel
     @numba.njit(parallel=True, fastmath=FAST, cache=True)
