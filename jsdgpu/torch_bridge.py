@@ -27,13 +27,13 @@ def to_native(t):
         dtype = _NUMPY_DTYPES.get(t.dtype)
         if dtype is None or t.numel() == 0:
             return cupy.from_dlpack(t.detach())
-        if t.is_contiguous():  # the common case: its size and CuPy's own strides, without working them out
-            memory = cupy.cuda.UnownedMemory(t.data_ptr(), dtype.itemsize * t.numel(), t, t.get_device())
-            return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0))
-        size = dtype.itemsize * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
-        memory = cupy.cuda.UnownedMemory(t.data_ptr(), size, t, t.get_device())
-        return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
-                            tuple(dtype.itemsize * s for s in t.stride()))
+        if t.is_contiguous():  # the common case: its size, and CuPy's own strides without working them out
+            elements, strides = t.numel(), None
+        else:
+            elements = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+            strides = tuple(dtype.itemsize * s for s in t.stride())
+        memory = cupy.cuda.UnownedMemory(t.data_ptr(), dtype.itemsize * elements, t, t.get_device())
+        return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
     t = t.detach()
     if t.dtype == torch.bfloat16:  # NumPy's DLPack has no bfloat16: cross as int16 bits
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
@@ -119,15 +119,28 @@ class _OnTorchStream:
         return self
 
     def __exit__(self, *exc):
+        # every context left even where one fails to leave (a device or stream not restored would
+        # outlive the call); the first failure raised after
+        failure = None
         for context in reversed(self._contexts):
-            context.__exit__(*exc)
+            try:
+                context.__exit__(*exc)
+            except BaseException as error:
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+
+# torch's own accessor of the current stream's pointer (what Inductor's code calls), where
+# torch.cuda.current_stream makes a Stream object first; absent from a CPU build
+_CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _raw_stream(device):
-    """The pointer of torch's current stream on the device: torch's own accessor of it (what
-    Inductor's code calls), where torch.cuda.current_stream makes a Stream object first."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return torch.cuda.current_stream(device).cuda_stream if raw is None else raw(device)
+    """The pointer of torch's current stream on the device."""
+    if _CURRENT_RAW_STREAM is None:
+        return torch.cuda.current_stream(device).cuda_stream
+    return _CURRENT_RAW_STREAM(device)
 
 
 # Made once: each is host time before the step's first product (and CuPy's ExternalStream warns

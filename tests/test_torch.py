@@ -218,6 +218,34 @@ def test_the_stream_block_puts_cupy_on_torchs_stream_and_memory_and_puts_it_back
     stream.synchronize()
 
 
+def test_the_stream_block_leaves_every_context_when_one_fails_to_leave():
+    """The block's contexts are left in reverse order, each even where one before it raised on
+    leaving (a device or stream not restored would outlive the call), and the first failure
+    reaches the caller. On the CPU: the block built around stand-in contexts."""
+    from jsdgpu import torch_bridge
+    left = []
+
+    class Context:
+        def __init__(self, name, fails):
+            self.name, self.fails = name, fails
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            left.append(self.name)
+            if self.fails:
+                raise RuntimeError(self.name)
+
+    block = torch_bridge._OnTorchStream.__new__(torch_bridge._OnTorchStream)
+    block._contexts = (Context("device", False), Context("torch", True), Context("stream", True),
+                       Context("allocator", False))
+    with pytest.raises(RuntimeError, match="^stream$"):
+        with block:
+            pass
+    assert left == ["allocator", "stream", "torch", "device"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("logit_std", [1.0, 8.0])
 @pytest.mark.parametrize("beta,temperature,weights,bias,ignore_index", [
