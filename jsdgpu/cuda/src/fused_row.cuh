@@ -11,7 +11,9 @@ struct FusedRow {
   static constexpr int WARPS = THREADS / 32;
   static constexpr int ALL = GROUPS + EXTRA;  // the thread's float4 groups: GROUPS in registers, EXTRA in shared memory
   float4 s[GROUPS], t[GROUPS];  // student logits (later p where softmax(s) == p), teacher (later h;
-                                // in reverse KL relative to h_ref: row_math.cuh, "A sharp row")
+                                // in reverse KL relative to h_ref: row_math.cuh, "A sharp row");
+                                // with the student's model, p and forward KL's h (q) times the
+                                // model's derivative (passes)
   float soft_b;                 // the JSD's b (row_math.cuh, column_terms)
   int n, ns, lo, label_column;  // label_column: the label's column in the slice if its one-hot
                                 // term goes into G, else -1
@@ -20,7 +22,9 @@ struct FusedRow {
   RowMath rm;
   bool label_apart, softmax_is_p;
   // the student's model (LossOptions.models): the gradient in its raw logits is the gradient in z
-  // times model_derivative (common.cuh), applied where with_model
+  // times model_derivative (common.cuh), applied where with_model: folded into p (and forward KL's
+  // q) in pass 2 where softmax(s) == p (passes' FOLD), so that pass 3 needs neither z nor an exp;
+  // else in pass 3
   float model_scale, model_inv_cap;
   bool with_model;
   float *ce_out, *jsd_out, *label_terms;
@@ -56,14 +60,18 @@ struct FusedRow {
   // need of them (lse_s, the label's logit, reverse KL's h_ref) is read once the sums are in:
   // held in registers through pass 2, they left the kernel closer to spilling (it has 64 a
   // thread). poly: the precise sum's polynomial (row_math.cuh), from kernel parameters.
-  template <int MODE, bool SOFTMAX_IS_P>
+  // FOLD (only where SOFTMAX_IS_P and with_model): the model's derivative folded into p and q in
+  // pass 2; a variant of its own, so that the other rows' pass 2 holds no multiply by it
+  template <int MODE, bool SOFTMAX_IS_P, bool FOLD>
   __device__ __forceinline__ void passes(const float* stats, const SoftPoly& poly) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // 2. the fast sums a and b (in reverse KL, a_rel), the precise sum and its weights' sum; t
-    //    becomes h, and s becomes p where softmax(s) == p (no temperature, no pad) and z is not
-    //    needed after (no student cap), so that pass 3 needs no exp
-    const float4 sums4 = Divergence<MODE>::SMALL_B && soft_b < SMALL_B_BELOW ? column_sums<MODE, SOFTMAX_IS_P, true>(poly)
-                                                               : column_sums<MODE, SOFTMAX_IS_P, false>(poly);
+    //    becomes h, and s becomes p where softmax(s) == p (no temperature, no pad), so that pass 3
+    //    needs no exp (with the student's model, p and q times its derivative at z, which pass 3
+    //    then no longer needs)
+    const float4 sums4 = Divergence<MODE>::SMALL_B && soft_b < SMALL_B_BELOW
+                             ? column_sums<MODE, SOFTMAX_IS_P, FOLD, true>(poly)
+                             : column_sums<MODE, SOFTMAX_IS_P, FOLD, false>(poly);
     const float4 mine = block_merge<THREADS>(sums4, make_float4(0.0f, 0.0f, 0.0f, 0.0f), sums_warp_merge<32, float4>,
                                              sums_warp_merge<tree_lanes(WARPS > CLUSTER ? WARPS : CLUSTER), float4>);
     // this CTA's sums, pushed to every CTA (lane r to rank r)
@@ -105,13 +113,15 @@ struct FusedRow {
         store4<OUT>(G, g0 + 4 * k * THREADS, out, 4);
       }
       if (label_column >= 0 || ns4 != ns) {
+        // the label's one-hot term, times the model's derivative there where it is folded into p
+        const float one = FOLD ? model_derivative(stats[3], model_scale, model_inv_cap) : 1.0f;
 #pragma unroll
         for (int k = 0; k < ALL; ++k) {
           const int c = column(k);
           const bool tail = c == ns4 && ns4 != ns, label = (label_column & ~3) == c;
           if (!tail && !label) continue;
           float out[4];
-          gradient<MODE, SOFTMAX_IS_P>(k, kl, label ? label_column - c : -1, out);
+          gradient<MODE, SOFTMAX_IS_P>(k, kl, label ? label_column - c : -1, out, one);
           if (tail) {
             store4<OUT>(G, g0 + 4 * k * THREADS, out, ns & 3);  // the columns c + [0, ns - c)
           } else {
@@ -124,8 +134,8 @@ struct FusedRow {
   }
 
   // Pass 2 over the thread's columns: their sums (column_terms); t becomes h, and s p where
-  // SOFTMAX_IS_P
-  template <int MODE, bool SOFTMAX_IS_P, bool SMALL_B>
+  // SOFTMAX_IS_P (with FOLD, p and forward KL's h, q, times the model's derivative at z)
+  template <int MODE, bool SOFTMAX_IS_P, bool FOLD, bool SMALL_B>
   __device__ __forceinline__ float4 column_sums(const SoftPoly& poly) {
     float4 sums = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
@@ -135,10 +145,12 @@ struct FusedRow {
                           // results held at once took 16 registers more, and the JSD spilled
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const ColumnTerms c = column_terms<MODE, SMALL_B>(extra_value(k, 0, j), extra_value(k, 1, j), rm, soft_b, poly);
+          const float z = extra_value(k, 0, j);
+          const ColumnTerms c = column_terms<MODE, SMALL_B>(z, extra_value(k, 1, j), rm, soft_b, poly);
           sums = make_float4(sums.x + c.a, sums.y + c.b, sums.z + c.soft, sums.w + c.w);
-          extra_value(k, 1, j) = c.h;
-          if (SOFTMAX_IS_P) extra_value(k, 0, j) = c.p;
+          const float derivative = FOLD ? model_derivative(z, model_scale, model_inv_cap) : 1.0f;
+          extra_value(k, 1, j) = FOLD && !Divergence<MODE>::GRAD_OF_P ? c.h * derivative : c.h;
+          if (SOFTMAX_IS_P) extra_value(k, 0, j) = FOLD ? c.p * derivative : c.p;
         }
         continue;
       }
@@ -149,8 +161,9 @@ struct FusedRow {
       for (int j = 0; j < 4; ++j) {
         const ColumnTerms c = column_terms<MODE, SMALL_B>(sv[j], tv[j], rm, soft_b, poly);
         sums = make_float4(sums.x + c.a, sums.y + c.b, sums.z + c.soft, sums.w + c.w);
-        pv[j] = c.p;
-        hv[j] = c.h;
+        const float derivative = FOLD ? model_derivative(sv[j], model_scale, model_inv_cap) : 1.0f;
+        pv[j] = FOLD ? c.p * derivative : c.p;
+        hv[j] = FOLD && !Divergence<MODE>::GRAD_OF_P ? c.h * derivative : c.h;
       }
       set_t(k, make_float4(hv[0], hv[1], hv[2], hv[3]));
       if (SOFTMAX_IS_P) set_s(k, make_float4(pv[0], pv[1], pv[2], pv[3]));
@@ -158,18 +171,19 @@ struct FusedRow {
     return sums;
   }
 
-  // The gradient values of group k; its value j_label (if 0..3) with the label's one-hot term.
+  // The gradient values of group k; its value j_label (if 0..3) with the label's one-hot term
+  // (one: its value, 1 or the model's derivative there: passes).
   template <int MODE, bool SOFTMAX_IS_P>
-  __device__ __forceinline__ void gradient(int k, float kl, int j_label, float out[4]) const {
+  __device__ __forceinline__ void gradient(int k, float kl, int j_label, float out[4], float one = 1.0f) const {
     const float4 s4 = S(k), h4 = T(k);
     const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, hv[4] = {h4.x, h4.y, h4.z, h4.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float p = SOFTMAX_IS_P ? sv[j] : ex2(fmaf(sv[j], rm.scale2, -rm.lse_z2));
       const float softmax = SOFTMAX_IS_P ? p : softmax_of(sv[j], rm);
-      out[j] = grad_value<MODE, SOFTMAX_IS_P>(softmax, p, hv[j], j == j_label, kl, rm);
+      out[j] = grad_value<MODE, SOFTMAX_IS_P>(softmax, p, hv[j], j == j_label ? one : 0.0f, kl, rm);
     }
-    if (with_model) {  // sv: z (a capped model's s stays z: softmax_is_p false)
+    if (!SOFTMAX_IS_P && with_model) {  // sv: z (where SOFTMAX_IS_P, pass 2 folded it into p)
 #pragma unroll
       for (int j = 0; j < 4; ++j) out[j] *= model_derivative(sv[j], model_scale, model_inv_cap);
     }

@@ -112,8 +112,8 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   f.ns = ns;
   f.lo = lo;
   f.rank = rank;
-  // a capped student's s stays z through pass 2, for its cap's derivative in pass 3
-  f.softmax_is_p = !tempered && vt == vs && cap_s == 0.0f;
+  // softmax(z) is p: pass 3 takes p (with the model's derivative folded in) where pass 2 leaves it
+  f.softmax_is_p = !tempered && vt == vs;
   f.with_model = scale_s != 1.0f || cap_s != 0.0f;
   f.model_scale = scale_s;
   f.model_inv_cap = inv_cap_s;
@@ -330,10 +330,12 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     f.label_apart = G != nullptr && label_dominates(row_values[3], row_values[0]);
     f.label_column = holds_label && !f.label_apart ? y - lo : -1;
     f.parity = parity;
-    if (f.softmax_is_p)
-      f.template passes<MODE, true>(row_values, poly);
+    if (f.softmax_is_p && f.with_model)
+      f.template passes<MODE, true, true>(row_values, poly);
+    else if (f.softmax_is_p)
+      f.template passes<MODE, true, false>(row_values, poly);
     else
-      f.template passes<MODE, false>(row_values, poly);
+      f.template passes<MODE, false, false>(row_values, poly);
     row = rows_queued[parity ^ 1];  // overwritten only after the next row's first barrier
   }
   cluster_sync();  // no CTA leaves while its pushes may still be on the way

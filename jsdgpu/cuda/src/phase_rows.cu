@@ -178,7 +178,7 @@ struct Finish {
       for (int k = 0; k < 4; ++k) {
         const ColumnTerms c = column_terms<MODE>(s[k], t[k], rm, soft_b, none);
         // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns
-        g[k] = grad_value<MODE, false>(softmax_of(s[k], rm), c.p, c.h, i + k == y && !label_apart, a_n, rm);
+        g[k] = grad_value<MODE, false>(softmax_of(s[k], rm), c.p, c.h, i + k == y && !label_apart ? 1.0f : 0.0f, a_n, rm);
       }
       const int count = min(4, vs - i);
       store4<OUT>(G, row * ldg + i, g, count);

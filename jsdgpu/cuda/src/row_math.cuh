@@ -154,15 +154,16 @@ __device__ __forceinline__ float2 ref_lanes(float2 v) {
 // softmax: the column's softmax(s), which is p where SOFTMAX_IS_P. There, except at the label and
 // in forward KL, it takes two instructions as p (w_hard + k (h - kl)); that rounds w_hard - k kl
 // where the general form rounds k (h - kl), which differs only where h - kl is near 0, and G with
-// it.
+// it. onehot: the label's one-hot term, 0 in every other column (1; the fused kernel, where it
+// folds the student model's derivative into p and q, passes the derivative at the label).
 template <int MODE, bool SOFTMAX_IS_P>
-__device__ __forceinline__ float grad_value(float softmax, float p, float h, bool onehot, float kl,
+__device__ __forceinline__ float grad_value(float softmax, float p, float h, float onehot, float kl,
                                             const RowMath& r) {
   using D = Divergence<MODE>;
   const float k = D::grad_factor(r);
-  if (SOFTMAX_IS_P && D::GRAD_OF_P && !onehot) return p * fmaf(k, h, fmaf(-k, kl, r.w_hard));
+  if (SOFTMAX_IS_P && D::GRAD_OF_P && onehot == 0.0f) return p * fmaf(k, h, fmaf(-k, kl, r.w_hard));
   const float soft = D::grad_soft(k, p, h, kl);
-  return fmaf(r.w_hard, softmax - (onehot ? 1.0f : 0.0f), soft);
+  return fmaf(r.w_hard, softmax - onehot, soft);
 }
 
 // softmax(s) of a student logit s (at temperature 1): 2 instructions, where __expf(s - lse_s)
