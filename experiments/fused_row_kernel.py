@@ -11,9 +11,9 @@ soft_tanh against tanhf (--sources, the sources before it first): the JSD 0.567-
 of 30 on both models 0.733 against 0.822, on the teacher alone 0.638 against 0.680, on the
 student alone 0.683 against 0.761, caps of 1 on both (no warp skips the exponential) 0.895
 against 0.857; a student scale of 2 alone 0.632-0.642. The student model's derivative folded
-into pass 2 (H200, 2026-12-05, two runs, the sources before it first; same section): caps of 30
-on both 0.735 and 0.739 against 0.718 and 0.720, on the student alone 0.685 and 0.703 against
-0.693 and 0.672; without a model 0.569 against 0.564 (in the second run).
+into pass 2 (H200, 2026-12-05, two runs, the sources before it first; same section), after
+against before: caps of 30 on both 0.718 and 0.720 against 0.735 and 0.739, on the student alone
+0.693 and 0.672 against 0.685 and 0.703; without a model 0.564 against 0.569 (the second run).
 
     python experiments/fused_row_kernel.py                               # the library's kernel
     python experiments/fused_row_kernel.py --shapes 16,512,4,2 8,1024,4,1 16,256,8,2
