@@ -33,6 +33,23 @@ def test_online_against_float64(xp, rng, model, chunk_size, memory_budget, same_
                             temperature=float(rng.choice([0.5, 1.0, 2.0])), **MODELS[model])
 
 
+@pytest.mark.parametrize("model", [dict(student_logit_softcap=30.0, teacher_logit_softcap=30.0),
+                                   dict(student_logit_scale=2.0)])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_label_dominant_rows(xp, rng, model, beta):
+    """Rows whose label holds most of softmax(z), at temperature 1 with one vocabulary: the one-hot
+    term goes into G there (where softmax(z) < 1/2 it is kept apart), and the fused kernel folds
+    the model's derivative into p in pass 2, so the label's term takes the derivative at the label
+    (FusedRow::passes, FOLD). Each row's label is its largest z; at least two rows are dominated."""
+    case = make_case(rng, T=int(rng.integers(5, 20)), vs=53, bias=True, logit_std=12.0)
+    z = model_logits(head_logits(case, "student"), model.get("student_logit_scale", 1.0),
+                     model.get("student_logit_softcap"))[0]
+    case["target"] = z.argmax(axis=1)
+    p_label = 1.0 / np.exp(z - z.max(axis=1, keepdims=True)).sum(axis=1)  # softmax(z) at the label
+    assert (p_label >= 0.5).sum() >= 2, p_label
+    check_against_reference(case, xp, np.dtype(np.float32), beta=beta, **model)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("memory_budget", [None, 1])
