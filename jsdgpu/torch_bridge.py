@@ -113,22 +113,27 @@ class _OnTorchStream:
             try:
                 context.__enter__()
             except BaseException:
-                for inner in reversed(self._contexts[:entered]):
-                    inner.__exit__(None, None, None)
+                _leave(self._contexts[:entered], (None, None, None))
                 raise
         return self
 
     def __exit__(self, *exc):
-        # every context left even where one fails to leave (a device or stream not restored would
-        # outlive the call); the first failure raised after
-        failure = None
-        for context in reversed(self._contexts):
-            try:
-                context.__exit__(*exc)
-            except BaseException as error:
-                failure = failure or error
-        if failure is not None:
-            raise failure
+        _leave(self._contexts, exc)
+
+
+def _leave(contexts, exc):
+    """Leave the contexts in reverse order, every one even where one fails to leave (a device or
+    stream not restored would outlive the call), then raise the first failure (as
+    contextlib.ExitStack does, it replaces an exception that was on its way out, which becomes
+    its __context__)."""
+    failure = None
+    for context in reversed(contexts):
+        try:
+            context.__exit__(*exc)
+        except BaseException as error:
+            failure = failure or error
+    if failure is not None:
+        raise failure
 
 
 # torch's own accessor of the current stream's pointer (what Inductor's code calls), where

@@ -221,29 +221,44 @@ def test_the_stream_block_puts_cupy_on_torchs_stream_and_memory_and_puts_it_back
 def test_the_stream_block_leaves_every_context_when_one_fails_to_leave():
     """The block's contexts are left in reverse order, each even where one before it raised on
     leaving (a device or stream not restored would outlive the call), and the first failure
-    reaches the caller. On the CPU: the block built around stand-in contexts."""
+    reaches the caller; where one fails to enter, those entered before it are left so. On the
+    CPU: the block built around stand-in contexts."""
     from jsdgpu import torch_bridge
-    left = []
+    events = []
 
     class Context:
-        def __init__(self, name, fails):
-            self.name, self.fails = name, fails
+        def __init__(self, name, fails_to_leave=False, fails_to_enter=False):
+            self.name, self.fails_to_leave, self.fails_to_enter = name, fails_to_leave, fails_to_enter
 
         def __enter__(self):
+            if self.fails_to_enter:
+                raise KeyError(self.name)
+            events.append("enter " + self.name)
             return self
 
         def __exit__(self, *exc):
-            left.append(self.name)
-            if self.fails:
+            events.append("leave " + self.name)
+            if self.fails_to_leave:
                 raise RuntimeError(self.name)
 
-    block = torch_bridge._OnTorchStream.__new__(torch_bridge._OnTorchStream)
-    block._contexts = (Context("device", False), Context("torch", True), Context("stream", True),
-                       Context("allocator", False))
+    def block(*contexts):
+        made = torch_bridge._OnTorchStream.__new__(torch_bridge._OnTorchStream)
+        made._contexts = contexts
+        return made
+
     with pytest.raises(RuntimeError, match="^stream$"):
-        with block:
+        with block(Context("device"), Context("torch", fails_to_leave=True), Context("stream", fails_to_leave=True),
+                   Context("allocator")):
             pass
-    assert left == ["allocator", "stream", "torch", "device"]
+    assert events == ["enter device", "enter torch", "enter stream", "enter allocator",
+                      "leave allocator", "leave stream", "leave torch", "leave device"]
+    events.clear()
+    with pytest.raises(RuntimeError, match="^torch$") as raised:
+        with block(Context("device", fails_to_leave=True), Context("torch", fails_to_leave=True),
+                   Context("stream", fails_to_enter=True), Context("allocator")):
+            events.append("body")
+    assert events == ["enter device", "enter torch", "leave torch", "leave device"]
+    assert isinstance(raised.value.__context__, KeyError)
 
 
 @pytest.mark.gpu
