@@ -105,6 +105,7 @@ def row_kernel_bandwidth(T, V):
     import numba
 
     from jsdgpu.cpu.online_work import CpuOnlineRows, CpuWork
+    from jsdgpu.cpu.steps import row_buffer
     from jsdgpu.options import LossOptions
 
     @numba.njit(parallel=True)
@@ -113,7 +114,8 @@ def row_kernel_bandwidth(T, V):
             b[i] = a[i]
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((T, V), dtype=np.float32) * 4
-    s, t = np.empty_like(logits), logits + rng.standard_normal((T, V), dtype=np.float32)
+    s, t = row_buffer(T, V), row_buffer(T, V)  # (the backend's buffers)
+    t[...] = logits + rng.standard_normal((T, V), dtype=np.float32)
     target = rng.integers(0, V, T).astype(np.int32)
     ce, jsd, terms = (np.empty(T, np.float32) for _ in range(3))
     work = CpuWork(None, None, None, None, s, t, fused=True)

@@ -22,6 +22,13 @@ division in the JSD's columns, int32 steps in log32): at temperature 1, forward 
 12.86 / 6.12 and 6.18, the JSD 16.07 and 15.29 / 8.19 and 8.17, reverse KL 16.65 and 16.10 /
 6.59 and 6.59; at temperature 2, 28.12 and 27.41 / 7.12 and 7.20, 31.01 and 30.52 / 10.11 and
 10.07, 30.89 and 30.48 / 7.49 and 7.73.
+
+With --placements (the same machine's kind, 2026-12-05, three runs), the backend's buffers,
+which start on a cache line, against NumPy's arrays, 16 bytes past one, ms: at temperature 1,
+forward KL 6.58-7.22 against 6.84-7.26, the JSD 8.60-8.96 against 9.04-9.17, reverse KL
+7.10-7.46 against 7.29-7.58; at temperature 2, 7.46-7.71 against 7.64-8.03, 10.46-11.03
+against 10.61-11.33, 8.16-8.45 against 8.49-8.77: 1-5% less in every run but for one case
+(the JSD at temperature 2, 11.03 against 11.07).
 """
 
 import argparse
@@ -35,30 +42,46 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--noise", type=float, default=1.0, help="the teacher's logits: the student's plus this times N(0, 1)")
+    p.add_argument("--placements", action="store_true",
+                   help="each case also with the logits in NumPy's own arrays (16 bytes past a cache line), the two "
+                        "in turns, where the backend's buffers start on a line (jsdgpu.cpu.steps.row_buffer)")
     a = p.parse_args(argv)
 
     from jsdgpu.cpu.online_work import CpuOnlineRows, CpuWork
     from jsdgpu.options import LossOptions
+    try:
+        from jsdgpu.cpu.steps import row_buffer
+    except ImportError:  # a code from before the backend's own buffers (its logits were NumPy's arrays)
+        def row_buffer(*shape):
+            return np.empty(shape, np.float32)
 
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((a.tokens, a.vocab), dtype=np.float32) * 4
-    t = logits + rng.standard_normal((a.tokens, a.vocab), dtype=np.float32) * np.float32(a.noise)
-    s = np.empty_like(logits)  # G is written over it, as the backend has it: restored before each call
+    teacher = logits + rng.standard_normal((a.tokens, a.vocab), dtype=np.float32) * np.float32(a.noise)
     target = rng.integers(0, a.vocab, a.tokens).astype(np.int32)
     ce, jsd, label_terms = (np.empty(a.tokens, np.float32) for _ in range(3))
-    work = CpuWork(None, None, None, None, s, t, fused=True)
-    print("| divergence | temperature | ms |\n| --- | --- | --- |")
+    placements = {"backend's buffers": row_buffer}
+    if a.placements:
+        placements["NumPy's arrays"] = lambda *shape: np.empty(shape, np.float32)
+    works = {}
+    for name, empty in placements.items():
+        s, t = empty(*logits.shape), empty(*logits.shape)  # G is written over s: restored before each call
+        t[...] = teacher
+        works[name] = CpuWork(None, None, None, None, s, t, fused=True)
+    print("| divergence | temperature | " + " | ".join(f"ms, {name}" for name in works) + " |\n"
+          + "| --- " * (2 + len(works)) + "|")
     for beta in (0.0, 0.5, 1.0):
         for temperature in (1.0, 2.0):
             opts = LossOptions(beta=beta, temperature=temperature)
-            times = []
+            times = {name: [] for name in works}
             for _ in range(6):  # (the first: compilation, or Numba's cache)
-                s[...] = logits
-                start = time.perf_counter()
-                CpuOnlineRows.fused_rows(work, target, opts, ce, jsd, s, label_terms)  # (the backend's call)
-                times.append(time.perf_counter() - start)
-            times = times[1:]
-            print(f"| {opts.divergence.name.lower()} | {temperature:g} | {min(times) * 1e3:.2f} |")
+                for name, work in works.items():
+                    work.s[...] = logits
+                    start = time.perf_counter()
+                    CpuOnlineRows.fused_rows(work, target, opts, ce, jsd, work.s, label_terms)  # (the backend's call)
+                    times[name].append(time.perf_counter() - start)
+            print(f"| {opts.divergence.name.lower()} | {temperature:g} | "
+                  + " | ".join(f"{min(ts[1:]) * 1e3:.2f}" for ts in times.values()) + " |")
 
 
 if __name__ == "__main__":

@@ -138,6 +138,20 @@ def test_cpu_fused_kernel_writes_g_over_the_student_logits():
         assert np.shares_memory(B.gradient_rows(work, 16, own_g), work.s) == shared
 
 
+@pytest.mark.parametrize("rows,vs,vt", [(1, 1, 1), (3, 17, 33), (64, 32000, 32003), (5, 128256, 151936)])
+def test_cpu_logits_buffers_start_on_a_cache_line(rows, vs, vt):
+    """The chunks' logits buffers (both losses') start at a multiple of 64 bytes, where NumPy's
+    large arrays start 16 bytes past one: the row kernels' 512-bit loads and stores would cross
+    two lines (jsdgpu.cpu.steps.row_buffer); they are what an empty array would be otherwise."""
+    from jsdgpu.cpu.backend import CpuBackend as B
+    ws, wt = np.zeros((vs, 4), np.float32), np.zeros((vt, 4), np.float32)
+    work = B.prepare(ws, wt, None, None, rows, True)
+    topk = B.topk_prepare(ws, None, rows)
+    for logits, shape in ((work.s, (rows, vs)), (work.t, (rows, vt)), (topk.s, (rows, vs))):
+        assert logits.shape == shape and logits.dtype == np.float32 and logits.flags.c_contiguous
+        assert logits.ctypes.data % 64 == 0
+
+
 def test_cpu_kernels_cache_keys_hold_the_modules_they_take_in(tmp_path, monkeypatch):
     """Numba keys a cached kernel by its own file, its bytecode and its closure's contents: each
     CPU row kernel is a closure over the digest of the modules it inlines (rows._sources_digest),

@@ -8,7 +8,7 @@ import numpy as np
 from .divergences import precise_terms
 from .products import matmul
 from .rows import finish_kernel, fused_kernel, kl_kernel, stats_kernel
-from .steps import as_model_logits, f32
+from .steps import as_model_logits, f32, row_buffer
 
 
 @dataclasses.dataclass
@@ -40,8 +40,8 @@ class CpuOnlineRows:
 
     @staticmethod
     def prepare(ws, wt, bs, bt, rows, fused, logits_s=None, models=None):
-        s = np.empty((rows, ws.shape[0]), np.float32) if logits_s is None else logits_s
-        return CpuWork(f32(ws), f32(wt), f32(bs), f32(bt), s, np.empty((rows, wt.shape[0]), np.float32), fused)
+        s = row_buffer(rows, ws.shape[0]) if logits_s is None else logits_s
+        return CpuWork(f32(ws), f32(wt), f32(bs), f32(bt), s, row_buffer(rows, wt.shape[0]), fused)
 
     @staticmethod
     def gradient_rows(work, g_rows, own_g):

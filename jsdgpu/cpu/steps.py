@@ -11,6 +11,18 @@ from .products import matmul, own_threads
 from .rows import model_derivative
 
 
+def row_buffer(rows, columns):
+    """An empty float32 [rows, columns] array for a chunk's logits, its first value at a multiple
+    of 64 bytes (and each row's where columns is a multiple of 16): NumPy puts a large array 16
+    bytes past one, and there half or more of the kernels' 512-bit loads and stores cross two
+    cache lines: the fused row kernel took 1-5% longer so (`python experiments/cpu_row_kernel.py
+    --placements`; docs/design.md, "The CPU backend")."""
+    line = 64 // 4
+    buffer = np.empty(rows * columns + line, np.float32)
+    start = -(buffer.ctypes.data // 4) % line
+    return buffer[start:start + rows * columns].reshape(rows, columns)
+
+
 def f32(a):
     """a as float32 (no copy where it is), None for None."""
     return None if a is None else a.astype(np.float32, copy=False)

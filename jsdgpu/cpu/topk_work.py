@@ -11,7 +11,7 @@ from .. import checks
 from ..parallel import Shard
 from ..topk_shards import sharded_topk_rows
 from .products import matmul
-from .steps import as_model_logits, f32
+from .steps import as_model_logits, f32, row_buffer
 from .topk import teacher_topk_rows
 
 
@@ -84,7 +84,7 @@ class CpuTopKRows:
 
     @staticmethod
     def topk_prepare(ws, bs, rows, logits_s=None, own=False, k=None, model=None):
-        s = np.empty((rows, ws.shape[0]), np.float32) if logits_s is None else logits_s
+        s = row_buffer(rows, ws.shape[0]) if logits_s is None else logits_s
         return TopKWork(f32(ws), f32(bs), s)
 
     @staticmethod
