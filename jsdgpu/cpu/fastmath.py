@@ -6,7 +6,8 @@ import math
 
 import numba
 import numpy as np
-from numba.core import types
+from llvmlite import ir
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 # fast math without nnan and ninf (a NaN or an infinity must reach the loss)
@@ -48,6 +49,22 @@ def _int32_op(name):
 
 
 _sub32, _shl32, _ashr32 = _int32_op("sub"), _int32_op("shl"), _int32_op("ashr")
+
+
+@intrinsic
+def prefetch(typingctx, array, index):
+    """Ask the core for the cache line that holds array[index] (a C-contiguous array, an index in
+    it), into its first-level cache, without waiting for it: LLVM's llvm.prefetch (a read, the
+    highest locality, data). A load would hold the loop back until the line came from memory."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(context, builder, signature.args[0], data, [args[1]], wraparound=False)
+        byte_pointer, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer] + [i32] * 3),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(pointer, byte_pointer), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+    return types.none(array, types.intp), codegen
 
 
 @numba.njit(fastmath=FAST, inline="always")

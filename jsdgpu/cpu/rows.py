@@ -21,7 +21,7 @@ from .. import options
 from . import divergences, fastmath
 from .divergences import (SMALL_B_BELOW, FORWARD_KL, JSD, REVERSE_KL, column, column32, grad_dz, soft,
                           soft_of_sums)
-from .fastmath import F32, FAST, exp32, exp64, max32
+from .fastmath import F32, FAST, exp32, exp64, max32, prefetch
 from .threads import rows_in_parallel
 
 
@@ -155,9 +155,9 @@ def _stats_of(stats, i):
 
 # ---- the fused kernel: float32 columns, float64 rows (docs/design.md, "The CPU backend") ----
 
-# Columns a float32 partial sum takes before it is added to the row's float64 sum: a float64 sum
-# inside the column loop would take the loop to eight float32 lanes from sixteen (it took 18.5 ms
-# where float32 sums took 12.3, 512 rows of 32000)
+# Columns a float32 partial sum takes before it is added to the row's float64 sum (the column
+# pass's: _PREFETCH_BLOCK): a float64 sum inside the column loop would take the loop to eight
+# float32 lanes from sixteen (it took 18.5 ms where float32 sums took 12.3, 512 rows of 32000)
 _BLOCK = 1024
 # The first columns whose largest logit shifts a row's exps: the exps and their sum then take one
 # pass over the row, where the row's maximum first would take two reads of it from memory; a sum
@@ -237,10 +237,9 @@ def _padded(s, vt):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _column_block(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_next, touch_next):
-    """A block's float32 sums of column32's a, b, precise and w, and with touch_next (a constant)
-    of the next row's logits s_next + t_next (_row_sums); p and h written over the exps."""
-    a = b = precise = weights = touched = F32(0.0)
+def _column_block(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly):
+    """A block's float32 sums of column32's a, b, precise and w; p and h written over the exps."""
+    a = b = precise = weights = F32(0.0)
     for j in range(len(s)):
         pj, qj = p[j] * inv_z, h[j] * inv_t
         da, db, dp, dw, hj = column32(s[j], t[j], pj, qj, mode, small_b, row, poly)
@@ -250,48 +249,56 @@ def _column_block(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_
         weights += dw
         p[j] = pj
         h[j] = hj
-        if touch_next:
-            touched += s_next[j] + t_next[j]
-    return a, b, precise, weights, touched
+    return a, b, precise, weights
+
+
+# The column pass's blocks: a block's float32 partial sums are added into the row's float64 ones,
+# and before each block the cache lines of the next row's logits at the block's columns are
+# prefetched (_column_sums). Blocks of 128 columns, 16 lines: of 64, 128 and 256, 128 took the
+# least time, 1024 as many lines in a burst took longer than no prefetch (docs/record.md).
+_PREFETCH_BLOCK = 128
+_LINE = 16  # float32 values in a 64-byte cache line
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _column_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_next, touch_next):
-    """The row's sums (float64) of column32's terms, a block at a time, and _column_block's
-    touched sum (float32)."""
+def _column_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_next):
+    """The row's sums (float64) of column32's terms, a block at a time, each block's columns of
+    the next row's logits s_next, t_next prefetched first (_next_row's), so that they are in the
+    cache when that row's statistics take them: the row's own column math hides their way from
+    memory, where a load of them (for a sum of them that the results never take) held each loop
+    back until the line came (docs/design.md, "The CPU backend")."""
     a = b = precise = weights = 0.0
-    touched = F32(0.0)
-    for lo in range(0, len(s), _BLOCK):
-        end = lo + _BLOCK
-        da, db, dp, dw, dt = _column_block(s[lo:end], t[lo:end], p[lo:end], h[lo:end], inv_z, inv_t, mode, small_b,
-                                           row, poly, s_next[lo:end], t_next[lo:end], touch_next)
+    ahead = min(len(s_next), len(t_next))
+    for lo in range(0, len(s), _PREFETCH_BLOCK):
+        end = lo + _PREFETCH_BLOCK
+        for k in range(lo, min(end, ahead), _LINE):
+            prefetch(s_next, k)
+            prefetch(t_next, k)
+        da, db, dp, dw = _column_block(s[lo:end], t[lo:end], p[lo:end], h[lo:end], inv_z, inv_t, mode, small_b, row,
+                                       poly)
         a += da
         b += db
         precise += dp
         weights += dw
-        touched += dt
-    return a, b, precise, weights, touched
+    return a, b, precise, weights
 
 
 @numba.njit(fastmath=FAST, inline="always")
 def _row_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_next):
     """_column_sums with the mode and small_b constants: a loop of its own for each (column32's
-    branches on them would be if-converted in one loop, and every divergence pay for all). The
-    JSD's loops also read the next row's logits s_next, t_next (_next_row's), so that they are in
-    the cache when that row's statistics take them: the JSD's column math is long enough to hide
-    their way from memory, the KLs' is not (docs/design.md, "The CPU backend")."""
+    branches on them would be if-converted in one loop, and every divergence pay for all)."""
     if mode == FORWARD_KL:
-        return _column_sums(s, t, p, h, inv_z, inv_t, FORWARD_KL, False, row, poly, s_next, t_next, False)
+        return _column_sums(s, t, p, h, inv_z, inv_t, FORWARD_KL, False, row, poly, s_next, t_next)
     if mode == REVERSE_KL:
-        return _column_sums(s, t, p, h, inv_z, inv_t, REVERSE_KL, False, row, poly, s_next, t_next, False)
+        return _column_sums(s, t, p, h, inv_z, inv_t, REVERSE_KL, False, row, poly, s_next, t_next)
     if small_b:
-        return _column_sums(s, t, p, h, inv_z, inv_t, JSD, True, row, poly, s_next, t_next, True)
-    return _column_sums(s, t, p, h, inv_z, inv_t, JSD, False, row, poly, s_next, t_next, True)
+        return _column_sums(s, t, p, h, inv_z, inv_t, JSD, True, row, poly, s_next, t_next)
+    return _column_sums(s, t, p, h, inv_z, inv_t, JSD, False, row, poly, s_next, t_next)
 
 
 @numba.njit(fastmath=FAST)
 def _next_row(s, t, i, z_cols, t_i):
-    """The logits the column pass of row i reads ahead (_row_sums): row i + 1's, where there is
+    """The logits the column pass of row i prefetches (_column_sums): row i + 1's, where there is
     one and the student's row is as long as the teacher's; else row i's own (z_cols, t_i), in the
     cache. (A function of its own, as _padded.)"""
     if i + 1 < s.shape[0] and s.shape[1] == t.shape[1]:
@@ -365,9 +372,7 @@ def _kernels(sources):
         none = np.empty(0, np.float32)
         for i in numba.prange(n):
             s_i, t_i, y = s[i], t[i], target[i]
-            # exp(z - shift), then p; and past them _row_sums' touched sum (a use of its reads ahead,
-            # which Numba and LLVM would otherwise drop, where a NaN or inf of it must not reach a result)
-            p = np.empty(vt + 1, np.float32)
+            p = np.empty(vt, np.float32)  # exp(z - shift), then p
             h = np.empty(vt, np.float32)  # exp(t / T - shift), then h
             shift_s, sum_s = _shifted_exp_sum(s_i, F32(1.0), 0, p if same_z else none)
             shift_z, sum_z = (shift_s, sum_s) if same_z else _shifted_exp_sum(s_i, scale, vt - vs, p)
@@ -383,8 +388,8 @@ def _kernels(sources):
                     diff_ref, h_ref = F32(0.0), -c
             row = (F32(c), scale, diff_ref, beta > 0.5, beta32, one_minus_beta32, b)
             s_next, t_next = _next_row(s, t, i, z_cols, t_i)
-            a, b_sum, precise, weights, p[vt] = _row_sums(z_cols, t_i, p, h, F32(1.0 / sum_z), F32(1.0 / sum_t), mode,
-                                                          b < SMALL_B_BELOW, row, row_poly, s_next, t_next)
+            a, b_sum, precise, weights = _row_sums(z_cols, t_i, p, h, F32(1.0 / sum_z), F32(1.0 / sum_t), mode,
+                                                   b < SMALL_B_BELOW, row, row_poly, s_next, t_next)
             target_logit = np.float64(s_i[y]) if y >= 0 else 0.0
             ce[i] = lse_s - target_logit
             jsd[i] = soft_of_sums(a, b_sum, precise, weights, mode, beta, h_ref)
