@@ -254,8 +254,9 @@ def _column_block(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly):
 
 # The column pass's blocks: a block's float32 partial sums are added into the row's float64 ones,
 # and before each block the cache lines of the next row's logits at the block's columns are
-# prefetched (_column_sums). Blocks of 128 columns, 16 lines: of 64, 128 and 256, 128 took the
-# least time, 1024 as many lines in a burst took longer than no prefetch (docs/record.md).
+# prefetched (_column_sums). Blocks of 128 columns, 16 lines of each row: of 64, 128 and 256, 128
+# took the least time; bursts of 128 lines before blocks of 1024 took longer than no prefetch
+# (docs/record.md).
 _PREFETCH_BLOCK = 128
 _LINE = 16  # float32 values in a 64-byte cache line
 
