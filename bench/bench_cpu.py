@@ -18,6 +18,7 @@ machine's copy bandwidth (a parallel copy of 1 GB by the same Numba threads).
 """
 
 import argparse
+import ctypes
 import json
 import os
 import pathlib
@@ -86,12 +87,25 @@ def _status_kib(field):
     return None
 
 
+def _large_blocks_mapped():
+    """From here on, every block of 128 KiB or more that glibc's malloc gives is a mapping of its
+    own, returned to the system when freed. glibc otherwise raises that threshold to the largest
+    block freed, so that the timed steps' blocks came from its heap and stayed resident once freed:
+    the measured step then reused them, and its peak beyond the resident memory before it read 0
+    MiB (jsdgpu at T = 512, in two runs of three)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+    except OSError:  # not glibc
+        pass
+
+
 def measure(impl, T, V, repeats, budget_mib=None):
     """(median seconds, peak MiB beyond the inputs, the untimed steps' seconds) of one
     implementation at one shape, in this process."""
     fn = step_fn(impl, T, V, budget_mib)
     warm = [_timed(fn) for _ in range(WARM_STEPS)]
     times = [_timed(fn) for _ in range(repeats)]
+    _large_blocks_mapped()
     pathlib.Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _status_kib("VmRSS")
     fn()
