@@ -75,10 +75,39 @@ SMALL_B_BELOW = F32(1.0 / 6.0)  # row_math.cuh's SMALL_B_BELOW
 PRECISE_BELOW = 0.1  # nats: where a row's soft part is the precise sum's (row_math.cuh's PRECISE_BELOW_BITS)
 
 
+MIXTURE_LOG_TERMS = 9  # L's coefficients (mixture_log_poly)
+
+
 @functools.lru_cache(maxsize=None)
 def precise_terms(divergence, beta):
-    """(b, P's coefficients as a float32 array) of column32's precise sum (soft_poly.py)."""
-    return soft_poly.mixture_weight(divergence, beta), soft_poly.soft_poly(divergence, beta).astype(np.float32)
+    """(b, column32's float32 coefficients): P's nine of its precise sum (soft_poly.py), then L's
+    nine of the JSD's mixture log (mixture_log_poly; zeros for the KLs and for b below
+    SMALL_B_BELOW, whose columns take log32)."""
+    b = soft_poly.mixture_weight(divergence, beta)
+    log_poly = mixture_log_poly(b) if b >= SMALL_B_BELOW else np.zeros(MIXTURE_LOG_TERMS)
+    return b, np.concatenate([soft_poly.soft_poly(divergence, beta), log_poly]).astype(np.float32)
+
+
+def mixture_log_poly(b):
+    """L's coefficients of x^0 .. x^8 (float64), u L(u^2) = 2 atanh(u) = ln((1 + u) / (1 - u)) on
+    the u that a JSD column of mixture weight b meets: u = (m - l) / (m + l), l the larger of w and
+    o, m the mixture, whose m / l is in [b, 1] (b <= 1/2), so that u^2 <= ((1 - b) / (1 + b))^2. A
+    Chebyshev fit in u^2 at 64 nodes, good to float32's rounding for b >= SMALL_B_BELOW
+    (tests/test_cpu_fastmath.py)."""
+    top = ((1 - b) / (1 + b)) ** 2
+    x = top / 2 * (1 + np.cos(np.pi * (np.arange(64) + 0.5) / 64))
+    root = np.sqrt(x)
+    fit = np.polynomial.Chebyshev.fit(x, 2 * np.arctanh(root) / root, MIXTURE_LOG_TERMS - 1, domain=[0, top])
+    return fit.convert(kind=np.polynomial.Polynomial).coef
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def mixture_log_of(poly, u):
+    """ln((1 + u) / (1 - u)) by L (mixture_log_poly) of the nine float32 coefficients past P's in
+    poly (precise_terms'), by Horner in u^2."""
+    x = u * u
+    return u * ((((((((poly[17] * x + poly[16]) * x + poly[15]) * x + poly[14]) * x + poly[13]) * x + poly[12]) * x
+                  + poly[11]) * x + poly[10]) * x + poly[9])
 
 
 @numba.njit(fastmath=FAST, inline="always")
@@ -96,7 +125,7 @@ def column32(s, t, p, q, mode, small_b, row, poly):
     sum, and the gradient's h (q in forward KL, lp - lm in the JSD, h - h_ref in reverse KL); from
     its logits s, t and probabilities p, q. mode and small_b (the JSD's b < 1/6): constants where
     rows.py calls it; row: the row's (c = lse_z - lse_t, scale = 1 / temperature, the reference
-    column's t - s, mirrored, beta, 1 - beta, b); poly: P's coefficients."""
+    column's t - s, mirrored, beta, 1 - beta, b); poly: P's coefficients, then L's (precise_terms')."""
     c, scale, diff_ref, mirrored, beta, one_minus_beta, b = row
     diff = t - s
     # ln(q / p). c's float32 rounding (up to 3e-8 |c|, the two models' logits' offset at most)
@@ -114,18 +143,25 @@ def column32(s, t, p, q, mode, small_b, row, poly):
     else:
         dd = -d if mirrored else d
         w, o = (q, p) if mirrored else (p, q)
-        # the smaller of w and o over the larger, in [0, 1] (nothing overflows; 1 where both are
-        # 0), by a division of the two where the GPU takes 2^-|d| (an exp: 2-2.5 ms more at 512
-        # rows of 32000); and the mixture's log relative to the larger, in [ln b, 0], never a
-        # difference of two large logs. Which one is larger is their own word, not d's sign: the
-        # two differ where one has flushed to 0 (exp32 below e^-87), and there d's sign took the
-        # ratio of 0 for the other's over it, and a column's term to inf.
+        # the mixture's log relative to the larger of w and o, l = ln(m / larger) in [ln b, 0],
+        # never a difference of two large logs. Which one is larger is their own word, not d's
+        # sign: the two differ where one has flushed to 0 (exp32 below e^-87), and there d's sign
+        # took the ratio of 0 for the other's over it, and a column's term to inf.
         o_larger = o > w
         larger = max(w, o)
-        ratio = min(w, o) / larger if larger > F32(0.0) else F32(1.0)
-        # (min and max, not selects on o_larger: LLVM took those into a division of each order,
-        # each masked)
-        l = log32((F32(1.0) - b) * ratio + b if o_larger else b * ratio + (F32(1.0) - b))
+        if small_b:
+            # from the smaller over the larger, in [0, 1] (nothing overflows; 1 where both are
+            # 0), by a division of the two where the GPU takes 2^-|d| (an exp: 2-2.5 ms more at
+            # 512 rows of 32000). (min and max, not selects on o_larger: LLVM took those into a
+            # division of each order, each masked.)
+            ratio = min(w, o) / larger if larger > F32(0.0) else F32(1.0)
+            l = log32((F32(1.0) - b) * ratio + b if o_larger else b * ratio + (F32(1.0) - b))
+        else:
+            # as 2 atanh(u), u = (m - larger) / (m + larger) in [(b - 1) / (b + 1), 0]: one
+            # division where the ratio and log32 took two, and no range reduction (the JSD 6-9%
+            # faster, docs/record.md); 0 where both are 0
+            m = (F32(1.0) - b) * w + b * o
+            l = mixture_log_of(poly, (m - larger) / (m + larger) if larger > F32(0.0) else F32(0.0))
         d_larger = dd if o_larger else F32(0.0)  # ln(larger / w)
         h_w, h_o = -l - d_larger, (F32(0.0) if o_larger else dd) - l  # ln(w / m), ln(o / m)
         h = h_o if mirrored else h_w

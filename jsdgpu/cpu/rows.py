@@ -362,13 +362,14 @@ def _kernels(sources):
         mean; in the raw logits where s is the student model's: _model_derivative) and label term:
         the three phases' work on one row at a time, read from memory once, its columns in float32
         (divergences.column32) and its sums and logsumexps in float64. soft_b and poly: the JSD's b
-        and P's nine coefficients (jsdgpu/soft_poly.py). G may be s's memory."""
+        and column32's eighteen coefficients (divergences.precise_terms). G may be s's memory."""
         sources  # (its cache key: _kernels)
         n, vs = s.shape
         vt = t.shape[1]
         scale = F32(inv_temp)
         same_z = scale == F32(1.0) and vt == vs  # z is s
-        row_poly = (poly[0], poly[1], poly[2], poly[3], poly[4], poly[5], poly[6], poly[7], poly[8])
+        row_poly = (poly[0], poly[1], poly[2], poly[3], poly[4], poly[5], poly[6], poly[7], poly[8], poly[9], poly[10],
+                    poly[11], poly[12], poly[13], poly[14], poly[15], poly[16], poly[17])
         b, beta32, one_minus_beta32 = F32(soft_b), F32(beta), F32(one_minus_beta)
         none = np.empty(0, np.float32)
         for i in numba.prange(n):
