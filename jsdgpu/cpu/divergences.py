@@ -84,7 +84,8 @@ def precise_terms(divergence, beta):
     nine of the JSD's mixture log (mixture_log_poly; zeros for the KLs and for b below
     SMALL_B_BELOW, whose columns take log32)."""
     b = soft_poly.mixture_weight(divergence, beta)
-    log_poly = mixture_log_poly(b) if b >= SMALL_B_BELOW else np.zeros(MIXTURE_LOG_TERMS)
+    # (b in float32, as the kernel tests it: rows.fused_kernel's small_b)
+    log_poly = mixture_log_poly(b) if F32(b) >= SMALL_B_BELOW else np.zeros(MIXTURE_LOG_TERMS)
     return b, np.concatenate([soft_poly.soft_poly(divergence, beta), log_poly]).astype(np.float32)
 
 
