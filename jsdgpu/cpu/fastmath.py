@@ -20,6 +20,7 @@ SMALLEST_NORMAL = 2.2250738585072014e-308
 F32 = np.float32
 _LN2_HI32, _LN2_LO32 = F32(0.693359375), F32(-2.12194440e-4)  # ln 2 in two float32 parts
 _SQRT_HALF_BITS32 = 0x3F3504F3  # the bits of float32 sqrt(1/2)
+LINE = 16  # float32 values in a 64-byte cache line (the row kernels' prefetches and buffers)
 
 
 def _bitcast(source, target):

@@ -21,7 +21,7 @@ from .. import options
 from . import divergences, fastmath
 from .divergences import (SMALL_B_BELOW, FORWARD_KL, JSD, REVERSE_KL, column, column32, grad_dz, soft,
                           soft_of_sums)
-from .fastmath import F32, FAST, exp32, exp64, max32, prefetch
+from .fastmath import F32, FAST, LINE, exp32, exp64, max32, prefetch
 from .threads import rows_in_parallel
 
 
@@ -258,7 +258,6 @@ def _column_block(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly):
 # took the least time; bursts of 128 lines before blocks of 1024 took longer than no prefetch
 # (docs/record.md).
 _PREFETCH_BLOCK = 128
-_LINE = 16  # float32 values in a 64-byte cache line
 
 
 @numba.njit(fastmath=FAST, inline="always")
@@ -272,7 +271,7 @@ def _column_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_n
     ahead = min(len(s_next), len(t_next))
     for lo in range(0, len(s), _PREFETCH_BLOCK):
         end = lo + _PREFETCH_BLOCK
-        for k in range(lo, min(end, ahead), _LINE):
+        for k in range(lo, min(end, ahead), LINE):
             prefetch(s_next, k)
             prefetch(t_next, k)
         da, db, dp, dw = _column_block(s[lo:end], t[lo:end], p[lo:end], h[lo:end], inv_z, inv_t, mode, small_b, row,

@@ -8,6 +8,7 @@ from .. import checks
 from ..backend import HeldG, Rows
 from ..options import divisor
 from .products import matmul, own_threads
+from .fastmath import LINE
 from .rows import model_derivative
 
 
@@ -17,9 +18,8 @@ def row_buffer(rows, columns):
     bytes past one, and there half or more of the kernels' 512-bit loads and stores cross two
     cache lines: the fused row kernel took 1-5% longer so (`python experiments/cpu_row_kernel.py
     --placements`; docs/design.md, "The CPU backend")."""
-    line = 64 // 4
-    buffer = np.empty(rows * columns + line, np.float32)
-    start = -(buffer.ctypes.data // 4) % line
+    buffer = np.empty(rows * columns + LINE, np.float32)
+    start = -(buffer.ctypes.data // 4) % LINE
     return buffer[start:start + rows * columns].reshape(rows, columns)
 
 
