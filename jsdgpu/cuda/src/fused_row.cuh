@@ -133,6 +133,16 @@ struct FusedRow {
     }
   }
 
+  // One column of pass 2: its terms added to sums; returns what pass 3 reads in its place, (p, h)
+  // (with FOLD, p and forward KL's h, q, times the model's derivative at z)
+  template <int MODE, bool FOLD, bool SMALL_B>
+  __device__ __forceinline__ float2 column_sum(float z, float t, float4& sums, const SoftPoly& poly) const {
+    const ColumnTerms c = column_terms<MODE, SMALL_B>(z, t, rm, soft_b, poly);
+    sums = make_float4(sums.x + c.a, sums.y + c.b, sums.z + c.soft, sums.w + c.w);
+    const float derivative = FOLD ? model_derivative(z, model_scale, model_inv_cap) : 1.0f;
+    return make_float2(FOLD ? c.p * derivative : c.p, FOLD && !Divergence<MODE>::GRAD_OF_P ? c.h * derivative : c.h);
+  }
+
   // Pass 2 over the thread's columns: their sums (column_terms); t becomes h, and s p where
   // SOFTMAX_IS_P (with FOLD, p and forward KL's h, q, times the model's derivative at z)
   template <int MODE, bool SOFTMAX_IS_P, bool FOLD, bool SMALL_B>
@@ -145,12 +155,9 @@ struct FusedRow {
                           // results held at once took 16 registers more, and the JSD spilled
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const float z = extra_value(k, 0, j);
-          const ColumnTerms c = column_terms<MODE, SMALL_B>(z, extra_value(k, 1, j), rm, soft_b, poly);
-          sums = make_float4(sums.x + c.a, sums.y + c.b, sums.z + c.soft, sums.w + c.w);
-          const float derivative = FOLD ? model_derivative(z, model_scale, model_inv_cap) : 1.0f;
-          extra_value(k, 1, j) = FOLD && !Divergence<MODE>::GRAD_OF_P ? c.h * derivative : c.h;
-          if (SOFTMAX_IS_P) extra_value(k, 0, j) = FOLD ? c.p * derivative : c.p;
+          const float2 ph = column_sum<MODE, FOLD, SMALL_B>(extra_value(k, 0, j), extra_value(k, 1, j), sums, poly);
+          extra_value(k, 1, j) = ph.y;
+          if (SOFTMAX_IS_P) extra_value(k, 0, j) = ph.x;
         }
         continue;
       }
@@ -159,11 +166,9 @@ struct FusedRow {
       float pv[4], hv[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const ColumnTerms c = column_terms<MODE, SMALL_B>(sv[j], tv[j], rm, soft_b, poly);
-        sums = make_float4(sums.x + c.a, sums.y + c.b, sums.z + c.soft, sums.w + c.w);
-        const float derivative = FOLD ? model_derivative(sv[j], model_scale, model_inv_cap) : 1.0f;
-        pv[j] = FOLD ? c.p * derivative : c.p;
-        hv[j] = FOLD && !Divergence<MODE>::GRAD_OF_P ? c.h * derivative : c.h;
+        const float2 ph = column_sum<MODE, FOLD, SMALL_B>(sv[j], tv[j], sums, poly);
+        pv[j] = ph.x;
+        hv[j] = ph.y;
       }
       set_t(k, make_float4(hv[0], hv[1], hv[2], hv[3]));
       if (SOFTMAX_IS_P) set_s(k, make_float4(pv[0], pv[1], pv[2], pv[3]));
