@@ -237,8 +237,10 @@ def _padded(s, vt):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _column_block(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly):
-    """A block's float32 sums of column32's a, b, precise and w; p and h written over the exps."""
+def _column_block(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, w_p, k_dz):
+    """A block's float32 sums of column32's a, b, precise and w; written over the exps, p and the
+    gradient's column part, w_p p + k_dz grad_dz(p, h) with the row's a taken as 0 and c as 1
+    (_gradient_columns has the rest)."""
     a = b = precise = weights = F32(0.0)
     for j in range(len(s)):
         pj, qj = p[j] * inv_z, h[j] * inv_t
@@ -248,7 +250,7 @@ def _column_block(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly):
         precise += dp
         weights += dw
         p[j] = pj
-        h[j] = hj
+        h[j] = w_p * pj + k_dz * grad_dz(pj, hj, F32(0.0), mode, F32(1.0))
     return a, b, precise, weights
 
 
@@ -261,7 +263,7 @@ _PREFETCH_BLOCK = 128
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _column_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_next):
+def _column_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, w_p, k_dz, s_next, t_next):
     """The row's sums (float64) of column32's terms, a block at a time, each block's columns of
     the next row's logits s_next, t_next prefetched first (_next_row's), so that they are in the
     cache when that row's statistics take them: the row's own column math hides their way from
@@ -275,7 +277,7 @@ def _column_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_n
             prefetch(s_next, k)
             prefetch(t_next, k)
         da, db, dp, dw = _column_block(s[lo:end], t[lo:end], p[lo:end], h[lo:end], inv_z, inv_t, mode, small_b, row,
-                                       poly)
+                                       poly, w_p, k_dz)
         a += da
         b += db
         precise += dp
@@ -284,16 +286,16 @@ def _column_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_n
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _row_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, s_next, t_next):
+def _row_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, w_p, k_dz, s_next, t_next):
     """_column_sums with the mode and small_b constants: a loop of its own for each (column32's
     branches on them would be if-converted in one loop, and every divergence pay for all)."""
     if mode == FORWARD_KL:
-        return _column_sums(s, t, p, h, inv_z, inv_t, FORWARD_KL, False, row, poly, s_next, t_next)
+        return _column_sums(s, t, p, h, inv_z, inv_t, FORWARD_KL, False, row, poly, w_p, k_dz, s_next, t_next)
     if mode == REVERSE_KL:
-        return _column_sums(s, t, p, h, inv_z, inv_t, REVERSE_KL, False, row, poly, s_next, t_next)
+        return _column_sums(s, t, p, h, inv_z, inv_t, REVERSE_KL, False, row, poly, w_p, k_dz, s_next, t_next)
     if small_b:
-        return _column_sums(s, t, p, h, inv_z, inv_t, JSD, True, row, poly, s_next, t_next)
-    return _column_sums(s, t, p, h, inv_z, inv_t, JSD, False, row, poly, s_next, t_next)
+        return _column_sums(s, t, p, h, inv_z, inv_t, JSD, True, row, poly, w_p, k_dz, s_next, t_next)
+    return _column_sums(s, t, p, h, inv_z, inv_t, JSD, False, row, poly, w_p, k_dz, s_next, t_next)
 
 
 @numba.njit(fastmath=FAST)
@@ -307,32 +309,45 @@ def _next_row(s, t, i, z_cols, t_i):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _gradient_block(s, p, h, kl, mode, c, w_hard, k_soft, softmax_is_p, shift_s, inv_sum_s, model_scale,
-                    model_inv_cap):
-    """A block of G's row (float32), written over h: (w_hard softmax(s) + k_soft dz) times the
-    student model's derivative (dz: grad_dz's, c its factor); softmax(s) is p where softmax_is_p (a
-    constant here), else exp(s - shift_s) / sum_s, as the statistics made it (where exp(s - lse_s)
-    would take lse_s in one float32, off by up to 1e-5 at a logsumexp of 160). (The derivative is
-    model_derivative's written in float32: its float64 1.0 would widen the loop's lanes.)"""
+def _gradient_block(s, p, h, k_a, w_hard, softmax_is_p, shift_s, inv_sum_s, model_scale, model_inv_cap):
+    """A block of G's row (float32), written over h: the column part less k_a p, plus w_hard
+    softmax(s) where the column pass did not take it as p (softmax_is_p, a constant here), times
+    the student model's derivative. softmax(s) = exp(s - shift_s) / sum_s, as the statistics made
+    it (where exp(s - lse_s) would take lse_s in one float32, off by up to 1e-5 at a logsumexp of
+    160). (The derivative is model_derivative's written in float32: its float64 1.0 would widen
+    the loop's lanes.)"""
     for j in range(len(s)):
         x = s[j]
-        softmax = p[j] if softmax_is_p else exp32(x - shift_s) * inv_sum_s
+        g = h[j] - k_a * p[j]
+        if not softmax_is_p:
+            g += w_hard * exp32(x - shift_s) * inv_sum_s
         zc = x * model_inv_cap
-        h[j] = (w_hard * softmax + k_soft * grad_dz(p[j], h[j], kl, mode, c)) * (model_scale * (F32(1.0) - zc * zc))
+        h[j] = g * (model_scale * (F32(1.0) - zc * zc))
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _gradient_columns(s, p, h, kl, mode, c, w_hard, k_soft, softmax_is_p, shift_s, inv_sum_s, model_scale,
-                      model_inv_cap, G):
-    """G's row, a block at a time: _gradient_block's over h, then copied to G, which may be s's
-    memory. (Written straight to G, a loop over s and G in one memory was scalar: LLVM's check
-    that a store does not overlap a later load finds them overlapping, and takes its scalar loop;
-    the row then took 5.5 ms more at 512 rows of 32000.)"""
+def _gradient_columns(s, p, h, k_a, w_hard, softmax_is_p, shift_s, inv_sum_s, model_scale, model_inv_cap, G):
+    """G's row (float32): (w_hard softmax(s) + k_soft dz) times the student model's derivative.
+    dz is linear in the row's a (grad_dz's p - q, or c p (h - a)): the column pass wrote the rest
+    over h (_column_block, with the hard term where softmax(s) is p), so that here G is that less
+    k_a p (k_a = k_soft c a; 0 in forward KL). G may be s's memory. Where softmax(s) is p and the
+    logits are no model's, the loop reads neither; else it runs a block at a time over h, then
+    copies the block to G (written straight to G, a loop over s and G in one memory was scalar:
+    LLVM's check that a store does not overlap a later load finds them overlapping, and takes its
+    scalar loop; the row then took 5.5 ms more at 512 rows of 32000)."""
+    if softmax_is_p and model_scale == F32(1.0) and model_inv_cap == F32(0.0):
+        for j in range(len(G)):
+            G[j] = h[j] - k_a * p[j]
+        return
     for lo in range(0, len(G), _BLOCK):
         end = lo + _BLOCK
         h_block = h[lo:end]
-        _gradient_block(s[lo:end], p[lo:end], h_block, kl, mode, c, w_hard, k_soft, softmax_is_p, shift_s, inv_sum_s,
-                        model_scale, model_inv_cap)
+        if softmax_is_p:
+            _gradient_block(s[lo:end], p[lo:end], h_block, k_a, w_hard, True, shift_s, inv_sum_s, model_scale,
+                            model_inv_cap)
+        else:
+            _gradient_block(s[lo:end], p[lo:end], h_block, k_a, w_hard, False, shift_s, inv_sum_s, model_scale,
+                            model_inv_cap)
         G[lo:end] = h_block[:len(G[lo:end])]
 
 
@@ -370,6 +385,8 @@ def _kernels(sources):
         row_poly = (poly[0], poly[1], poly[2], poly[3], poly[4], poly[5], poly[6], poly[7], poly[8], poly[9], poly[10],
                     poly[11], poly[12], poly[13], poly[14], poly[15], poly[16], poly[17])
         b, beta32, one_minus_beta32 = F32(soft_b), F32(beta), F32(one_minus_beta)
+        k_soft, m_scale, m_inv_cap = F32(w_soft_over_t), F32(model_scale), F32(model_inv_cap)
+        c_dz = one_minus_beta32 if mode == JSD else F32(1.0)  # grad_dz's
         none = np.empty(0, np.float32)
         for i in numba.prange(n):
             s_i, t_i, y = s[i], t[i], target[i]
@@ -388,9 +405,12 @@ def _kernels(sources):
                 if not math.isfinite(h_ref):  # (a teacher logit of -inf there: the divergence is inf)
                     diff_ref, h_ref = F32(0.0), -c
             row = (F32(c), scale, diff_ref, beta > 0.5, beta32, one_minus_beta32, b)
+            # the gradient's column part (_column_block): softmax(s) is p where z is s, and its hard
+            # term then goes in with the column's
+            w_p = F32(w_hard) if same_z else F32(0.0)
             s_next, t_next = _next_row(s, t, i, z_cols, t_i)
             a, b_sum, precise, weights = _row_sums(z_cols, t_i, p, h, F32(1.0 / sum_z), F32(1.0 / sum_t), mode,
-                                                   b < SMALL_B_BELOW, row, row_poly, s_next, t_next)
+                                                   b < SMALL_B_BELOW, row, row_poly, w_p, k_soft * c_dz, s_next, t_next)
             target_logit = np.float64(s_i[y]) if y >= 0 else 0.0
             ce[i] = lse_s - target_logit
             jsd[i] = soft_of_sums(a, b_sum, precise, weights, mode, beta, h_ref)
@@ -398,15 +418,9 @@ def _kernels(sources):
                 apart = _label_apart(y, target_logit, lse_s)
                 label_derivative = _model_derivative(s_i[y], model_scale, model_inv_cap) if y >= 0 else 1.0
                 label_terms[i] = -w_hard * label_derivative if apart else 0.0
-                kl, k_soft, inv_sum_s = F32(a), F32(w_soft_over_t), F32(1.0 / sum_s)
-                m_scale, m_inv_cap = F32(model_scale), F32(model_inv_cap)
-                c_dz = one_minus_beta32 if mode == JSD else F32(1.0)  # grad_dz's
-                if same_z:
-                    _gradient_columns(s_i, p, h, kl, mode, c_dz, F32(w_hard), k_soft, True, shift_s, inv_sum_s,
-                                      m_scale, m_inv_cap, G[i])
-                else:
-                    _gradient_columns(s_i, p, h, kl, mode, c_dz, F32(w_hard), k_soft, False, shift_s, inv_sum_s,
-                                      m_scale, m_inv_cap, G[i])
+                k_a = F32(0.0) if mode == FORWARD_KL else k_soft * c_dz * F32(a)
+                inv_sum_s = F32(1.0 / sum_s)
+                _gradient_columns(s_i, p, h, k_a, F32(w_hard), same_z, shift_s, inv_sum_s, m_scale, m_inv_cap, G[i])
                 if y >= 0 and not apart:
                     G[i, y] -= w_hard * label_derivative
 
