@@ -387,6 +387,9 @@ def _kernels(sources):
         b, beta32, one_minus_beta32 = F32(soft_b), F32(beta), F32(one_minus_beta)
         k_soft, m_scale, m_inv_cap = F32(w_soft_over_t), F32(model_scale), F32(model_inv_cap)
         c_dz = one_minus_beta32 if mode == JSD else F32(1.0)  # grad_dz's
+        # the gradient's column part (_column_block): softmax(s) is p where z is s, and its hard term
+        # then goes in with the column's
+        w_p = F32(w_hard) if same_z else F32(0.0)
         none = np.empty(0, np.float32)
         for i in numba.prange(n):
             s_i, t_i, y = s[i], t[i], target[i]
@@ -405,9 +408,6 @@ def _kernels(sources):
                 if not math.isfinite(h_ref):  # (a teacher logit of -inf there: the divergence is inf)
                     diff_ref, h_ref = F32(0.0), -c
             row = (F32(c), scale, diff_ref, beta > 0.5, beta32, one_minus_beta32, b)
-            # the gradient's column part (_column_block): softmax(s) is p where z is s, and its hard
-            # term then goes in with the column's
-            w_p = F32(w_hard) if same_z else F32(0.0)
             s_next, t_next = _next_row(s, t, i, z_cols, t_i)
             a, b_sum, precise, weights = _row_sums(z_cols, t_i, p, h, F32(1.0 / sum_z), F32(1.0 / sum_t), mode,
                                                    b < SMALL_B_BELOW, row, row_poly, w_p, k_soft * c_dz, s_next, t_next)
