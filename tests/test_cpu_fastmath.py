@@ -80,7 +80,7 @@ def test_mixture_log_polynomial_is_good_to_float32(b):
     column of mixture weight b meets, u in [(b - 1) / (b + 1), 0], evaluated as the fused kernel
     does (mixture_log_of, float32): within a few float32 roundings of float64's, relative."""
     from jsdgpu.cpu import divergences
-    _, coefficients = divergences.precise_terms(1, b)  # (Divergence.JSD)
+    _, coefficients = divergences.precise_terms(divergences.JSD, b)
     log_of = numba.njit(fastmath=fastmath.FAST)(lambda poly, u: divergences.mixture_log_of(poly, u))
     u = np.linspace((b - 1) / (b + 1), 0.0, 20001)[:-1].astype(np.float32)
     got = np.array([log_of(coefficients, x) for x in u], np.float64)

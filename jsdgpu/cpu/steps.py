@@ -7,8 +7,8 @@ import numpy as np
 from .. import checks
 from ..backend import HeldG, Rows
 from ..options import divisor
-from .products import matmul, own_threads
 from .fastmath import LINE
+from .products import matmul, own_threads
 from .rows import model_derivative
 
 
