@@ -103,19 +103,25 @@ def mixture_log_poly(b):
 
 
 @numba.njit(fastmath=FAST, inline="always")
+def _horner9(poly, first, x):
+    """The polynomial of the nine float32 coefficients poly[first:first + 9] (of x^0 .. x^8) at
+    x, by Horner (first: a constant where it is inlined)."""
+    return ((((((((poly[first + 8] * x + poly[first + 7]) * x + poly[first + 6]) * x + poly[first + 5]) * x
+                 + poly[first + 4]) * x + poly[first + 3]) * x + poly[first + 2]) * x + poly[first + 1]) * x
+            + poly[first])
+
+
+@numba.njit(fastmath=FAST, inline="always")
 def mixture_log_of(poly, u):
     """ln((1 + u) / (1 - u)) by L (mixture_log_poly) of the nine float32 coefficients past P's in
-    poly (precise_terms'), by Horner in u^2."""
-    x = u * u
-    return u * ((((((((poly[17] * x + poly[16]) * x + poly[15]) * x + poly[14]) * x + poly[13]) * x + poly[12]) * x
-                  + poly[11]) * x + poly[10]) * x + poly[9])
+    poly (precise_terms'), in u^2."""
+    return u * _horner9(poly, 9, u * u)
 
 
 @numba.njit(fastmath=FAST, inline="always")
 def soft_poly_of(poly, d):
-    """P(d) (soft_poly.py) of the nine float32 coefficients, by Horner."""
-    return ((((((((poly[8] * d + poly[7]) * d + poly[6]) * d + poly[5]) * d + poly[4]) * d + poly[3]) * d
-               + poly[2]) * d + poly[1]) * d + poly[0])
+    """P(d) (soft_poly.py) of the first nine float32 coefficients of poly."""
+    return _horner9(poly, 0, d)
 
 
 @numba.njit(fastmath=FAST, inline="always")
