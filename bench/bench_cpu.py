@@ -92,11 +92,16 @@ def _large_blocks_mapped():
     own, returned to the system when freed. glibc otherwise raises that threshold to the largest
     block freed, so that the timed steps' blocks came from its heap and stayed resident once freed:
     the measured step then reused them, and its peak beyond the resident memory before it read 0
-    MiB (jsdgpu at T = 512, in two runs of three)."""
+    MiB (jsdgpu at T = 512, in two runs of three). And the heap's free memory goes back to the
+    system (malloc_trim): what the warm-up steps freed there, or Numba's compilation of the kernels
+    in a process with no cache, was still resident, and the step reused it (0 MiB again, at T =
+    512, V = 32000 in every process with a cold cache; 68.5 MiB with the trim, as with a warm one)."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+        libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc
-        pass
+        return
+    libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+    libc.malloc_trim(0)
 
 
 def measure(impl, T, V, repeats, budget_mib=None):
