@@ -296,6 +296,42 @@ def test_cpu_split_products_run_openblas_on_one_thread_and_set_it_back(rng, monk
         set_threads(before)
 
 
+def test_cpu_add_product_adds_by_sgemm_where_numpys_products_are_the_calls(rng, monkeypatch):
+    """add_product: out += a @ b for a padded G's transposed view and a chunk's inputs, as
+    grad_products takes them, within float32 rounding of float64: outside a call, and in a call
+    whose products are split (three threads) or not. False, out untouched, where another BLAS
+    runs the call's products (through), or where the call has run no product yet."""
+    from jsdgpu.cpu import products
+    if products.numpys_sgemm() is None:
+        pytest.skip("NumPy's BLAS here is not an OpenBLAS that jsdgpu reaches")
+    G = np.zeros((5, 40), np.float32)[:, :37]  # [rows, V] in a buffer of padded rows
+    G[...] = rng.standard_normal(G.shape)
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    start = rng.standard_normal((37, 3)).astype(np.float32)
+    want = start.astype(np.float64) + G.T.astype(np.float64) @ x
+
+    def added():
+        out = start.copy()
+        done = products.add_product(G.T, x, out)
+        if done:
+            assert np.abs(out - want).max() <= 1e-6 * np.abs(want).max()
+        else:
+            assert (out == start).all()
+        return done
+    assert added()
+    monkeypatch.setattr(products, "PARALLEL_FROM", 100)
+    for threads, first_rows, split in ((3, 40, True), (3, 2, False), (1, 40, False)):
+        monkeypatch.setattr(products, "get_num_threads", lambda: threads)
+        with products.own_threads():
+            assert not added()  # (nothing decided yet)
+            call = products._MATMUL.get().__self__
+            call.matmul(np.ones((first_rows, 4), np.float32), np.ones((4, 3), np.float32),
+                        np.empty((first_rows, 3), np.float32))
+            assert call.split == split and added()
+    with products.through(lambda a, b, out: np.matmul(a, b, out=out)):
+        assert not added()
+
+
 def test_cpu_call_splits_all_its_products_or_none(monkeypatch):
     """A call's first product decides for all of its products: split where one of its arrays
     holds PARALLEL_FROM values or more (where the row kernels run on Numba's threads), else

@@ -1,5 +1,6 @@
 """The CPU backend's matrix products, in one place: NumPy's matmul (its BLAS, OpenBLAS in NumPy's
-wheels), or, inside `through(fn)`, fn's. The torch front end's calls on CPU tensors take the
+wheels), or, inside `through(fn)`, fn's; and a product added into its output (`add_product`: a
+chunk's part of grad_weight), by OpenBLAS's sgemm where NumPy's products are the call's. The torch front end's calls on CPU tensors take the
 faster of torch's BLAS (MKL in PyTorch's x86 wheels) and NumPy's, by a trial product once a
 process (`faster_of`, from jsdgpu.torch_bridge.current_stream): which one is faster depends on
 the machine (docs/design.md, "The CPU backend").
@@ -55,10 +56,17 @@ def split_matmul(a, b, out):
     """out = a @ b in as many pieces as Numba has threads (its larger dimension cut into
     near-equal parts), each by NumPy's matmul with OpenBLAS on one thread, one piece on this
     thread and the others on our pool's."""
+    return _split(lambda x, y, z: np.matmul(x, y, out=z), a, b, out)
+
+
+def _split(product, a, b, out):
+    """product(x, y, z) over the pieces of out = a @ b (split_matmul's), one piece on this thread
+    and the others on our pool's, with OpenBLAS on one thread; out is returned."""
     m, n = out.shape
     pieces = get_num_threads()
     if pieces < 2:
-        return np.matmul(a, b, out=out)
+        product(a, b, out)
+        return out
     edges = np.linspace(0, max(m, n), pieces + 1).astype(int)
     if m >= n:
         parts = [(a[i:j], b, out[i:j]) for i, j in zip(edges[:-1], edges[1:])]
@@ -66,11 +74,40 @@ def split_matmul(a, b, out):
         parts = [(a, b[:, i:j], out[:, i:j]) for i, j in zip(edges[:-1], edges[1:])]
     pool = _pool(pieces - 1, os.getpid())
     with _openblas_on_one_thread():
-        futures = [pool.submit(np.matmul, x, y, out=z) for x, y, z in parts[1:]]
-        np.matmul(*parts[0][:2], out=parts[0][2])
+        futures = [pool.submit(product, *part) for part in parts[1:]]
+        product(*parts[0])
         for f in futures:
             f.result()
     return out
+
+
+def add_product(a, b, out):
+    """out += a @ b (float32 2-D arrays, a view of either transposed; out's rows contiguous) by
+    the sgemm of NumPy's OpenBLAS with beta 1, where NumPy's products are the call's (split as
+    its others are): no product of its own to add, and no pass over out to add it (a chunk's part
+    of grad_weight, formed a block at a time and added, took 19.2 ms against 12.3 at 32 rows of
+    V = 128256, H = 256; docs/design.md, "The CPU backend"). False, with nothing done, where
+    another BLAS runs the call's products or NumPy's sgemm is not reached."""
+    sgemm, out_layout = numpys_sgemm(), _layout(out)
+    if sgemm is None or _layout(a) is None or _layout(b) is None or out_layout is None or out_layout[0]:
+        return False
+    fn = _MATMUL.get()
+    if fn is None:  # outside a call: OpenBLAS's own threads
+        sgemm(a, b, out)
+        return True
+    call = getattr(fn, "__self__", None)
+    return isinstance(call, _CallProducts) and call.add(a, b, out)
+
+
+def _layout(x):
+    """(transposed, leading dimension) of a float32 2-D array as BLAS takes it (a row-major
+    matrix or its transposed view), or None."""
+    rows, cols = x.shape
+    if x.strides[1] == 4 and x.strides[0] >= 4 * max(1, cols):
+        return False, x.strides[0] // 4
+    if x.strides[0] == 4 and x.strides[1] >= 4 * max(1, rows):
+        return True, x.strides[1] // 4
+    return None
 
 
 @functools.lru_cache(maxsize=4)
@@ -81,8 +118,8 @@ def _pool(workers, pid):
 
 
 @functools.lru_cache(maxsize=1)
-def numpys_openblas():
-    """(set_num_threads, get_num_threads) of the OpenBLAS NumPy loaded (found among the process's
+def _numpys_openblas_library():
+    """(the OpenBLAS NumPy loaded, its symbols' prefix and suffix) (found among the process's
     mapped libraries, in NumPy's folders: Linux), or None (another BLAS, or another system)."""
     try:
         maps = pathlib.Path("/proc/self/maps").read_text()
@@ -92,13 +129,51 @@ def numpys_openblas():
     for path in sorted({p for p in re.findall(r"(/\S*openblas\S*\.so\S*)", maps) if p.startswith(numpy_folder)}):
         lib = ctypes.CDLL(path)
         for prefix, suffix in (("scipy_openblas", "64_"), ("scipy_openblas", ""), ("openblas", "64_"), ("openblas", "")):
-            set_threads = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
-            get_threads = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
-            if set_threads is not None and get_threads is not None:
-                set_threads.argtypes, set_threads.restype = [ctypes.c_int], None
-                get_threads.restype = ctypes.c_int
-                return set_threads, get_threads
+            if hasattr(lib, f"{prefix}_set_num_threads{suffix}"):
+                return lib, prefix, suffix
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def numpys_openblas():
+    """(set_num_threads, get_num_threads) of the OpenBLAS NumPy loaded, or None."""
+    found = _numpys_openblas_library()
+    if found is None:
+        return None
+    lib, prefix, suffix = found
+    set_threads = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+    get_threads = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+    if set_threads is None or get_threads is None:
+        return None
+    set_threads.argtypes, set_threads.restype = [ctypes.c_int], None
+    get_threads.restype = ctypes.c_int
+    return set_threads, get_threads
+
+
+@functools.lru_cache(maxsize=1)
+def numpys_sgemm():
+    """sgemm_add(a, b, out): out += a @ b by the cblas_sgemm of the OpenBLAS NumPy loaded (its
+    integers 64-bit where its symbols end in 64_), a and b as _layout takes them; or None."""
+    found = _numpys_openblas_library()
+    if found is None:
+        return None
+    lib, prefix, suffix = found
+    fn = getattr(lib, f"{'scipy_' if prefix.startswith('scipy') else ''}cblas_sgemm{suffix}", None)
+    if fn is None:
+        return None
+    index = ctypes.c_int64 if suffix == "64_" else ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, index, index, index, ctypes.c_float, ctypes.c_void_p,
+                   index, ctypes.c_void_p, index, ctypes.c_float, ctypes.c_void_p, index]
+    fn.restype = None
+    row_major, no_trans, trans = 101, 111, 112
+
+    def sgemm_add(a, b, out):
+        (ta, lda), (tb, ldb), (_, ldc) = _layout(a), _layout(b), _layout(out)
+        m, n = out.shape
+        if m and n:
+            fn(row_major, trans if ta else no_trans, trans if tb else no_trans, m, n, a.shape[1], 1.0, a.ctypes.data,
+               lda, b.ctypes.data, ldb, 1.0, out.ctypes.data, ldc)
+    return sgemm_add
 
 
 class _OneThreadBlas:
@@ -156,6 +231,18 @@ class _CallProducts:
         if self.other is not None:
             return self.other(a, b, out)
         return split_matmul(a, b, out) if self.split else np.matmul(a, b, out=out)
+
+    def add(self, a, b, out):
+        """out += a @ b (add_product's) where NumPy's products are the call's, split as they are;
+        False where another BLAS's are (or none ran yet: nothing decided)."""
+        if self.split is None or self.other is not None:
+            return False
+        sgemm = numpys_sgemm()
+        if self.split:
+            _split(sgemm, a, b, out)
+        else:
+            sgemm(a, b, out)
+        return True
 
 
 # the trial product of numpy_is_faster: [rows, H] @ [H, V], its output PARALLEL_FROM values (as a

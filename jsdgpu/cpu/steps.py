@@ -8,7 +8,7 @@ from .. import checks
 from ..backend import HeldG, Rows
 from ..options import divisor
 from .fastmath import LINE
-from .products import matmul, own_threads
+from .products import add_product, matmul, own_threads
 from .rows import model_derivative
 
 
@@ -165,12 +165,13 @@ class CpuSteps:
         grad_input *= rows
         if grads.grad_weight is not None:  # else weight_product makes it
             # 1/N on the chunk's inputs, which are small ([rows, H]): the first chunk writes, the
-            # others add their product, PART_BYTES of the vocabulary's rows at a time (a [V, H]
+            # others add their product, by sgemm's beta 1 where NumPy's BLAS runs the call's
+            # products (add_product), else PARTs of the vocabulary's rows at a time (a [V, H]
             # product would hold the sum's memory twice)
             xs_n = xs.astype(np.float32) * rows
             if start == 0:
                 matmul(G.T, xs_n, grads.grad_weight)
-            else:
+            elif not add_product(G.T, xs_n, grads.grad_weight):
                 if work.part is None:
                     block = max(1, PART_BYTES // (4 * xs.shape[1]))
                     work.part = np.empty((min(block, G.shape[1]), xs.shape[1]), np.float32)
