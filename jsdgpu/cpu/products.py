@@ -1,9 +1,9 @@
 """The CPU backend's matrix products, in one place: NumPy's matmul (its BLAS, OpenBLAS in NumPy's
 wheels), or, inside `through(fn)`, fn's; and a product added into its output (`add_product`: a
-chunk's part of grad_weight), by OpenBLAS's sgemm where NumPy's products are the call's. The torch front end's calls on CPU tensors take the
-faster of torch's BLAS (MKL in PyTorch's x86 wheels) and NumPy's, by a trial product once a
-process (`faster_of`, from jsdgpu.torch_bridge.current_stream): which one is faster depends on
-the machine (docs/design.md, "The CPU backend").
+chunk's part of grad_weight), by OpenBLAS's sgemm where NumPy's products are the call's. The torch
+front end's calls on CPU tensors take the faster of torch's BLAS (MKL in PyTorch's x86 wheels) and
+NumPy's, by a trial product once a process (`faster_of`, from jsdgpu.torch_bridge.current_stream):
+which one is faster depends on the machine (docs/design.md, "The CPU backend").
 
 Inside `own_threads()` (every call of the backend: CpuSteps.on_device), a call whose row kernels
 run on Numba's threads (its first product's arrays past cpu/threads.py's PARALLEL_FROM values)
