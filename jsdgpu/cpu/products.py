@@ -129,7 +129,7 @@ def _numpys_openblas_library():
     for path in sorted({p for p in re.findall(r"(/\S*openblas\S*\.so\S*)", maps) if p.startswith(numpy_folder)}):
         lib = ctypes.CDLL(path)
         for prefix, suffix in (("scipy_openblas", "64_"), ("scipy_openblas", ""), ("openblas", "64_"), ("openblas", "")):
-            if hasattr(lib, f"{prefix}_set_num_threads{suffix}"):
+            if all(hasattr(lib, f"{prefix}_{name}_num_threads{suffix}") for name in ("set", "get")):
                 return lib, prefix, suffix
     return None
 
@@ -141,10 +141,7 @@ def numpys_openblas():
     if found is None:
         return None
     lib, prefix, suffix = found
-    set_threads = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
-    get_threads = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
-    if set_threads is None or get_threads is None:
-        return None
+    set_threads, get_threads = (getattr(lib, f"{prefix}_{name}_num_threads{suffix}") for name in ("set", "get"))
     set_threads.argtypes, set_threads.restype = [ctypes.c_int], None
     get_threads.restype = ctypes.c_int
     return set_threads, get_threads
