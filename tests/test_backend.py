@@ -389,21 +389,51 @@ def test_cpu_call_through_another_blas_takes_the_faster(monkeypatch):
         products.numpy_is_faster.cache_clear()
 
 
-def test_cpu_loss_with_every_product_split(rng, monkeypatch):
+@pytest.mark.parametrize("transposed", [True, False])
+def test_cpu_loss_with_every_product_split(rng, monkeypatch, transposed):
     """A call whose products are all split (PARALLEL_FROM 0 for the products, three pieces),
-    with a bias, ignored rows and two chunks, against the float64 reference."""
+    with a bias, ignored rows and two chunks, against the float64 reference: its logits products
+    (chunks of few rows) transposed where the trial finds that faster, else as NumPy calls them."""
     import jsdgpu
     from conftest import assert_near_float64, make_case
     from jsdgpu.cpu import products
-    if products.numpys_openblas() is None:
+    if products.numpys_sgemm() is None:
         pytest.skip("NumPy's BLAS here is not an OpenBLAS that jsdgpu reaches: its calls split nothing")
     monkeypatch.setattr(products, "get_num_threads", lambda: 3)
     monkeypatch.setattr(products, "PARALLEL_FROM", 0)
-    split = []
-    split_matmul = products.split_matmul
+    monkeypatch.setattr(products, "TRANSPOSED_PIECE", 100)
+    monkeypatch.setattr(products, "transposed_is_faster", lambda: transposed)
+    split, by_pieces = [], []
+    split_matmul, transposed_product = products.split_matmul, products._transposed_product
     monkeypatch.setattr(products, "split_matmul", lambda a, b, out: split.append(1) or split_matmul(a, b, out))
+    monkeypatch.setattr(products, "_transposed_product",
+                        lambda a, b, out: by_pieces.append(1) or transposed_product(a, b, out))
     case = make_case(rng, T=29, hs=16, ht=24, vs=1031, vt=1033, bias=True, ignored=0.2)
     opts = dict(beta=0.3, temperature=1.7)
     loss, ctx = jsdgpu.forward(**case, chunk_size=16, **opts)
     assert_near_float64(case, "float32", opts, loss, ctx.hard_loss, ctx.soft_loss, jsdgpu.backward(ctx))
-    assert len(split) >= 6  # both chunks' two logits products and grad_input's, and grad_weight's
+    # both chunks' two logits products (three pieces each where transposed), grad_input's and
+    # grad_weight's
+    assert len(by_pieces) == (12 if transposed else 0) and len(split) + len(by_pieces) // 3 >= 6
+
+
+@pytest.mark.parametrize("rows, cols, piece", [(1, 1031, 100), (29, 1031, 100), (64, 250, 1000), (7, 300, 300),
+                                              (65, 300, 128)])
+def test_cpu_transposed_product(rng, monkeypatch, rows, cols, piece):
+    """_transposed_product: out = a @ W.T, a piece of W's rows at a time (pieces that end short
+    of the columns, or one piece), within float32 rounding of float64; transposable only for few rows, W.T a transposed view and out's rows
+    contiguous. The trial answers a bool."""
+    from jsdgpu.cpu import products
+    if products.numpys_sgemm() is None:
+        pytest.skip("NumPy's BLAS here is not an OpenBLAS that jsdgpu reaches")
+    monkeypatch.setattr(products, "TRANSPOSED_PIECE", piece)
+    a = rng.standard_normal((rows, 19)).astype(np.float32)
+    w = rng.standard_normal((cols, 19)).astype(np.float32)
+    out = np.zeros((rows, cols + 5), np.float32)[:, :cols]  # (rows in a buffer of padded rows)
+    assert products._transposable(a, w.T, out) == (rows <= 64 < cols)
+    assert not products._transposable(a, np.ascontiguousarray(w.T), out)
+    assert not products._transposable(a, w.T, np.empty((cols, rows), np.float32).T)
+    assert products._transposed_product(a, w.T, out) is out
+    want = a.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max()
+    assert products.transposed_is_faster() in (True, False)

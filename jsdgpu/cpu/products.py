@@ -93,7 +93,7 @@ def add_product(a, b, out):
         return False
     fn = _MATMUL.get()
     if fn is None:  # outside a call: OpenBLAS's own threads
-        sgemm(a, b, out)
+        sgemm(a, b, out, 1.0)
         return True
     call = getattr(fn, "__self__", None)
     return isinstance(call, _CallProducts) and call.add(a, b, out)
@@ -149,8 +149,9 @@ def numpys_openblas():
 
 @functools.lru_cache(maxsize=1)
 def numpys_sgemm():
-    """sgemm_add(a, b, out): out += a @ b by the cblas_sgemm of the OpenBLAS NumPy loaded (its
-    integers 64-bit where its symbols end in 64_), a and b as _layout takes them; or None."""
+    """sgemm(a, b, out, beta): out = a @ b + beta out by the cblas_sgemm of the OpenBLAS NumPy
+    loaded (its integers 64-bit where its symbols end in 64_), a and b as _layout takes them; or
+    None."""
     found = _numpys_openblas_library()
     if found is None:
         return None
@@ -164,13 +165,13 @@ def numpys_sgemm():
     fn.restype = None
     row_major, no_trans, trans = 101, 111, 112
 
-    def sgemm_add(a, b, out):
+    def sgemm(a, b, out, beta):
         (ta, lda), (tb, ldb), (_, ldc) = _layout(a), _layout(b), _layout(out)
         m, n = out.shape
         if m and n:
             fn(row_major, trans if ta else no_trans, trans if tb else no_trans, m, n, a.shape[1], 1.0, a.ctypes.data,
-               lda, b.ctypes.data, ldb, 1.0, out.ctypes.data, ldc)
-    return sgemm_add
+               lda, b.ctypes.data, ldb, beta, out.ctypes.data, ldc)
+    return sgemm
 
 
 class _OneThreadBlas:
@@ -227,19 +228,80 @@ class _CallProducts:
                               and max(a.size, b.size, out.size) >= PARALLEL_FROM)
         if self.other is not None:
             return self.other(a, b, out)
-        return split_matmul(a, b, out) if self.split else np.matmul(a, b, out=out)
+        if not self.split:
+            return np.matmul(a, b, out=out)
+        if _transposable(a, b, out) and transposed_is_faster():
+            return _split(_transposed_product, a, b, out)
+        return split_matmul(a, b, out)
 
     def add(self, a, b, out):
         """out += a @ b (add_product's) where NumPy's products are the call's, split as they are;
         False where another BLAS's are (or none ran yet: nothing decided)."""
         if self.split is None or self.other is not None:
             return False
-        sgemm = numpys_sgemm()
+        sgemm_add = functools.partial(numpys_sgemm(), beta=1.0)
         if self.split:
-            _split(sgemm, a, b, out)
+            _split(sgemm_add, a, b, out)
         else:
-            sgemm(a, b, out)
+            sgemm_add(a, b, out)
         return True
+
+
+# A split logits product of at most this many rows (a chunk's, where the default budget's chunks
+# are short: V = 128256 and T up to about 1000) runs transposed where the trial finds that faster
+# (transposed_is_faster), TRANSPOSED_PIECE of the vocabulary's rows at a time, whose [piece, rows]
+# buffer (1 MiB at 64 rows) stays in the core's cache
+TRANSPOSED_UP_TO = 64
+TRANSPOSED_PIECE = 4096
+
+
+def _transposable(a, b, out):
+    """Whether out = a @ b is a product of few rows that _transposed_product takes: out's rows
+    contiguous, b a row-major matrix's transposed view (the LM head's W.T), and a as BLAS takes
+    it."""
+    rows, cols = out.shape
+    return (rows <= TRANSPOSED_UP_TO < cols and numpys_sgemm() is not None and _layout(a) is not None
+            and _layout(b) == (True, b.strides[1] // 4) and _layout(out) == (False, out.strides[0] // 4))
+
+
+def _transposed_product(a, b, out):
+    """out = a @ b as (b.T @ a.T).T: TRANSPOSED_PIECE of out's columns at a time into a buffer by
+    OpenBLAS's sgemm, then copied into out's columns. On two cores of the Zen 4 EPYC OpenBLAS ran
+    [32, 256] @ [256, 128256] in 20.2 ms so (the copies 1.5 of them) against 25.8 as NumPy calls
+    it, 31.7 against 35.1 at 64 rows, and lost from about 96 rows, the same bits (docs/design.md,
+    "The CPU backend")."""
+    rows, cols = out.shape
+    sgemm, w = numpys_sgemm(), b.T
+    buffer = np.empty((min(cols, TRANSPOSED_PIECE), rows), np.float32)
+    for start in range(0, cols, TRANSPOSED_PIECE):
+        part = buffer[:min(TRANSPOSED_PIECE, cols - start)]
+        sgemm(w[start:start + len(part)], a.T, part, 0.0)
+        out[:, start:start + len(part)] = part.T  # (NumPy's copy lets go of the GIL: the pieces' run at once)
+    return out
+
+
+def _best_time(fn, *args):
+    """The best of three calls of fn(*args), after one, in seconds."""
+    fn(*args)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@functools.lru_cache(maxsize=1)
+def transposed_is_faster():
+    """Whether the trial's logits product of TRANSPOSED_UP_TO rows ([64, 256] @ [256, 8192], split
+    as a large call's are) ran faster transposed (_transposed_product) than as NumPy calls it, in
+    this process: OpenBLAS's speed at either form is its loop order's, measured on one kind of
+    machine only (about 0.03 s and 10 MB, once)."""
+    rng = np.random.default_rng(0)
+    a = rng.random((TRANSPOSED_UP_TO, 256), np.float32)
+    w = rng.random((8192, 256), np.float32)
+    out = np.empty((len(a), len(w)), np.float32)
+    return _best_time(_split, _transposed_product, a, w.T, out) < _best_time(split_matmul, a, w.T, out)
 
 
 # the trial product of numpy_is_faster: [rows, H] @ [H, V], its output PARALLEL_FROM values (as a
@@ -259,17 +321,7 @@ def numpy_is_faster(other):
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
     out = np.empty((m, n), np.float32)
-    numpy = _CallProducts().matmul
-
-    def best(fn):
-        fn(a, b, out)
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn(a, b, out)
-            times.append(time.perf_counter() - start)
-        return min(times)
-    return best(numpy) < best(other)
+    return _best_time(_CallProducts().matmul, a, b, out) < _best_time(other, a, b, out)
 
 
 def faster_of(other):
