@@ -421,8 +421,8 @@ def test_cpu_loss_with_every_product_split(rng, monkeypatch, transposed):
                                               (65, 300, 128)])
 def test_cpu_transposed_product(rng, monkeypatch, rows, cols, piece):
     """_transposed_product: out = a @ W.T, a piece of W's rows at a time (pieces that end short
-    of the columns, or one piece), within float32 rounding of float64; transposable only for few rows, W.T a transposed view and out's rows
-    contiguous. The trial answers a bool."""
+    of the columns, or one piece), within float32 rounding of float64; transposable only for few
+    rows, W.T a transposed view and out's rows contiguous. The trial answers a bool."""
     from jsdgpu.cpu import products
     if products.numpys_sgemm() is None:
         pytest.skip("NumPy's BLAS here is not an OpenBLAS that jsdgpu reaches")

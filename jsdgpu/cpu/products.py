@@ -1,9 +1,10 @@
 """The CPU backend's matrix products, in one place: NumPy's matmul (its BLAS, OpenBLAS in NumPy's
 wheels), or, inside `through(fn)`, fn's; and a product added into its output (`add_product`: a
-chunk's part of grad_weight), by OpenBLAS's sgemm where NumPy's products are the call's. The torch
-front end's calls on CPU tensors take the faster of torch's BLAS (MKL in PyTorch's x86 wheels) and
-NumPy's, by a trial product once a process (`faster_of`, from jsdgpu.torch_bridge.current_stream):
-which one is faster depends on the machine (docs/design.md, "The CPU backend").
+chunk's part of grad_weight), by OpenBLAS's sgemm where NumPy's products are the call's, which also
+runs a chunk's logits product of few rows transposed where that is faster. The torch front end's
+calls on CPU tensors take the faster of torch's BLAS (MKL in PyTorch's x86 wheels) and NumPy's, by a
+trial product once a process (`faster_of`, from jsdgpu.torch_bridge.current_stream): which one is
+faster depends on the machine (docs/design.md, "The CPU backend").
 
 Inside `own_threads()` (every call of the backend: CpuSteps.on_device), a call whose row kernels
 run on Numba's threads (its first product's arrays past cpu/threads.py's PARALLEL_FROM values)
@@ -93,7 +94,7 @@ def add_product(a, b, out):
         return False
     fn = _MATMUL.get()
     if fn is None:  # outside a call: OpenBLAS's own threads
-        sgemm(a, b, out, 1.0)
+        sgemm(a, b, out, beta=1.0)
         return True
     call = getattr(fn, "__self__", None)
     return isinstance(call, _CallProducts) and call.add(a, b, out)
@@ -212,11 +213,14 @@ class _CallProducts:
     the row kernels run on Numba's threads (smaller, the kernels run on one thread, beside which
     OpenBLAS's spinning threads take no core they need; and a call whose products mixed both
     ways would leave OpenBLAS's threads spinning beside ours). With other (another BLAS's
-    matmul, faster_of's), all by other unless NumPy's ran the trial faster (numpy_is_faster)."""
+    matmul, faster_of's), all by other unless NumPy's ran the trial faster (numpy_is_faster).
+    Split products of few rows run transposed (_transposed_product) where transposed says so, by
+    default where the trial finds that faster (transposed_is_faster)."""
 
-    def __init__(self, other=None):
+    def __init__(self, other=None, transposed=None):
         self.split = None
         self.other = other
+        self.transposed = transposed
 
     def matmul(self, a, b, out):
         if self.split is None:
@@ -230,8 +234,11 @@ class _CallProducts:
             return self.other(a, b, out)
         if not self.split:
             return np.matmul(a, b, out=out)
-        if _transposable(a, b, out) and transposed_is_faster():
-            return _split(_transposed_product, a, b, out)
+        if _transposable(a, b, out):
+            if self.transposed is None:
+                self.transposed = transposed_is_faster()
+            if self.transposed:
+                return _split(_transposed_product, a, b, out)
         return split_matmul(a, b, out)
 
     def add(self, a, b, out):
@@ -260,23 +267,23 @@ def _transposable(a, b, out):
     contiguous, b a row-major matrix's transposed view (the LM head's W.T), and a as BLAS takes
     it."""
     rows, cols = out.shape
+    b_layout, out_layout = _layout(b), _layout(out)
     return (rows <= TRANSPOSED_UP_TO < cols and numpys_sgemm() is not None and _layout(a) is not None
-            and _layout(b) == (True, b.strides[1] // 4) and _layout(out) == (False, out.strides[0] // 4))
+            and b_layout is not None and b_layout[0] and out_layout is not None and not out_layout[0])
 
 
 def _transposed_product(a, b, out):
     """out = a @ b as (b.T @ a.T).T: TRANSPOSED_PIECE of out's columns at a time into a buffer by
     OpenBLAS's sgemm, then copied into out's columns. On two cores of the Zen 4 EPYC OpenBLAS ran
-    [32, 256] @ [256, 128256] in 20.2 ms so (the copies 1.5 of them) against 25.8 as NumPy calls
-    it, 31.7 against 35.1 at 64 rows, and lost from about 96 rows, the same bits (docs/design.md,
-    "The CPU backend")."""
+    [32, 256] @ [256, 128256] in 20.0 ms so against 25.1 as NumPy calls it, 31.5 against 33.4 at
+    64 rows, and lost from about 96 rows, the same bits (docs/design.md, "The CPU backend")."""
     rows, cols = out.shape
     sgemm, w = numpys_sgemm(), b.T
     buffer = np.empty((min(cols, TRANSPOSED_PIECE), rows), np.float32)
     for start in range(0, cols, TRANSPOSED_PIECE):
         part = buffer[:min(TRANSPOSED_PIECE, cols - start)]
-        sgemm(w[start:start + len(part)], a.T, part, 0.0)
-        out[:, start:start + len(part)] = part.T  # (NumPy's copy lets go of the GIL: the pieces' run at once)
+        sgemm(w[start:start + len(part)], a.T, part, beta=0.0)
+        out[:, start:start + len(part)] = part.T  # (NumPy's copy lets go of the GIL: the threads' copies overlap)
     return out
 
 
