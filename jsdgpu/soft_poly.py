@@ -2,7 +2,9 @@
 soft_terms) and the CPU's fused kernel (in nats: jsdgpu/cpu/divergences.py): every divergence's
 soft part is a sum over the columns of w F(d), w a probability and d the log-ratio of the other
 distribution's to it, F second order in d, and on |d| < 1 the kernels form F(d) = d^2 P(d)
-(jsdgpu/cuda/src/row_math.cuh, "one column's terms"; docs/design.md, "Small divergences")."""
+(jsdgpu/cuda/src/row_math.cuh, "one column's terms"; docs/design.md, "Small divergences"). Beside
+it, the gradient's: on |d| < 1 the kernels form the part of a column's gradient that is first
+order in d as d Q(d), not as a difference of two rounded numbers near each other."""
 
 import numpy as np
 
@@ -41,4 +43,30 @@ def soft_poly(divergence, beta):
     divergence = Divergence(divergence)
     nodes = np.cos(np.pi * (np.arange(64) + 0.5) / 64)
     values = soft_term(divergence, mixture_weight(divergence, beta), nodes)
+    return np.polynomial.chebyshev.cheb2poly(np.polynomial.chebyshev.chebfit(nodes, values, SOFT_POLY_TERMS - 1))
+
+
+def grad_term(divergence, b, d):
+    """Q(d) in float64: forward KL's (e^d - 1) / d, whose gradient is p - q = -p d Q(d); the
+    JSD's ln(1 + b (e^d - 1)) / d, the mixture's log relative to the weight distribution, ln(m /
+    w), of which its gradient's h is formed; 1 for reverse KL (unused: its h is the logits'
+    difference)."""
+    d = np.asarray(d, np.float64)
+    if divergence == Divergence.FORWARD_KL:
+        return np.expm1(d) / d
+    if divergence == Divergence.JSD:
+        return np.log1p(b * np.expm1(d)) / d
+    return np.ones_like(d)
+
+
+def grad_poly(divergence, beta):
+    """Q's coefficients of d^0 .. d^8 in float64 (d in nats), with d Q(d) = forward KL's e^d - 1
+    or the JSD's ln(m / w) on |d| < 1 (grad_term): a Chebyshev fit at 64 nodes, as soft_poly's
+    (the JSD's nearest singularity, where 1 + b (e^d - 1) = 0, is pi or more away), good to
+    float32's rounding (tests/test_cuda_sources.py). Formed so, a small divergence's gradient is
+    right to float32 relative to itself: from the rounded p and q, p - q and ln(p / m) lost to
+    their roundings what they are smaller than 1 (at beta 1e-6, the whole gradient)."""
+    divergence = Divergence(divergence)
+    nodes = np.cos(np.pi * (np.arange(64) + 0.5) / 64)
+    values = grad_term(divergence, mixture_weight(divergence, beta), nodes)
     return np.polynomial.chebyshev.cheb2poly(np.polynomial.chebyshev.chebfit(nodes, values, SOFT_POLY_TERMS - 1))

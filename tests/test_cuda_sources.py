@@ -110,7 +110,7 @@ def test_soft_polynomial_is_good_to_float32(divergence, beta, unit):
     from jsdgpu.options import Divergence
     b = soft_poly.mixture_weight(divergence, beta)
     if unit == "bits":
-        _, *coeffs = sources.soft_terms(Divergence(divergence), beta)
+        coeffs = sources.soft_terms(Divergence(divergence), beta)[1:1 + soft_poly.SOFT_POLY_TERMS]
         per_unit = np.log(2.0)
     else:
         coeffs = soft_poly.soft_poly(divergence, beta).astype(np.float32)
@@ -129,6 +129,38 @@ def test_soft_polynomial_is_good_to_float32(divergence, beta, unit):
     y = b * np.expm1(far)
     plain = phi if divergence != 1 else b * phi - ((1 + y) * np.log1p(y) - y)
     np.testing.assert_allclose(soft_poly.soft_term(Divergence(divergence), b, far) * far**2, plain, rtol=1e-9)
+
+
+@pytest.mark.parametrize("divergence,beta", [(0, 0.0), (1, 0.5), (1, 0.3), (1, 0.9), (1, 1.0 / 6.0), (1, 1e-6),
+                                             (1, 1.0 - 1e-6)])
+@pytest.mark.parametrize("unit", ["bits", "nats"])
+def test_gradient_polynomial_is_good_to_float32(divergence, beta, unit):
+    """The gradient's d Q(d) on |d| < 1 (forward KL's e^d - 1, the JSD's ln(m / w); row_math.cuh's
+    SoftPoly) as the kernels take it, in bits (sources.soft_terms: 2^d2 - 1 and log2(m / w)) and
+    in nats (soft_poly.grad_poly in float32, the CPU's), evaluated as they do (Horner in float32),
+    against float64's expm1 and log1p: within a few float32 roundings, relative, down to d = 0."""
+    import numpy as np
+    from jsdgpu import soft_poly
+    from jsdgpu.options import Divergence
+    b = soft_poly.mixture_weight(divergence, beta)
+    if unit == "bits":
+        coeffs = sources.soft_terms(Divergence(divergence), beta)[1 + soft_poly.SOFT_POLY_TERMS:]
+        per_unit = np.log(2.0)
+    else:
+        coeffs = soft_poly.grad_poly(divergence, beta).astype(np.float32)
+        per_unit = 1.0
+    assert len(coeffs) == soft_poly.SOFT_POLY_TERMS
+    d = np.concatenate([np.linspace(-1.0, 1.0, 4001), [-1e-7, 1e-7]])
+    d = d[d != 0.0]
+    du = (d / per_unit).astype(np.float32)
+    acc = np.full(d.shape, coeffs[-1], np.float32)
+    for c in coeffs[-2::-1]:
+        acc = (acc * du + c).astype(np.float32)
+    got = acc.astype(np.float64) * du.astype(np.float64)
+    x = du.astype(np.float64) * per_unit  # d in nats
+    # 2^d2 - 1 is e^d - 1; log2(m / w) is ln(m / w) / ln 2
+    want = np.expm1(x) if divergence == 0 else np.log1p(b * np.expm1(x)) / per_unit
+    assert np.max(np.abs(got / want - 1)) <= 4e-7
 
 
 def test_tanh_polynomial_within_2_ulp():

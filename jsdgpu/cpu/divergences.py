@@ -22,10 +22,10 @@ FORWARD_KL, JSD, REVERSE_KL = int(Divergence.FORWARD_KL), int(Divergence.JSD), i
 def column(lp, lq, p, q, mode, one_minus_beta, beta):
     """One column's shares of a = sum p (log p - log m) and b = sum q (log q - log m), with m the
     mixture (JSD), p (forward KL) or q (reverse KL), and h, what the gradient needs of the
-    teacher; from the column's log-probabilities lp, lq and probabilities p, q."""
+    teacher (grad_dz's); from the column's log-probabilities lp, lq and probabilities p, q."""
     if mode == FORWARD_KL:
         lm = lp
-        h = q
+        h = p - q  # (float64: right relative to itself for |ln(q / p)| down to about 1e-9)
     elif mode == JSD:
         # log m of m itself (p and q are float64 to a few 1e-16: one log, where log space took an
         # exp and a log1p); where m is not a normal float64, p and q are below 1e-307 and their
@@ -51,11 +51,12 @@ def soft(a, b, mode, beta):
 @numba.njit(fastmath=FAST, inline="always")
 def grad_dz(p, h, a, mode, c):
     """A column's dz, the soft part's gradient in its tempered logit, from its p and h (column's or
-    column32's) and the row's a (its kl; relative in column32's reverse KL): p - q in forward KL
-    (h is q there), else c p (h - a), with the row's c = 1 - beta in the JSD, 1 in reverse KL
-    (each kernel's, in its own precision: a float64 c would take the float32 kernel's gradient
-    loop to float64)."""
-    return p - h if mode == FORWARD_KL else c * p * (h - a)
+    column32's) and the row's a (its kl; relative in column32's reverse KL; in forward KL column32's
+    sum of p - q): p - q in forward KL, h less a p there (the row's p - q sum to 0 but for their
+    roundings, which a takes out: c's float32 rounding shifted every column's d alike), else
+    c p (h - a), with the row's c = 1 - beta in the JSD, 1 in reverse KL (each kernel's, in its own
+    precision: a float64 c would take the float32 kernel's gradient loop to float64)."""
+    return h - a * p if mode == FORWARD_KL else c * p * (h - a)
 
 
 # ---- the fused kernel's column terms, in float32 (jsdgpu/cuda/src/row_math.cuh, column_terms) ----
@@ -80,13 +81,15 @@ MIXTURE_LOG_TERMS = 9  # L's coefficients (mixture_log_poly)
 
 @functools.lru_cache(maxsize=None)
 def precise_terms(divergence, beta):
-    """(b, column32's float32 coefficients): P's nine of its precise sum (soft_poly.py), then L's
-    nine of the JSD's mixture log (mixture_log_poly; zeros for the KLs and for b below
-    SMALL_B_BELOW, whose columns take log32)."""
+    """(b, column32's float32 coefficients): P's nine of its precise sum (soft_poly.py), L's nine
+    of the JSD's mixture log (mixture_log_poly; zeros for the KLs and for b below SMALL_B_BELOW,
+    whose columns take log32), then Q's nine of the gradient's first-order part (soft_poly.py,
+    grad_poly)."""
     b = soft_poly.mixture_weight(divergence, beta)
     # (b in float32, as the kernel tests it: rows.fused_kernel's small_b)
     log_poly = mixture_log_poly(b) if F32(b) >= SMALL_B_BELOW else np.zeros(MIXTURE_LOG_TERMS)
-    return b, np.concatenate([soft_poly.soft_poly(divergence, beta), log_poly]).astype(np.float32)
+    return b, np.concatenate([soft_poly.soft_poly(divergence, beta), log_poly,
+                              soft_poly.grad_poly(divergence, beta)]).astype(np.float32)
 
 
 def mixture_log_poly(b):
@@ -125,14 +128,28 @@ def soft_poly_of(poly, d):
 
 
 @numba.njit(fastmath=FAST, inline="always")
+def grad_poly_of(poly, d):
+    """Q(d) (soft_poly.py, grad_poly) of the last nine float32 coefficients of poly."""
+    return _horner9(poly, 18, d)
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def log1p_small(y):
+    """ln(1 + y) for |y| < 1/10, relative to float32: y (1 - y / 2 + y^2 / 3 - ...), to y^7 / 8."""
+    return y * ((((((F32(1 / 7) * y - F32(1 / 6)) * y + F32(1 / 5)) * y - F32(1 / 4)) * y + F32(1 / 3)) * y
+                 - F32(0.5)) * y + F32(1.0))
+
+
+@numba.njit(fastmath=FAST, inline="always")
 def column32(s, t, p, q, mode, small_b, row, poly):
-    """One column's (a, b, precise, w, h), float32: its shares of the fast sums a = sum p (lp -
-    lm) and b = sum q (lq - lm) (m the mixture, p in forward KL, q in reverse KL; in reverse KL a
+    """One column's (a, b, precise, w, h), float32: its shares of the fast sums a = sum p (lp - lm)
+    and b = sum q (lq - lm) (m the mixture, p in forward KL, q in reverse KL; in reverse KL a
     relative to the reference column, as the GPU's: rows.py), of the precise sum and of the weights'
-    sum, and the gradient's h (q in forward KL, lp - lm in the JSD, h - h_ref in reverse KL); from
-    its logits s, t and probabilities p, q. mode and small_b (the JSD's b < 1/6): constants where
-    rows.py calls it; row: the row's (c = lse_z - lse_t, scale = 1 / temperature, the reference
-    column's t - s, mirrored, beta, 1 - beta, b); poly: P's coefficients, then L's (precise_terms')."""
+    sum, and the gradient's h (p - q in forward KL, and a their sum; lp - lm in the JSD, h - h_ref
+    in reverse KL); from its logits s, t and probabilities p, q. mode and small_b (the JSD's b <
+    1/6): constants where rows.py calls it; row: the row's (c = lse_z - lse_t, scale = 1 /
+    temperature, the reference column's t - s, mirrored, beta, 1 - beta, b); poly: P's coefficients,
+    then L's and Q's (precise_terms')."""
     c, scale, diff_ref, mirrored, beta, one_minus_beta, b = row
     diff = t - s
     # ln(q / p). c's float32 rounding (up to 3e-8 |c|, the two models' logits' offset at most)
@@ -140,9 +157,15 @@ def column32(s, t, p, q, mode, small_b, row, poly):
     # sums, up to that many nats, the size of the logits' own roundings there. (c in two parts,
     # (diff scale + c_hi) + c_lo, is reassociated by the fast math into one.)
     d = diff * scale + c
+    # |d| < 1: the gradient's first-order part as d Q(d) (soft_poly.grad_poly), relative to itself,
+    # where p - q or ln(p / m) from the rounded p and q lost to their roundings what they are
+    # smaller than 1 (a converging student's rows; at beta 1e-6 or 1 - 1e-6, every row)
+    near = abs(d) < F32(1.0)
     if mode == FORWARD_KL:
         w, o, dd = p, q, d
-        a, bq, h = F32(0.0), q * d, q
+        # h: the gradient's p - q; a: the row's sum of them (grad_dz)
+        h = -p * (d * grad_poly_of(poly, d)) if near else p - q
+        a, bq = h, q * d
     elif mode == REVERSE_KL:
         w, o, dd = q, p, -d
         h = (diff_ref - diff) * scale
@@ -163,14 +186,26 @@ def column32(s, t, p, q, mode, small_b, row, poly):
             # division of each order, each masked.)
             ratio = min(w, o) / larger if larger > F32(0.0) else F32(1.0)
             l = log32((F32(1.0) - b) * ratio + b if o_larger else b * ratio + (F32(1.0) - b))
+            y = b * (F32(1.0) / ratio - F32(1.0) if o_larger else ratio - F32(1.0))  # m / w - 1
         else:
             # as 2 atanh(u), u = (m - larger) / (m + larger) in [(b - 1) / (b + 1), 0]: one
             # division where the ratio and log32 took two, and no range reduction (the JSD 6-9%
             # faster, docs/record.md); 0 where both are 0
             m = (F32(1.0) - b) * w + b * o
             l = mixture_log_of(poly, (m - larger) / (m + larger) if larger > F32(0.0) else F32(0.0))
+            y = F32(0.0)  # (unused: |y| >= 1/10 past |d| < 1 where b >= 1/6)
         d_larger = dd if o_larger else F32(0.0)  # ln(larger / w)
-        h_w, h_o = -l - d_larger, (F32(0.0) if o_larger else dd) - l  # ln(w / m), ln(o / m)
+        # ln(w / m), ln(o / m): where |d| < 1 from ln(m / w) = d Q(d); with a small b, where |y| <
+        # 1/10, from ln(1 + y)'s series (l, the log of a number within b of 1, lost it); else from l
+        # (no sum with dd, hundreds of nats in a sharp row)
+        if near:
+            m_w = dd * grad_poly_of(poly, dd)
+            h_w, h_o = -m_w, dd - m_w
+        elif small_b and abs(y) < F32(0.1):
+            m_w = log1p_small(y)
+            h_w, h_o = -m_w, dd - m_w
+        else:
+            h_w, h_o = -l - d_larger, (F32(0.0) if o_larger else dd) - l
         h = h_o if mirrored else h_w
         a, bq = p * h, q * (h_w if mirrored else h_o)
     if abs(dd) < F32(1.0):
@@ -184,7 +219,6 @@ def column32(s, t, p, q, mode, small_b, row, poly):
     else:
         o_less_w = b * (o - w)  # m - w
         if abs(o_less_w) < F32(0.1) * w:  # |y| < 1/10: G(y) / y^2 by its series
-            y = b * (F32(1.0) / ratio - F32(1.0) if o_larger else ratio - F32(1.0))
             g = ((((((F32(1 / 56) * y - F32(1 / 42)) * y + F32(1 / 30)) * y - F32(1 / 20)) * y + F32(1 / 12)) * y
                   - F32(1 / 6)) * y + F32(0.5))
             w_g = w * (y * y) * g

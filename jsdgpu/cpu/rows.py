@@ -327,14 +327,14 @@ def _gradient_block(s, p, h, k_a, w_hard, softmax_is_p, shift_s, inv_sum_s, mode
 
 @numba.njit(fastmath=FAST, inline="always")
 def _gradient_columns(s, p, h, k_a, w_hard, softmax_is_p, shift_s, inv_sum_s, model_scale, model_inv_cap, G):
-    """G's row (float32): (w_hard softmax(s) + k_soft dz) times the student model's derivative.
-    dz is linear in the row's a (grad_dz's p - q, or c p (h - a)): the column pass wrote the rest
+    """G's row (float32): (w_hard softmax(s) + k_soft dz) times the student model's derivative. dz
+    is linear in the row's a (grad_dz's h - a p, or c p (h - a)): the column pass wrote the rest
     over h (_column_block, with the hard term where softmax(s) is p), so that here G is that less
-    k_a p (k_a = k_soft c a; 0 in forward KL). G may be s's memory. Where softmax(s) is p and the
-    logits are no model's, the loop reads neither; else it runs a block at a time over h, then
-    copies the block to G (written straight to G, a loop over s and G in one memory was scalar:
-    LLVM's check that a store does not overlap a later load finds them overlapping, and takes its
-    scalar loop; the row then took 5.5 ms more at 512 rows of 32000)."""
+    k_a p (k_a = k_soft c a). G may be s's memory. Where softmax(s) is p and the logits are no
+    model's, the loop reads neither; else it runs a block at a time over h, then copies the block to
+    G (written straight to G, a loop over s and G in one memory was scalar: LLVM's check that a
+    store does not overlap a later load finds them overlapping, and takes its scalar loop; the row
+    then took 5.5 ms more at 512 rows of 32000)."""
     if softmax_is_p and model_scale == F32(1.0) and model_inv_cap == F32(0.0):
         for j in range(len(G)):
             G[j] = h[j] - k_a * p[j]
@@ -376,14 +376,16 @@ def _kernels(sources):
         mean; in the raw logits where s is the student model's: _model_derivative) and label term:
         the three phases' work on one row at a time, read from memory once, its columns in float32
         (divergences.column32) and its sums and logsumexps in float64. soft_b and poly: the JSD's b
-        and column32's eighteen coefficients (divergences.precise_terms). G may be s's memory."""
+        and column32's twenty-seven coefficients (divergences.precise_terms). G may be s's
+        memory."""
         sources  # (its cache key: _kernels)
         n, vs = s.shape
         vt = t.shape[1]
         scale = F32(inv_temp)
         same_z = scale == F32(1.0) and vt == vs  # z is s
         row_poly = (poly[0], poly[1], poly[2], poly[3], poly[4], poly[5], poly[6], poly[7], poly[8], poly[9], poly[10],
-                    poly[11], poly[12], poly[13], poly[14], poly[15], poly[16], poly[17])
+                    poly[11], poly[12], poly[13], poly[14], poly[15], poly[16], poly[17], poly[18], poly[19],
+                    poly[20], poly[21], poly[22], poly[23], poly[24], poly[25], poly[26])
         b, beta32, one_minus_beta32 = F32(soft_b), F32(beta), F32(one_minus_beta)
         k_soft, m_scale, m_inv_cap = F32(w_soft_over_t), F32(model_scale), F32(model_inv_cap)
         c_dz = one_minus_beta32 if mode == JSD else F32(1.0)  # grad_dz's
@@ -418,7 +420,7 @@ def _kernels(sources):
                 apart = _label_apart(y, target_logit, lse_s)
                 label_derivative = _model_derivative(s_i[y], model_scale, model_inv_cap) if y >= 0 else 1.0
                 label_terms[i] = -w_hard * label_derivative if apart else 0.0
-                k_a = F32(0.0) if mode == FORWARD_KL else k_soft * c_dz * F32(a)
+                k_a = k_soft * c_dz * F32(a)
                 inv_sum_s = F32(1.0 / sum_s)
                 _gradient_columns(s_i, p, h, k_a, F32(w_hard), same_z, shift_s, inv_sum_s, m_scale, m_inv_cap, G[i])
                 if y >= 0 and not apart:

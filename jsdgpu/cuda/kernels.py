@@ -188,8 +188,8 @@ def phase_kl(row_inputs, opts, stats):
 
 def phase_finish(dtype, row_inputs, opts, stats, kl, ce, jsd, G, label_terms):
     """The rows' CE and JSD values, and with G this rank's gradient columns."""
-    launch_phase(sources.phase_finish(dtype), row_inputs, opts, np.int32(opts.divergence),
-                 np.float32(opts.beta), np.float32(opts.one_minus_beta), sources.soft_terms(opts.divergence, opts.beta)[0],
+    launch_phase(sources.phase_finish(dtype), row_inputs, opts, np.int32(opts.divergence), np.float32(opts.beta),
+                 np.float32(opts.one_minus_beta), *sources.soft_terms(opts.divergence, opts.beta),
                  np.float32(opts.weight_hard_loss), np.float32(opts.w_soft_over_t), stats, kl, ce, jsd, _pointer(G),
                  np.int64(0 if G is None else G.shape[1]), _NULL if G is None else label_terms)
 

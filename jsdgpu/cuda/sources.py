@@ -92,13 +92,18 @@ SOFT_POLY_TERMS = soft_poly.SOFT_POLY_TERMS
 
 @functools.lru_cache(maxsize=None)
 def soft_terms(divergence, beta):
-    """The kernels' (soft_b, P2's coefficients of d2^0 .. d2^8), float32: the JSD's b (0 for the
-    KLs), and with d2 = d / ln 2 the polynomial P2 with d2^2 P2(d2) = F(d) on |d| < 1
-    (jsdgpu/soft_poly.py's P, in bits)."""
-    # d2^2 P2(d2) = d^2 P(d): P2's coefficient of d2^j is P's times ln(2)^(j + 2)
-    ln2 = np.log(2.0) ** (np.arange(SOFT_POLY_TERMS) + 2)
+    """The kernels' (soft_b, P2's coefficients of d2^0 .. d2^8, then Q2's), float32: the JSD's b
+    (0 for the KLs), and with d2 = d / ln 2 the polynomial P2 with d2^2 P2(d2) = F(d) on |d| < 1
+    (jsdgpu/soft_poly.py's P, in bits), and Q2 with d2 Q2(d2) = forward KL's 2^d2 - 1 or the
+    JSD's log2(m / w) there (soft_poly.grad_poly's Q: row_math.cuh, SoftPoly)."""
+    powers = np.log(2.0) ** np.arange(SOFT_POLY_TERMS)
+    # d2^2 P2(d2) = d^2 P(d): P2's coefficient of d2^j is P's times ln(2)^(j + 2). d2 Q2(d2) =
+    # d Q(d) = e^d - 1 (forward KL): Q's times ln(2)^(j + 1); = d Q(d) / ln 2 = ln(m / w) / ln 2
+    # (the JSD): Q's times ln(2)^j
+    grad_powers = powers * np.log(2.0) if Divergence(divergence) == Divergence.FORWARD_KL else powers
     return tuple(np.float32(c) for c in (soft_poly.mixture_weight(divergence, beta),
-                                         *(soft_poly.soft_poly(divergence, beta) * ln2)))
+                                         *(soft_poly.soft_poly(divergence, beta) * powers * np.log(2.0) ** 2),
+                                         *(soft_poly.grad_poly(divergence, beta) * grad_powers)))
 
 
 # ---- the soft caps' tanh (common.cuh, soft_tanh) ----

@@ -12,9 +12,11 @@
 // A column's operands as row_math.cuh's column_terms forms them for every divergence: p and q;
 // diff = t - s (0 where both are -inf); dq2 = log2(q / p); w the weight distribution's
 // probability and o the other's (w = q where the divergence is mirrored: weight_is_q); d2 =
-// log2(o / w); ratio = 2^-|d2|, the smaller of w and o over the larger.
+// log2(o / w); ratio = 2^-|d2|, the smaller of w and o over the larger; near: |d| < 1, where qd
+// is d2 Q(d2) (row_math.cuh, SoftPoly), else 0.
 struct Column {
-  float p, q, diff, dq2, d2, w, ratio, o;
+  float p, q, diff, dq2, d2, w, ratio, o, qd;
+  bool near;
 };
 
 // One category's share of the divergence (d) and of u_bar (pu = P u), and u, for log P = lp,
@@ -55,15 +57,17 @@ __device__ __forceinline__ float w_phi(const Column& c) { return fmaf(c.o, fmaf(
 template <int MODE>
 struct Divergence;
 
-// KL(q || p) = sum p Phi(d): weight p, no reference column; dz = p - q
+// KL(q || p) = sum p Phi(d): weight p, no reference column; dz = p - q, as h - kl p: h the
+// column's p - q (where |d| < 1 -p (2^d2 - 1) by Q), kl their sum over the row (the fast sum a),
+// which is 0 but for their roundings (the logsumexps' shift every column's d alike)
 template <>
 struct Divergence<FORWARD_KL> {
   enum : bool { RELATIVE_H = false, SMALL_B = false, GRAD_OF_P = false };
   __device__ static __forceinline__ bool weight_is_q(const RowMath&) { return false; }
   template <bool SMALL>
   __device__ static __forceinline__ float column(const Column& c, const RowMath&, float, ColumnTerms& k) {
-    k.h = c.q;
-    k.a = 0.0f;
+    k.h = c.near ? -c.p * c.qd : c.p - c.q;
+    k.a = k.h;
     k.b = c.q * c.dq2;
     return 0.0f;
   }
@@ -72,7 +76,7 @@ struct Divergence<FORWARD_KL> {
     return w_phi(c);
   }
   __device__ static __forceinline__ float grad_factor(const RowMath& r) { return r.w_soft_over_t; }
-  __device__ static __forceinline__ float grad_soft(float k, float p, float h, float) { return k * (p - h); }
+  __device__ static __forceinline__ float grad_soft(float k, float p, float h, float kl) { return k * fmaf(-p, kl, h); }
   __device__ static __forceinline__ float soft_bits(float, float b, const RowMath&) { return b; }
   __device__ static __forceinline__ float unrounded_soft_bits(float2 n, float eps_z, float eps_t, const RowMath&) {
     return n.y + (eps_t - eps_z);
@@ -135,19 +139,40 @@ struct Divergence<JSD> {
     const bool mirrored = weight_is_q(r);
     const float d2 = c.d2, ratio = c.ratio, w = c.w, o = c.o;
     float w_g = 0.0f;  // w G(y), where |d| >= 1 in the small-b variant
-    // log2 of the mixture over the larger of w and o (in [log2 b, 0]: never a difference of two
-    // large logs), and so lw - lm and lo - lm
-    const float l2 = lg2(d2 <= 0.0f ? fmaf(soft_b, ratio, 1.0f - soft_b) : fmaf(1.0f - soft_b, ratio, soft_b));
-    const float h_w = -l2 - fmaxf(d2, 0.0f), h_o = fminf(d2, 0.0f) - l2;
+    // lw - lm and lo - lm: where |d| < 1 from log2(m / w) = d2 Q(d2) (row_math.cuh, SoftPoly);
+    // beyond, from l2, the mixture's log2 over the larger of w and o (in [log2 b, 0]: never a
+    // difference of two large logs, nor a sum with d2, hundreds of bits in a sharp row), and in the
+    // small-b variant, where |y| < 1/10 (y = m / w - 1, whose log2 of a number within b of 1 lost
+    // it), from ln(1 + y)'s series
+    const float o_less_w = soft_b * (o - w);  // m - w
+    const bool series = SMALL && !c.near && o_less_w < 0.1f * w && o_less_w > -0.1f * w;
+    // (where b >= 1/6, |y| = b |e^d - 1| >= 1/10 past |d| < 1)
+    float y = 0.0f, l2 = 0.0f, h_w, h_o;
+    if (c.near) {
+      h_w = -c.qd;
+      h_o = d2 - c.qd;
+    } else if (series) {
+      y = soft_b * (d2 <= 0.0f ? ratio - 1.0f : __frcp_rn(ratio) - 1.0f);
+      float l1p = 1.0f / 7.0f;  // ln(1 + y) / y = sum of (-y)^j / (j + 1), to y^6 / 7
+      l1p = fmaf(l1p, y, -1.0f / 6.0f);
+      l1p = fmaf(l1p, y, 1.0f / 5.0f);
+      l1p = fmaf(l1p, y, -1.0f / 4.0f);
+      l1p = fmaf(l1p, y, 1.0f / 3.0f);
+      l1p = fmaf(l1p, y, -0.5f);
+      l1p = fmaf(l1p, y, 1.0f);
+      h_w = -y * l1p * LOG2E;
+      h_o = d2 + h_w;
+    } else {
+      l2 = lg2(d2 <= 0.0f ? fmaf(soft_b, ratio, 1.0f - soft_b) : fmaf(1.0f - soft_b, ratio, soft_b));
+      h_w = -l2 - fmaxf(d2, 0.0f);
+      h_o = fminf(d2, 0.0f) - l2;
+    }
     k.h = mirrored ? h_o : h_w;
     k.a = c.p * k.h;
     k.b = c.q * (mirrored ? h_w : h_o);
-    if (SMALL && fabsf(d2) >= LOG2E) {
-      const float o_less_w = soft_b * (o - w);  // m - w
-      // (where b >= 1/6, |y| = b |e^d - 1| >= 1/10 here)
-      if (SMALL && o_less_w < 0.1f * w && o_less_w > -0.1f * w) {
-        // |y| < 1/10, y = b (o / w - 1): G(y) / y^2 = sum of (-y)^j / ((j + 1)(j + 2))
-        const float y = soft_b * (d2 <= 0.0f ? ratio - 1.0f : __frcp_rn(ratio) - 1.0f);
+    if (SMALL && !c.near) {
+      if (series) {
+        // |y| < 1/10: G(y) / y^2 = sum of (-y)^j / ((j + 1)(j + 2))
         float g = 1.0f / 56.0f;
         g = fmaf(g, y, -1.0f / 42.0f);
         g = fmaf(g, y, 1.0f / 30.0f);

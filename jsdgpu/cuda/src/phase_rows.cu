@@ -153,6 +153,7 @@ struct Finish {
   long long row;
   RowMath rm;
   float soft_b, target_logit, h_ref;  // h_ref: reverse KL's (row_math.cuh, "A sharp row")
+  SoftPoly poly;  // (its Q: the gradient's h where |d| < 1)
   float4 sums;  // phase_kl's, over every rank: a, b, precise, weights
   float2 pq;    // the sums of p and q
   float *ce_out, *jsd_out, *label_terms;
@@ -170,13 +171,12 @@ struct Finish {
       write_row_results(row, target_logit, row_soft(fast, sums.z, sums.w), label_apart, rm, G != nullptr, ce_out,
                         jsd_out, label_terms);
     if (G == nullptr) return;
-    const SoftPoly none = {};  // the gradient takes p and h of column_terms, not its soft terms
     for (int i = 4 * threadIdx.x; i < vs; i += 4 * THREADS) {
       float s[4], t[4], g[4];
       load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const ColumnTerms c = column_terms<MODE>(s[k], t[k], rm, soft_b, none);
+        const ColumnTerms c = column_terms<MODE>(s[k], t[k], rm, soft_b, poly);
         // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns
         g[k] = grad_value<MODE, false>(softmax_of(s[k], rm), c.p, c.h, i + k == y && !label_apart ? 1.0f : 0.0f, a_n, rm);
       }
@@ -188,14 +188,14 @@ struct Finish {
 
 template <int OUT, int THREADS>
 __global__ void __launch_bounds__(THREADS)
-    phase_finish(PHASE_ROW_ARGS, int mode, float beta, float one_minus_beta, float soft_b, float w_hard,
-                 float w_soft_over_t, const float* stats, const float* kl, float* ce_out, float* jsd_out, void* G, long long ldg,
-                 float* label_terms) {
+    phase_finish(PHASE_ROW_ARGS, int mode, float beta, float one_minus_beta, float soft_b, SOFT_POLY_PARAMS,
+                 float w_hard, float w_soft_over_t, const float* stats, const float* kl, float* ce_out, float* jsd_out,
+                 void* G, long long ldg, float* label_terms) {
   const long long row = blockIdx.x;
   const RowMath rm = phase_row_math(mode, stats, row, rows, inv_temp, beta, one_minus_beta, w_hard, w_soft_over_t);
   const long long n = rows;
   Finish<OUT, THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, target[row], row, rm, soft_b,
-                            stats[6 * n + row], rm.lse_t2 - (rm.c_h + rm.lse_z2),
+                            stats[6 * n + row], rm.lse_t2 - (rm.c_h + rm.lse_z2), SOFT_POLY_OF_PARAMS,
                             make_float4(kl[row], kl[n + row], kl[2 * n + row], kl[3 * n + row]),
                             make_float2(kl[4 * n + row], kl[5 * n + row]),
                             ce_out, jsd_out, label_terms, G, ldg};

@@ -52,15 +52,24 @@ struct RowMath {
 // and cancel where the divergence is small, but correct to float32 where a divergence of
 // hundreds of bits is off by the rounding of the row's logsumexps (unrounded_sums, below).
 
-constexpr int SOFT_POLY_TERMS = 9;  // P's coefficients, of d^0 .. d^8
+constexpr int SOFT_POLY_TERMS = 9;  // P's coefficients, of d^0 .. d^8, and Q's
+// P, and the gradient's Q: where |d| < 1 the part of a column's gradient that is first order in
+// d, forward KL's 2^d2 - 1 (its p - q is -p times it) and the JSD's log2(m / w), is d2 Q(d2)
+// (sources.soft_terms; jsdgpu/soft_poly.py, grad_poly), not a difference of two rounded numbers
+// near each other: from the rounded p and q, a small divergence's gradient lost to their
+// roundings what it is smaller than 1 (at beta 1e-6, the whole gradient: docs/design.md, "Small
+// divergences")
 struct SoftPoly {
-  float c[SOFT_POLY_TERMS];
+  float c[SOFT_POLY_TERMS], g[SOFT_POLY_TERMS];
 };
-// its coefficients as kernel parameters (by value: they stay in the constant bank), and gathered
-#define SOFT_POLY_PARAMS                                                                                  \
-  float poly0, float poly1, float poly2, float poly3, float poly4, float poly5, float poly6, float poly7, \
-      float poly8
-#define SOFT_POLY_OF_PARAMS {{poly0, poly1, poly2, poly3, poly4, poly5, poly6, poly7, poly8}}
+// their coefficients as kernel parameters (by value: they stay in the constant bank), and gathered
+#define SOFT_POLY_PARAMS                                                                                   \
+  float poly0, float poly1, float poly2, float poly3, float poly4, float poly5, float poly6, float poly7,  \
+      float poly8, float grad0, float grad1, float grad2, float grad3, float grad4, float grad5, float grad6, \
+      float grad7, float grad8
+#define SOFT_POLY_OF_PARAMS                                              \
+  {{poly0, poly1, poly2, poly3, poly4, poly5, poly6, poly7, poly8},       \
+   {grad0, grad1, grad2, grad3, grad4, grad5, grad6, grad7, grad8}}
 
 // One column's shares of the fast sums (a, b) and of the precise one (soft, over the weights' sum
 // w; natural units), p and q, and the gradient's h (lp - lm in bits; in reverse KL relative to the
@@ -93,12 +102,20 @@ __device__ __forceinline__ ColumnTerms column_terms(float s, float t, const RowM
   // the smaller of w and o over the larger: at most 1, so nothing here overflows
   c.ratio = ex2(-fabsf(c.d2));
   c.o = c.d2 <= 0.0f ? c.w * c.ratio : (mirrored ? c.p : c.q);
+  c.near = fabsf(c.d2) < LOG2E;  // |d| < 1: P and Q take d in bits (sources.soft_terms)
+  c.qd = 0.0f;
+  if (c.near) {
+    float cq = poly.g[SOFT_POLY_TERMS - 1];
+#pragma unroll
+    for (int j = SOFT_POLY_TERMS - 2; j >= 0; --j) cq = fmaf(cq, c.d2, poly.g[j]);
+    c.qd = c.d2 * cq;
+  }
   ColumnTerms k;
   k.w = c.w;
   k.p = c.p;
   k.q = c.q;
   const float w_g = D::template column<SMALL_B>(c, r, soft_b, k);
-  if (fabsf(c.d2) < LOG2E) {  // |d| < 1: P takes d in bits (sources.soft_terms)
+  if (c.near) {
     float cp = poly.c[SOFT_POLY_TERMS - 1];
 #pragma unroll
     for (int j = SOFT_POLY_TERMS - 2; j >= 0; --j) cp = fmaf(cp, c.d2, poly.c[j]);
