@@ -40,10 +40,7 @@ def soft_poly(divergence, beta):
     """P's coefficients of d^0 .. d^8 in float64 (d in nats), with d^2 P(d) = F(d) on |d| < 1: a
     Chebyshev fit of F(d) / d^2 at 64 nodes (analytic there: its nearest singularity is pi or
     more away), good to float32's rounding (tests/test_cuda_sources.py)."""
-    divergence = Divergence(divergence)
-    nodes = np.cos(np.pi * (np.arange(64) + 0.5) / 64)
-    values = soft_term(divergence, mixture_weight(divergence, beta), nodes)
-    return np.polynomial.chebyshev.cheb2poly(np.polynomial.chebyshev.chebfit(nodes, values, SOFT_POLY_TERMS - 1))
+    return _fit_on_unit_interval(soft_term, divergence, beta)
 
 
 def grad_term(divergence, b, d):
@@ -66,7 +63,13 @@ def grad_poly(divergence, beta):
     float32's rounding (tests/test_cuda_sources.py). Formed so, a small divergence's gradient is
     right to float32 relative to itself: from the rounded p and q, p - q and ln(p / m) lost to
     their roundings what they are smaller than 1 (at beta 1e-6, the whole gradient)."""
+    return _fit_on_unit_interval(grad_term, divergence, beta)
+
+
+def _fit_on_unit_interval(term, divergence, beta):
+    """The coefficients of d^0 .. d^8 (float64) of a Chebyshev fit of term(divergence, b, d) at 64
+    nodes of [-1, 1] (soft_poly's and grad_poly's)."""
     divergence = Divergence(divergence)
     nodes = np.cos(np.pi * (np.arange(64) + 0.5) / 64)
-    values = grad_term(divergence, mixture_weight(divergence, beta), nodes)
+    values = term(divergence, mixture_weight(divergence, beta), nodes)
     return np.polynomial.chebyshev.cheb2poly(np.polynomial.chebyshev.chebfit(nodes, values, SOFT_POLY_TERMS - 1))

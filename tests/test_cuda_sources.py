@@ -96,6 +96,15 @@ def test_headers_inlined_once():
     assert text.startswith(sources.prelude())
 
 
+def _horner32(coeffs, x):
+    """The polynomial of coeffs (of x^0 upwards) at x as the kernels evaluate it: Horner in float32."""
+    import numpy as np
+    acc = np.full(x.shape, coeffs[-1], np.float32)
+    for c in coeffs[-2::-1]:
+        acc = (acc * x + c).astype(np.float32)
+    return acc
+
+
 @pytest.mark.parametrize("divergence,beta", [(0, 0.0), (2, 1.0), (1, 0.5), (1, 0.3), (1, 0.9), (1, 1.0 / 6.0),
                                              (1, 1e-6), (1, 1.0 - 1e-6)])
 @pytest.mark.parametrize("unit", ["bits", "nats"])
@@ -118,9 +127,7 @@ def test_soft_polynomial_is_good_to_float32(divergence, beta, unit):
     d = np.linspace(-1.0, 1.0, 4001)
     d = d[d != 0.0]
     du = (d / per_unit).astype(np.float32)  # in the kernel's unit, as it takes it
-    acc = np.full(d.shape, coeffs[-1], np.float32)
-    for c in coeffs[-2::-1]:
-        acc = (acc * du + c).astype(np.float32)
+    acc = _horner32(coeffs, du)
     got = acc.astype(np.float64) * du.astype(np.float64) ** 2
     want = soft_poly.soft_term(Divergence(divergence), b, du * per_unit) * (du * per_unit) ** 2
     assert np.max(np.abs(got / want - 1)) <= 4e-7
@@ -153,9 +160,7 @@ def test_gradient_polynomial_is_good_to_float32(divergence, beta, unit):
     d = np.concatenate([np.linspace(-1.0, 1.0, 4001), [-1e-7, 1e-7]])
     d = d[d != 0.0]
     du = (d / per_unit).astype(np.float32)
-    acc = np.full(d.shape, coeffs[-1], np.float32)
-    for c in coeffs[-2::-1]:
-        acc = (acc * du + c).astype(np.float32)
+    acc = _horner32(coeffs, du)
     got = acc.astype(np.float64) * du.astype(np.float64)
     x = du.astype(np.float64) * per_unit  # d in nats
     # 2^d2 - 1 is e^d - 1; log2(m / w) is ln(m / w) / ln 2
