@@ -129,9 +129,9 @@ def shard_layout(comm, xp, vs, vt):
 def combine_stats(xp, comm, stats):
     """The row statistics of every rank's shard merged in place: stats [7 or 8, rows] as the row
     kernels write them (three maxima: of s, z and t, or the top-k's s, z and z over its rest,
-    jsdgpu.topk_shards; the sums of exp(x - max) of each; the target logit; on the GPU,
+    jsdgpu.topk_shards; the sums of exp(x - max) of each; the target logit; the online loss's,
     the t of the column of the largest s, which becomes the t of the rank that holds the row's
-    largest s; the CPU's float64 sums need no reference column)."""
+    largest s)."""
     maxima, sums = stats[:3], stats[3:6]
     local = maxima.copy()
     comm.allreduce(maxima, "max")

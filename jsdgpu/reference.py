@@ -104,6 +104,15 @@ def _array_module(a):
     return sys.modules["cupy"] if type(a).__module__.startswith("cupy") else np
 
 
+def _centered(xp, p, h):
+    """h - sum p h over each row (the 0 log 0 limit where p == 0), taken about h at the row's
+    largest p: the same number, but where p is near one-hot (a saturated JSD, a sharp row) not
+    the difference of two sums near that h, whose rounding the gradient there is below."""
+    h_ref = xp.take_along_axis(h, p.argmax(axis=1)[:, None], axis=1)
+    h = h - h_ref
+    return h - xp.where(p != 0, p * h, 0.0).sum(axis=1, keepdims=True)
+
+
 def _hard_part(xp, s, target, ignore_index):
     """(valid, N, ce, d_hard): the valid rows, N = max(1, their count), each row's cross-entropy on
     the untempered student logits and its gradient softmax(s) - onehot(target)."""
@@ -138,16 +147,13 @@ def reference_logits(s, t, target, token_weights=None, reduction="mean", grad_ou
         jsd = _xlogy_diff(xp, q, logq, logp)
         dz = p - q
     elif beta == 1:  # reverse KL(p || q)
-        kl = _xlogy_diff(xp, p, logp, logq)
-        jsd = kl
-        dz = p * ((logp - logq) - kl[:, None])
+        jsd = _xlogy_diff(xp, p, logp, logq)
+        dz = p * _centered(xp, p, logp - logq)
     else:
         # log m in log space: finite where p and q both underflow (low temperatures, large logits)
         logm = xp.logaddexp(np.log1p(-beta) + logp, np.log(beta) + logq)
-        kl_pm = _xlogy_diff(xp, p, logp, logm)
-        jsd = beta * _xlogy_diff(xp, q, logq, logm) + (1 - beta) * kl_pm
-        g = (1 - beta) * (logp - logm)
-        dz = p * (g - (1 - beta) * kl_pm[:, None])
+        jsd = beta * _xlogy_diff(xp, q, logq, logm) + (1 - beta) * _xlogy_diff(xp, p, logp, logm)
+        dz = (1 - beta) * p * _centered(xp, p, logp - logm)
     dz = dz[:, :Vs]  # the pad columns are constants: no gradient
 
     return _reduced_loss(xp, opts, valid, n, ce, jsd, d_hard, dz, token_weights, reduction, grad_output)

@@ -158,11 +158,11 @@ def test_cpu_kernels_cache_keys_hold_the_modules_they_take_in(tmp_path, monkeypa
     so that a change to one of them alone compiles the kernels again rather than running the old
     ones from the cache; the digest moves with any of those modules' bytes."""
     from jsdgpu import options
-    from jsdgpu.cpu import divergences, fastmath, rows
+    from jsdgpu.cpu import divergences, fastmath, fused_row, rows
     digest = rows._sources_digest()
     for kernel in (rows.fused_kernel, rows.stats_kernel, rows.kl_kernel, rows.finish_kernel):
         assert [cell.cell_contents for cell in kernel.__wrapped__.py_func.__closure__] == [digest]
-    for module in (divergences, fastmath, options):
+    for module in (divergences, fastmath, fused_row, options):
         changed = tmp_path / f"{module.__name__}.py"
         changed.write_bytes(pathlib.Path(module.__file__).read_bytes() + b"\n")
         with monkeypatch.context() as patch:

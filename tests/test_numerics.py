@@ -90,6 +90,26 @@ def test_small_soft_parts_gradients(xp, rng, beta, temperature, noise):
     assert_near_float64(case, "float32", opts, loss, ctx.hard_loss, ctx.soft_loss, jsdgpu.backward(ctx))
 
 
+@pytest.mark.parametrize("vs", [17, 1031])
+@pytest.mark.parametrize("beta", [0.0044, 0.5, 0.9956])
+def test_saturated_jsd_gradients(xp, rng, beta, vs):
+    """The JSD's soft part's gradient alone where the JSD saturates: p near one-hot on column i,
+    q on column j, p's next largest at j (e^-33 of p_i), so that the gradient, 1e-11 of its usual
+    size and less, is what j holds: as close to the float64 reference as every gradient
+    (assert_near_float64). With h = ln(p / m) taken as it is, kl = sum p h cancelled against the
+    h of column i to that h's rounding, and the gradient was 0.1 to 0.9 off, relatively; h
+    relative to the reference column (row_math.cuh, "A sharp row") keeps it right. (Where p's mass is on
+    several such columns, the gradient is right to the rounding of their h, absolutely: the
+    contract's "Numerics".)"""
+    case = make_case(rng, T=3, hs=16, ht=16, vs=vs, vt=vs, bias=True, logit_std=1.0)
+    i, j = rng.choice(vs, 2, replace=False)
+    case["student_bias"][[i, j]] += [20.0, 10.0]
+    case["teacher_bias"][j] += 20.0
+    opts = dict(beta=beta, temperature=0.3, weight_hard_loss=0.0, weight_soft_loss=1.0)
+    loss, ctx = jsdgpu.forward(**to_xp(case, xp), **opts)
+    assert_near_float64(case, "float32", opts, loss, ctx.hard_loss, ctx.soft_loss, jsdgpu.backward(ctx))
+
+
 @pytest.mark.parametrize("memory_budget", [None, 1])  # G held apart; G over the chunk's logits
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])

@@ -173,6 +173,22 @@ def test_sharded_sharp_rows_against_float64(xp, rng, beta):
     assert_near_float64(case, "float32", opts, loss, hard, soft, (grad_input, grad_weight, grad_bias))
 
 
+@pytest.mark.parametrize("beta", [0.0044, 0.9956])
+def test_sharded_saturated_jsd_gradients(xp, rng, beta):
+    """test_numerics' saturated JSD (the soft part's gradient alone, p near one-hot on column i,
+    q on column j) split over three ranks, i and j on different ones: the reference column is
+    the largest student logit of all the ranks', and the gradients as close to float64 as the
+    single-shard call's."""
+    case = make_case(rng, T=3, vs=401, vt=437, bias=True, logit_std=1.0)
+    case["student_bias"][[20, 300]] += [20.0, 10.0]
+    case["teacher_bias"][300] += 20.0
+    opts = dict(beta=beta, temperature=0.3, weight_hard_loss=0.0, weight_soft_loss=1.0)
+    ranks = sharded(split(case, [0, 131, 260, 437]), xp, grad_weight_float32=True, **opts)
+    loss, hard, soft, grad_input = ranks[0][:4]
+    grad_weight, grad_bias = (np.concatenate([r[k] for r in ranks]) for k in (4, 5))
+    assert_near_float64(case, "float32", opts, loss, hard, soft, (grad_input, grad_weight, grad_bias))
+
+
 def test_a_rank_without_labels(xp, rng):
     case = make_case(rng, T=6, vs=300, vt=300, bias=True)
     case["target"] = rng.integers(0, 100, 6)  # every label on rank 0

@@ -19,10 +19,12 @@ FORWARD_KL, JSD, REVERSE_KL = int(Divergence.FORWARD_KL), int(Divergence.JSD), i
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def column(lp, lq, p, q, mode, one_minus_beta, beta):
+def column(lp, lq, p, q, mode, one_minus_beta, beta, h_ref):
     """One column's shares of a = sum p (log p - log m) and b = sum q (log q - log m), with m the
     mixture (JSD), p (forward KL) or q (reverse KL), and h, what the gradient needs of the
-    teacher (grad_dz's); from the column's log-probabilities lp, lq and probabilities p, q."""
+    teacher (grad_dz's); from the column's log-probabilities lp, lq and probabilities p, q. In
+    reverse KL and the JSD, h = lp - lm and a are relative to the reference column's h_ref (a
+    saturated row's gradient is below float64's rounding of h: row_math.cuh, "A sharp row")."""
     if mode == FORWARD_KL:
         lm = lp
         h = p - q  # (float64: right relative to itself for |ln(q / p)| down to about 1e-9)
@@ -32,12 +34,12 @@ def column(lp, lq, p, q, mode, one_minus_beta, beta):
         # shares nothing: any finite log m will do
         m = one_minus_beta * p + beta * q
         lm = log64(m) if m >= SMALLEST_NORMAL else max(lp, lq)
-        h = lp - lm
+        h = (lp - lm) - h_ref
     else:
         lm = lq
-        h = lp - lq
+        h = (lp - lq) - h_ref
     # 0 log 0 = 0; "!= 0" so that a NaN reaches the loss
-    a = p * (lp - lm) if p != 0.0 else 0.0
+    a = (0.0 if mode == FORWARD_KL else p * h) if p != 0.0 else 0.0
     b = q * (lq - lm) if q != 0.0 else 0.0
     return a, b, h
 
@@ -51,8 +53,8 @@ def soft(a, b, mode, beta):
 @numba.njit(fastmath=FAST, inline="always")
 def grad_dz(p, h, a, mode, c):
     """A column's dz, the soft part's gradient in its tempered logit, from its p and h (column's or
-    column32's) and the row's a (its kl; relative in column32's reverse KL; in forward KL column32's
-    sum of p - q): p - q in forward KL, h less a p there (the row's p - q sum to 0 but for their
+    column32's) and the row's a (its kl; relative in column32's reverse KL and JSD; in forward KL
+    column32's sum of p - q): p - q in forward KL, h less a p there (the row's p - q sum to 0 but for their
     roundings, which a takes out: c's float32 rounding shifted every column's d alike), else
     c p (h - a), with the row's c = 1 - beta in the JSD, 1 in reverse KL (each kernel's, in its own
     precision: a float64 c would take the float32 kernel's gradient loop to float64)."""
@@ -145,12 +147,13 @@ def column32(s, t, p, q, mode, small_b, row, poly):
     """One column's (a, b, precise, w, h), float32: its shares of the fast sums a = sum p (lp - lm)
     and b = sum q (lq - lm) (m the mixture, p in forward KL, q in reverse KL; in reverse KL a
     relative to the reference column, as the GPU's: rows.py), of the precise sum and of the weights'
-    sum, and the gradient's h (p - q in forward KL, and a their sum; lp - lm in the JSD, h - h_ref
-    in reverse KL); from its logits s, t and probabilities p, q. mode and small_b (the JSD's b <
-    1/6): constants where rows.py calls it; row: the row's (c = lse_z - lse_t, scale = 1 /
-    temperature, the reference column's t - s, mirrored, beta, 1 - beta, b); poly: P's coefficients,
+    sum, and the gradient's h (p - q in forward KL, and a their sum; lp - lm less the reference
+    column's in reverse KL and the JSD: rows.py); from its logits s, t and probabilities p, q.
+    mode and small_b (the JSD's b < 1/6): constants where rows.py calls it; row: the row's (c =
+    lse_z - lse_t, scale = 1 / temperature, the reference column's t - s (reverse KL's) and h
+    (the JSD's; 0 where it is being found), mirrored, beta, 1 - beta, b); poly: P's coefficients,
     then L's and Q's (precise_terms')."""
-    c, scale, diff_ref, mirrored, beta, one_minus_beta, b = row
+    c, scale, diff_ref, h_ref, mirrored, beta, one_minus_beta, b = row
     diff = t - s
     # ln(q / p). c's float32 rounding (up to 3e-8 |c|, the two models' logits' offset at most)
     # shifts every column's d alike: second order in a small divergence's precise sum; in the fast
@@ -166,10 +169,12 @@ def column32(s, t, p, q, mode, small_b, row, poly):
         # h: the gradient's p - q; a: the row's sum of them (grad_dz)
         h = -p * (d * grad_poly_of(poly, d)) if near else p - q
         a, bq = h, q * d
+        a_abs = a
     elif mode == REVERSE_KL:
         w, o, dd = q, p, -d
         h = (diff_ref - diff) * scale
         a, bq = p * h, F32(0.0)
+        a_abs = a
     else:
         dd = -d if mirrored else d
         w, o = (q, p) if mirrored else (p, q)
@@ -206,16 +211,18 @@ def column32(s, t, p, q, mode, small_b, row, poly):
             h_w, h_o = -m_w, dd - m_w
         else:
             h_w, h_o = -l - d_larger, (F32(0.0) if o_larger else dd) - l
-        h = h_o if mirrored else h_w
+        h_p = h_o if mirrored else h_w  # lp - lm
+        h = h_p - h_ref
         a, bq = p * h, q * (h_w if mirrored else h_o)
+        a_abs = p * h_p  # (the share of a not relative)
     if abs(dd) < F32(1.0):
         precise = w * (dd * dd) * soft_poly_of(poly, dd)
     elif mode != JSD:
         precise = w + o * (dd - F32(1.0))  # w Phi(d)
     elif not small_b:
-        # the fast shares are w H_b(d) here, cancelling by a factor of a few at most
-        # (row_math.cuh, Divergence<JSD>::far_soft)
-        precise = beta * bq + one_minus_beta * a
+        # the fast shares (not relative) are w H_b(d) here, cancelling by a factor of a few at
+        # most (divergences.cuh, Divergence<JSD>::column)
+        precise = beta * bq + one_minus_beta * a_abs
     else:
         o_less_w = b * (o - w)  # m - w
         if abs(o_less_w) < F32(0.1) * w:  # |y| < 1/10: G(y) / y^2 by its series
@@ -230,10 +237,10 @@ def column32(s, t, p, q, mode, small_b, row, poly):
 
 @numba.njit(fastmath=FAST, inline="always")
 def soft_of_sums(a, b, precise, weights, mode, beta, h_ref):
-    """The row's soft part from its column32 sums (float64): the fast sums' value (soft's; reverse
-    KL's a is relative to the reference column's h_ref, 0 elsewhere) from PRECISE_BELOW nats up
-    (and where the precise sum is NaN: a NaN reaches the loss), else the precise sum over the
-    weights' (their normalization's error, common to both, cancels)."""
+    """The row's soft part from its column32 sums (float64): the fast sums' value (soft's; a is
+    relative to the reference column's h_ref in reverse KL and the JSD, 0 elsewhere) from
+    PRECISE_BELOW nats up (and where the precise sum is NaN: a NaN reaches the loss), else the
+    precise sum over the weights' (their normalization's error, common to both, cancels)."""
     fast = soft(a + h_ref, b, mode, beta)
     return fast if fast >= PRECISE_BELOW or precise != precise else precise / weights
 

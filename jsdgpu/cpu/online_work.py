@@ -98,7 +98,7 @@ class CpuOnlineRows:
     @staticmethod
     def row_stats(work, target, opts):
         n = len(target)
-        stats = np.empty((7, n))
+        stats = np.empty((8, n))
         stats_kernel(work.s[:n], work.t[:n], target, 1.0 / opts.temperature, stats)
         return stats
 

@@ -37,13 +37,15 @@ __device__ __forceinline__ double log_add_exp(double a, double b) {
 __device__ __forceinline__ float w_phi(const Column& c) { return fmaf(c.o, fmaf(c.d2, LN2, -1.0f), c.w); }
 
 // What each divergence supplies (row_math.cuh's comment, "one column's terms", has the math):
-//   RELATIVE_H: whether the gradient's h is relative to a reference column (reverse KL's sharp
-//     rows: row_math.cuh, "A sharp row"); the kernels then find that column and shift h and kl.
+//   RELATIVE_H: whether the gradient's h is relative to a reference column (a sharp or saturated
+//     row: row_math.cuh, "A sharp row"); the kernels then find that column, take its h with
+//     ref_h<SMALL_B>(s_ref, t_ref, r, soft_b, poly) (r.c_h 0) and shift every column's h and the
+//     row's kl by it (column's h less it: c_h = h_shift(h_ref, r)).
 //   SMALL_B: whether it has a variant for a small mixture weight b (< SMALL_B_BELOW).
 //   weight_is_q(r): whether its weight distribution is q (mirrored).
-//   column<SMALL_B>(c, r, soft_b, k): a column's h, a and b into k; returns the JSD's w G(y)
-//     where the small-b variant forms it (0 elsewhere).
-//   far_soft<SMALL_B>(c, k, r, soft_b, w_g): the column's precise term where |d| >= 1 (below 1,
+//   column<SMALL_B>(c, r, soft_b, k): a column's h, a and b into k; returns what its far_soft
+//     takes (the JSD's; 0 elsewhere).
+//   far_soft<SMALL_B>(c, k, r, soft_b, far): the column's precise term where |d| >= 1 (below 1,
 //     the host's polynomial: sources.soft_terms).
 //   grad_factor(r), GRAD_OF_P, grad_soft(k, p, h, kl): the soft part's gradient in a column,
 //     (w_soft / T) dz = grad_soft(grad_factor, ...); GRAD_OF_P: dz = p (...), which grad_value
@@ -75,6 +77,9 @@ struct Divergence<FORWARD_KL> {
   __device__ static __forceinline__ float far_soft(const Column& c, const ColumnTerms&, const RowMath&, float, float) {
     return w_phi(c);
   }
+  template <bool SMALL>
+  __device__ static __forceinline__ float ref_h(float, float, const RowMath&, float, const SoftPoly&) { return 0.0f; }
+  __device__ static __forceinline__ float h_shift(float, const RowMath&) { return 0.0f; }
   __device__ static __forceinline__ float grad_factor(const RowMath& r) { return r.w_soft_over_t; }
   __device__ static __forceinline__ float grad_soft(float k, float p, float h, float kl) { return k * fmaf(-p, kl, h); }
   __device__ static __forceinline__ float soft_bits(float, float b, const RowMath&) { return b; }
@@ -109,6 +114,12 @@ struct Divergence<REVERSE_KL> {
   __device__ static __forceinline__ float far_soft(const Column& c, const ColumnTerms&, const RowMath&, float, float) {
     return w_phi(c);
   }
+  // h = lp - lq of the reference column, and the c_h of column's h relative to it
+  template <bool SMALL>
+  __device__ static __forceinline__ float ref_h(float s_ref, float t_ref, const RowMath& r, float, const SoftPoly&) {
+    return fmaf(s_ref, r.scale2, -r.lse_z2) - fmaf(t_ref, r.scale2, -r.lse_t2);
+  }
+  __device__ static __forceinline__ float h_shift(float h_ref, const RowMath& r) { return (r.lse_t2 - h_ref) - r.lse_z2; }
   __device__ static __forceinline__ float grad_factor(const RowMath& r) { return r.w_soft_over_t * LN2; }
   __device__ static __forceinline__ float grad_soft(float k, float p, float h, float kl) { return k * p * (h - kl); }
   __device__ static __forceinline__ float soft_bits(float a, float, const RowMath&) { return a; }
@@ -129,10 +140,11 @@ struct Divergence<REVERSE_KL> {
 };
 
 // The generalized JSD, beta KL(q || m) + (1 - beta) KL(p || m), m = (1 - beta) p + beta q: weight
-// p (q where beta > 1/2), b its mixture weight of the other; dz = (1 - beta) p (h - kl)
+// p (q where beta > 1/2), b its mixture weight of the other; dz = (1 - beta) p (h - kl), h =
+// lp - lm relative to a reference column (a saturated row: row_math.cuh, "A sharp row")
 template <>
 struct Divergence<JSD> {
-  enum : bool { RELATIVE_H = false, SMALL_B = true, GRAD_OF_P = true };
+  enum : bool { RELATIVE_H = true, SMALL_B = true, GRAD_OF_P = true };
   __device__ static __forceinline__ bool weight_is_q(const RowMath& r) { return r.beta > 0.5f; }
   template <bool SMALL>
   __device__ static __forceinline__ float column(const Column& c, const RowMath& r, float soft_b, ColumnTerms& k) {
@@ -167,10 +179,18 @@ struct Divergence<JSD> {
       h_w = -l2 - fmaxf(d2, 0.0f);
       h_o = fminf(d2, 0.0f) - l2;
     }
-    k.h = mirrored ? h_o : h_w;
+    const float h_p = mirrored ? h_o : h_w;  // lp - lm
+    k.h = h_p - r.c_h;
     k.a = c.p * k.h;
     k.b = c.q * (mirrored ? h_w : h_o);
-    if (SMALL && !c.near) {
+    // |d| >= 1 and b >= 1/6: the column's shares of the fast sums (not relative), (1 - beta) a +
+    // beta b, are w H_b(d) itself (their linear parts, (1 - b) (w - m) + b (o - m), are 0), and
+    // there they cancel by a factor of a few at most, the mixture's log is of a number at least
+    // 1/10 from 1 (lg2's absolute error is small beside it) and the term is at least w H_b(+-1):
+    // right to a few 1e-6 of the term (each >= 0, so the sum likewise), in 3 instructions where
+    // the formula took 10 (it stays in the small-b variant, whose G may need its series)
+    if (!SMALL) return LN2 * fmaf(r.beta, k.b, r.one_minus_beta * (c.p * h_p));
+    if (!c.near) {
       if (series) {
         // |y| < 1/10: G(y) / y^2 = sum of (-y)^j / ((j + 1)(j + 2))
         float g = 1.0f / 56.0f;
@@ -187,20 +207,19 @@ struct Divergence<JSD> {
     }
     return w_g;
   }
+  // far: column's return, the fast sums' share where b >= 1/6, w G(y) in the small-b variant
   template <bool SMALL>
-  __device__ static __forceinline__ float far_soft(const Column& c, const ColumnTerms& k, const RowMath& r,
-                                                    float soft_b, float w_g) {
-    if (!SMALL) {
-      // |d| >= 1 and b >= 1/6: the column's shares of the fast sums, (1 - beta) a + beta b, are
-      // w H_b(d) itself (their linear parts, (1 - b) (w - m) + b (o - m), are 0), and there they
-      // cancel by a factor of a few at most, the mixture's log is of a number at least 1/10 from
-      // 1 (lg2's absolute error is small beside it) and the term is at least w H_b(+-1): right to
-      // a few 1e-6 of the term (each >= 0, so the sum likewise), in 2 instructions where the
-      // formula took 10 (it stays in the small-b variant, whose G may need its series)
-      return LN2 * fmaf(r.beta, k.b, r.one_minus_beta * k.a);
-    }
-    return fmaf(soft_b, w_phi(c), -w_g);  // H_b(d) = b Phi(d) - G(b (e^d - 1))
+  __device__ static __forceinline__ float far_soft(const Column& c, const ColumnTerms&, const RowMath&, float soft_b,
+                                                    float far) {
+    return SMALL ? fmaf(soft_b, w_phi(c), -far) : far;  // H_b(d) = b Phi(d) - G(b (e^d - 1))
   }
+  // lp - lm of the reference column (r.c_h 0), by column's own math; c_h is it
+  template <bool SMALL>
+  __device__ static __forceinline__ float ref_h(float s_ref, float t_ref, const RowMath& r, float soft_b,
+                                                const SoftPoly& poly) {
+    return column_terms<JSD, SMALL>(s_ref, t_ref, r, soft_b, poly).h;
+  }
+  __device__ static __forceinline__ float h_shift(float h_ref, const RowMath&) { return h_ref; }
   __device__ static __forceinline__ float grad_factor(const RowMath& r) {
     return r.w_soft_over_t * (r.one_minus_beta * LN2);
   }
@@ -227,13 +246,6 @@ struct Divergence<JSD> {
   __device__ static __forceinline__ double rest_a(double u_bar, const Category& rest) { return rest.u - u_bar; }
   __device__ static __forceinline__ double rest_b(double) { return 0.0; }
 };
-
-// whether the runtime mode's divergence takes h relative to a reference column (RELATIVE_H): a
-// test of the mode against the codes of those that do
-__device__ __forceinline__ bool relative_h(int mode) {
-  return (Divergence<FORWARD_KL>::RELATIVE_H && mode == FORWARD_KL) || (Divergence<JSD>::RELATIVE_H && mode == JSD) ||
-         (Divergence<REVERSE_KL>::RELATIVE_H && mode == REVERSE_KL);
-}
 
 template <int M>
 struct Mode {

@@ -11,8 +11,8 @@ struct FusedRow {
   static constexpr int WARPS = THREADS / 32;
   static constexpr int ALL = GROUPS + EXTRA;  // the thread's float4 groups: GROUPS in registers, EXTRA in shared memory
   float4 s[GROUPS], t[GROUPS];  // student logits (later p where softmax(s) == p), teacher (later h;
-                                // in reverse KL relative to h_ref: row_math.cuh, "A sharp row");
-                                // with the student's model, p and forward KL's h (q) times the
+                                // relative to h_ref where RELATIVE_H: row_math.cuh, "A sharp row");
+                                // with the student's model, p and forward KL's h (p - q) times the
                                 // model's derivative (passes)
   float soft_b;                 // the JSD's b (row_math.cuh, column_terms)
   int n, ns, lo, label_column;  // label_column: the label's column in the slice if its one-hot
@@ -57,7 +57,7 @@ struct FusedRow {
   }
 
   // stats: the row's statistics in shared memory (row_values). What only the results and pass 3
-  // need of them (lse_s, the label's logit, reverse KL's h_ref) is read once the sums are in:
+  // need of them (lse_s, the label's logit, h_ref) is read once the sums are in:
   // held in registers through pass 2, they left the kernel closer to spilling (it has 64 a
   // thread). poly: the precise sum's polynomial (row_math.cuh), from kernel parameters.
   // FOLD (only where SOFTMAX_IS_P and with_model): the model's derivative folded into p and q in
@@ -65,7 +65,7 @@ struct FusedRow {
   template <int MODE, bool SOFTMAX_IS_P, bool FOLD>
   __device__ __forceinline__ void passes(const float* stats, const SoftPoly& poly) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // 2. the fast sums a and b (in reverse KL, a_rel), the precise sum and its weights' sum; t
+    // 2. the fast sums a and b (a_rel where RELATIVE_H), the precise sum and its weights' sum; t
     //    becomes h, and s becomes p where softmax(s) == p (no temperature, no pad), so that pass 3
     //    needs no exp (with the student's model, p and q times its derivative at z, which pass 3
     //    then no longer needs)
@@ -85,7 +85,7 @@ struct FusedRow {
     if (lane < CLUSTER) sums = ld_shared4(smem_addr(inbox_sums) + 16 * lane_id());
     sums = sums_warp_merge<32>(sums);  // the other lanes hold zeros: every lane gets the CLUSTER lanes' tree's bits
     const float4 eps = inbox_sums[CLUSTER];  // the logsumexps' roundings (row_math.cuh, unrounded_sums)
-    // r.x: a_n (in reverse KL kl_rel, and a_n = h_ref + kl_rel)
+    // r.x: a_n (where RELATIVE_H kl_rel, and a_n = h_ref + kl_rel)
     const float2 r = unrounded_sums<MODE>(sums.x, sums.y, eps.x, eps.y);
     rm.lse_s = stats[0];
     if (warp == 0 && lane == 0 && rank == 0) {
@@ -102,7 +102,7 @@ struct FusedRow {
     //    value over its group's. So the loop holds one check per group. Group k's values go to
     //    g0 + 4 k THREADS: offsets the stores take as immediates.
     if (G != nullptr) {
-      const float kl = r.x;  // a_n; in reverse KL kl_rel, as h is
+      const float kl = r.x;  // a_n; kl_rel where h is relative
       const long long g0 = row * ldg + lo + column(0);
       const int ns4 = ns & ~3;
 #pragma unroll

@@ -75,7 +75,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   __shared__ float2 warp_ref[WARPS];  // each warp's largest student logit, and the teacher's there
   __shared__ float target_logit;  // in the CTA that holds the label's column
   // The cluster's CTAs push their partial results here: the statistics by statistic (s, t with
-  // the label's logit, z where it is apart, then in reverse KL each CTA's largest student logit
+  // the label's logit, z where it is apart, then where RELATIVE_H each CTA's largest student logit
   // and the teacher's there), then rank; then the KL sums, by rank. Row i + 1's
   // pushes cannot come before this CTA has read row i's: a CTA pushes its statistics of row i + 1
   // only after it has all sums of row i, this CTA's among them, pushed after it read the
@@ -86,7 +86,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   __shared__ float4 inbox_stats[4 * CLUSTER], inbox_sums[CLUSTER + 1];
   __shared__ unsigned long long bars[3];  // their mbarriers, and the copies': one phase per row
   // the cluster's statistics, for every thread: lse_s (nats), lse_z2, lse_t2, the label's logit,
-  // the reference column's s and t, and in reverse KL h_ref (row_math.cuh, "A sharp row")
+  // the reference column's s and t, and h_ref (RELATIVE_H: row_math.cuh, "A sharp row")
   __shared__ float row_values[7];
   // The row after this one (rows_queued[parity ^ 1]) and the one after that (rows_queued[parity],
   // from rank 0 with the statistics), for every thread: read from here where they are needed
@@ -201,8 +201,8 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
       }
     }
     // 1. the row statistics: the warp's max, then the sum of 2^(x - max) (no data-dependent
-    //    branch). inv_temp > 0, so the max of x * scale2 is max(x) * scale2. In reverse KL, also
-    //    the teacher's logit where s is largest (h_ref's column).
+    //    branch). inv_temp > 0, so the max of x * scale2 is max(x) * scale2. Where RELATIVE_H,
+    //    also the teacher's logit where s is largest (h_ref's column).
     float max_s = NEG_INF, max_t = NEG_INF, t_at_max_s = NEG_INF;
 #pragma unroll
     for (int k = 0; k < ALL; ++k) {
@@ -242,7 +242,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
       warp_lse[0][warp] = ls;
       warp_lse[1][warp] = lz;  // read only where tempered
       warp_lse[2][warp] = lt;
-      warp_ref[warp] = ref;    // read only in reverse KL
+      warp_ref[warp] = ref;    // read only where RELATIVE_H
     }
     __syncthreads();  // after it every thread's reads of next_row are done: the next row's copies start
     if (threadIdx.x == COPIER && rows_queued[parity ^ 1] < rows) copy_ahead(rows_queued[parity ^ 1]);
@@ -309,8 +309,12 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     }
     __syncthreads();
     if (Divergence<MODE>::RELATIVE_H) {  // h_ref (row_math.cuh, "A sharp row"), once for the CTA
-      if (threadIdx.x == 0)
-        row_values[6] = row_values[2] - shifted_lse_t2(row_values[4], row_values[5], scale2, row_values[1], row_values[2]);
+      if (threadIdx.x == 0) {
+        RowMath r = {scale2, 0.0f, row_values[1], row_values[2], 0.0f, beta, one_minus_beta, w_hard, w_soft_over_t};
+        row_values[6] = Divergence<MODE>::SMALL_B && soft_b < SMALL_B_BELOW
+                            ? take_reference<MODE, true>(row_values[4], row_values[5], r, soft_b, poly)
+                            : take_reference<MODE, false>(row_values[4], row_values[5], r, soft_b, poly);
+      }
       __syncthreads();  // (with the shift in every thread, held through pass 2, the kernel spilled)
     }
     if (n > ns) {  // the statistics are read: the pad columns become z = 0 for pass 2
@@ -322,11 +326,9 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     }
 
     f.row = row;
-    // lse_s: set by passes (above)
-    // c_h: reverse KL's h relative to h_ref (row_math.cuh, "A sharp row"): lse_t2 - h_ref - lse_z2
-    f.rm = RowMath{scale2, 0.0f, row_values[1], row_values[2],
-                   Divergence<MODE>::RELATIVE_H ? (row_values[2] - row_values[6]) - row_values[1] : 0.0f,
-                   beta, one_minus_beta, w_hard, w_soft_over_t};
+    // lse_s: set by passes; c_h: the shift of h to h_ref (row_math.cuh, "A sharp row")
+    f.rm = RowMath{scale2, 0.0f, row_values[1], row_values[2], 0.0f, beta, one_minus_beta, w_hard, w_soft_over_t};
+    if (Divergence<MODE>::RELATIVE_H) f.rm.c_h = Divergence<MODE>::h_shift(row_values[6], f.rm);
     f.label_apart = G != nullptr && label_dominates(row_values[3], row_values[0]);
     f.label_column = holds_label && !f.label_apart ? y - lo : -1;
     f.parity = parity;

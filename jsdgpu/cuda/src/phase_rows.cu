@@ -8,10 +8,13 @@
 //
 // stats [8, rows]: the maxima of s, z and t; the sums of exp(x - max) of s, z (with this
 // rank's pad columns) and t; the target logit where this rank owns the label (else 0); the t of
-// the column of the largest s (the reference column of a sharp row in reverse KL: row_math.cuh;
-// combined over the ranks, the t of the rank that holds the largest s).
-// kl [6, rows]: the fast sums a and b (in reverse KL relative to the reference column: row_math.cuh,
-// "A sharp row"), the precise sum and its weights' sum (column_terms), the sums of p and of q.
+// the column of the largest s (the reference column of a sharp or saturated row where
+// RELATIVE_H: row_math.cuh, "A sharp row"; combined over the ranks, the t of the rank that holds
+// the largest s).
+// kl [6, rows]: the fast sums a (relative to the reference column where RELATIVE_H) and b, the
+// precise sum and its weights' sum (column_terms), the sums of p and of q.
+// Both kernels take the columns' small-b variant (column_terms<MODE, true>: phase_column_terms):
+// its check of the series in every column costs little here, where they are not the common path.
 // target: the label's column in this rank's shard, -1 where not owned (or none).
 #include "reduce.cuh"
 #include "row_math.cuh"
@@ -82,20 +85,30 @@ __global__ void __launch_bounds__(THREADS) phase_stats(PHASE_ROW_ARGS, float* st
   }
 }
 
-// The row's RowMath from the statistics combined over all ranks; in reverse KL with c_h, which
-// takes the gradient's h relative to the reference column (the largest s, whose t is stats[7]),
-// so that a sharp row's kl is a sum of small terms ("A sharp row", row_math.cuh)
-__device__ __forceinline__ RowMath phase_row_math(int mode, const float* stats, long long row, int rows,
-                                                  float inv_temp, float beta, float one_minus_beta, float w_hard,
+// A column's terms (column_terms, the small-b variant), with h and a exactly 0 where RELATIVE_H in
+// a column whose logits are the reference column's s_ref, t_ref (its h is h_ref itself): a row's
+// a (phase_kl) and its columns' h (phase_finish) are made in two kernels, whose h of one column
+// may differ in their last bits, and a saturated row's gradient at that column is h less kl, at
+// first order (the fused kernel makes both in one pass)
+template <int MODE>
+__device__ __forceinline__ ColumnTerms phase_column_terms(float s, float t, const RowMath& rm, float soft_b,
+                                                          const SoftPoly& poly, float s_ref, float t_ref) {
+  ColumnTerms c = column_terms<MODE, true>(s, t, rm, soft_b, poly);
+  if (Divergence<MODE>::RELATIVE_H && s == s_ref && t == t_ref) c.h = c.a = 0.0f;
+  return c;
+}
+
+// The row's RowMath from the statistics combined over all ranks (its c_h: take_reference's, from
+// the reference column, the largest s (stats[0]) and its t (stats[7]), in each kernel's mode)
+__device__ __forceinline__ RowMath phase_row_math(const float* stats, long long row, int rows, float inv_temp,
+                                                  float beta, float one_minus_beta, float w_hard,
                                                   float w_soft_over_t) {
   const float* st = stats + row;
-  RowMath r = {inv_temp * LOG2E,
-               st[0] + logf(st[3 * (long long)rows]),
-               (st[(long long)rows] + logf(st[4 * (long long)rows])) * LOG2E,
-               (st[2 * (long long)rows] + logf(st[5 * (long long)rows])) * LOG2E,
-               0.0f, beta, one_minus_beta, w_hard, w_soft_over_t};
-  if (relative_h(mode)) r.c_h = shifted_lse_t2(st[0], st[7 * (long long)rows], r.scale2, r.lse_z2, r.lse_t2) - r.lse_z2;
-  return r;
+  return {inv_temp * LOG2E,
+          st[0] + logf(st[3 * (long long)rows]),
+          (st[(long long)rows] + logf(st[4 * (long long)rows])) * LOG2E,
+          (st[2 * (long long)rows] + logf(st[5 * (long long)rows])) * LOG2E,
+          0.0f, beta, one_minus_beta, w_hard, w_soft_over_t};
 }
 
 // Phase 2: this thread's part of the row's sums (column_terms): the fast a and b, the precise
@@ -105,19 +118,19 @@ struct RowSums {
   const float *srow, *trow, *bias_s, *bias_t;
   int vs, vt;
   RowMath rm;
-  float soft_b;
+  float soft_b, s_ref, t_ref;  // the reference column's logits
   SoftPoly poly;
   float4 sums;  // a, b, precise, weights
   float2 pq;    // the sums of p and of q
 
   template <int MODE>
   __device__ __forceinline__ void operator()(Mode<MODE>) {
+    take_reference<MODE, true>(s_ref, t_ref, rm, soft_b, poly);
     for (int i = 4 * threadIdx.x; i < vt; i += 4 * THREADS) {
       float s[4], t[4];
       load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
       for (int k = 0; k < 4 && i + k < vt; ++k) {
-        // (the series' check in every column: the phase kernels are not the common path)
-        const ColumnTerms c = column_terms<MODE, true>(i + k < vs ? s[k] : 0.0f, t[k], rm, soft_b, poly);
+        const ColumnTerms c = phase_column_terms<MODE>(i + k < vs ? s[k] : 0.0f, t[k], rm, soft_b, poly, s_ref, t_ref);
         sums = make_float4(sums.x + c.a, sums.y + c.b, sums.z + c.soft, sums.w + c.w);
         pq = make_float2(pq.x + c.p, pq.y + c.q);
       }
@@ -131,8 +144,9 @@ __global__ void __launch_bounds__(THREADS)
              const float* stats, float* kl) {
   const long long row = blockIdx.x;
   RowSums<THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, vt,
-                        phase_row_math(mode, stats, row, rows, inv_temp, beta, one_minus_beta, 0.0f, 0.0f),
-                        soft_b, SOFT_POLY_OF_PARAMS, make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float2(0.0f, 0.0f)};
+                        phase_row_math(stats, row, rows, inv_temp, beta, one_minus_beta, 0.0f, 0.0f),
+                        soft_b, stats[row], stats[7 * (long long)rows + row], SOFT_POLY_OF_PARAMS,
+                        make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float2(0.0f, 0.0f)};
   mode_dispatch(mode, f);
   const float4 sums = block_merge<THREADS>(f.sums, make_float4(0.0f, 0.0f, 0.0f, 0.0f), sums_warp_merge<32, float4>,
                                            sums_warp_merge<tree_lanes(THREADS / 32), float4>);
@@ -152,7 +166,7 @@ struct Finish {
   int vs, y;
   long long row;
   RowMath rm;
-  float soft_b, target_logit, h_ref;  // h_ref: reverse KL's (row_math.cuh, "A sharp row")
+  float soft_b, target_logit, s_ref, t_ref;  // the reference column's logits
   SoftPoly poly;  // (its Q: the gradient's h where |d| < 1)
   float4 sums;  // phase_kl's, over every rank: a, b, precise, weights
   float2 pq;    // the sums of p and q
@@ -162,10 +176,11 @@ struct Finish {
 
   template <int MODE>
   __device__ __forceinline__ void operator()(Mode<MODE>) {
+    const float h_ref = take_reference<MODE, true>(s_ref, t_ref, rm, soft_b, poly);
     // the fast sums for the distributions as computed, normalized (where the fused kernel corrects
-    // them by the logsumexps' recovered roundings): kl, the gradient's, is a_n
+    // them by the logsumexps' recovered roundings): kl, the gradient's, is a_n (relative as h is)
     const float a_n = sums.x / pq.x, b_n = sums.y / pq.y;
-    const float fast = Divergence<MODE>::RELATIVE_H ? h_ref + a_n : Divergence<MODE>::soft_bits(a_n, b_n, rm);
+    const float fast = Divergence<MODE>::soft_bits(h_ref + a_n, b_n, rm);
     const bool label_apart = G != nullptr && y >= 0 && label_dominates(target_logit, rm.lse_s);
     if (threadIdx.x == 0)
       write_row_results(row, target_logit, row_soft(fast, sums.z, sums.w), label_apart, rm, G != nullptr, ce_out,
@@ -176,7 +191,7 @@ struct Finish {
       load_columns(srow, trow, bias_s, bias_t, i, vs, s, t);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const ColumnTerms c = column_terms<MODE>(s[k], t[k], rm, soft_b, poly);
+        const ColumnTerms c = phase_column_terms<MODE>(s[k], t[k], rm, soft_b, poly, s_ref, t_ref);
         // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns
         g[k] = grad_value<MODE, false>(softmax_of(s[k], rm), c.p, c.h, i + k == y && !label_apart ? 1.0f : 0.0f, a_n, rm);
       }
@@ -192,10 +207,10 @@ __global__ void __launch_bounds__(THREADS)
                  float w_hard, float w_soft_over_t, const float* stats, const float* kl, float* ce_out, float* jsd_out,
                  void* G, long long ldg, float* label_terms) {
   const long long row = blockIdx.x;
-  const RowMath rm = phase_row_math(mode, stats, row, rows, inv_temp, beta, one_minus_beta, w_hard, w_soft_over_t);
+  const RowMath rm = phase_row_math(stats, row, rows, inv_temp, beta, one_minus_beta, w_hard, w_soft_over_t);
   const long long n = rows;
   Finish<OUT, THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, target[row], row, rm, soft_b,
-                            stats[6 * n + row], rm.lse_t2 - (rm.c_h + rm.lse_z2), SOFT_POLY_OF_PARAMS,
+                            stats[6 * n + row], stats[row], stats[7 * n + row], SOFT_POLY_OF_PARAMS,
                             make_float4(kl[row], kl[n + row], kl[2 * n + row], kl[3 * n + row]),
                             make_float2(kl[4 * n + row], kl[5 * n + row]),
                             ce_out, jsd_out, label_terms, G, ldg};

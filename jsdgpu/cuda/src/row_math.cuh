@@ -17,8 +17,9 @@ struct RowMath {
   float scale2;          // log2(e) / temperature
   float lse_s;           // logsumexp of s, natural units (the CE)
   float lse_z2, lse_t2;  // logsumexp of s / T and of t / T, in bits
-  float c_h;             // reverse KL: the gradient's h is (s - t) scale2 + c_h, relative to the
-                         // reference column ("A sharp row", below); unused elsewhere
+  float c_h;             // the shift of the gradient's h to the reference column (RELATIVE_H:
+                         // "A sharp row", below; reverse KL's h is (s - t) scale2 + c_h, the
+                         // JSD's lp - lm - c_h); 0 elsewhere
   float beta, one_minus_beta;  // both from the host's float64: 1 - beta in float32 from a beta
                                // near 1 would be a few percent off
   float w_hard, w_soft_over_t;
@@ -72,8 +73,8 @@ struct SoftPoly {
    {grad0, grad1, grad2, grad3, grad4, grad5, grad6, grad7, grad8}}
 
 // One column's shares of the fast sums (a, b) and of the precise one (soft, over the weights' sum
-// w; natural units), p and q, and the gradient's h (lp - lm in bits; in reverse KL relative to the
-// reference column; q in forward KL). s: the student logit (0 in a pad column, -inf with t past
+// w; natural units), p and q, and the gradient's h (lp - lm in bits, relative to the reference
+// column in reverse KL and the JSD; p - q in forward KL). s: the student logit (0 in a pad column, -inf with t past
 // the row's end), t: the teacher's. soft_b: the JSD's b (above).
 struct ColumnTerms {
   float a, b, soft, w, p, q, h;
@@ -83,9 +84,13 @@ struct ColumnTerms {
 // the common one (b >= 1/6, where the series is never taken) holds no check of it in each column
 constexpr float SMALL_B_BELOW = 1.0f / 6.0f;
 
+template <int MODE, bool SMALL_B = false>
+__device__ __forceinline__ ColumnTerms column_terms(float s, float t, const RowMath& r, float soft_b,
+                                                    const SoftPoly& poly);
+
 #include "divergences.cuh"
 
-template <int MODE, bool SMALL_B = false>
+template <int MODE, bool SMALL_B>
 __device__ __forceinline__ ColumnTerms column_terms(float s, float t, const RowMath& r, float soft_b,
                                                     const SoftPoly& poly) {
   using D = Divergence<MODE>;
@@ -114,35 +119,48 @@ __device__ __forceinline__ ColumnTerms column_terms(float s, float t, const RowM
   k.w = c.w;
   k.p = c.p;
   k.q = c.q;
-  const float w_g = D::template column<SMALL_B>(c, r, soft_b, k);
+  const float far = D::template column<SMALL_B>(c, r, soft_b, k);
   if (c.near) {
     float cp = poly.c[SOFT_POLY_TERMS - 1];
 #pragma unroll
     for (int j = SOFT_POLY_TERMS - 2; j >= 0; --j) cp = fmaf(cp, c.d2, poly.c[j]);
     k.soft = c.w * (c.d2 * c.d2) * cp;
   } else {
-    k.soft = D::template far_soft<SMALL_B>(c, k, r, soft_b, w_g);
+    k.soft = D::template far_soft<SMALL_B>(c, k, r, soft_b, far);
   }
   return k;
 }
 
-// A sharp row's gradient in reverse KL: at a low temperature and large logits p is near
-// one-hot, and the gradient's h - kl (below) at p's large column is a small difference of two
-// numbers of hundreds of bits (h = lp - lq, with lq far below 0 where the teacher disagrees):
-// kl = sum p h in float32 would carry their rounding into it, 1e-3 of G and more. So the fused
-// kernel takes every column's h relative to the h of a reference column (the student's largest
-// logit, where p is largest: h_ref), as h = (s - t) scale2 + c_h with c_h = shifted_lse_t2 -
-// lse_z2 (RowMath): h of the reference column comes out near 0 and exact, the other columns'
-// h - h_ref as before, and the sum a as a_rel = sum p (h - h_ref), a sum of small terms (kl_rel
-// once unrounded_sums has scaled it). h - kl = (h - h_ref) - kl_rel, and the fast soft part takes
-// a_n = h_ref + kl_rel (docs/design.md, "Numerics"). In the JSD, h = lp - lm is never far from 0
-// where p is large (lm >= lg2((1 - beta) p)), and forward KL's gradient is p - q.
+// A sharp or saturated row's gradient (reverse KL, the JSD: RELATIVE_H): where p is near one-hot
+// the gradient's h - kl (below) at p's large column is a small difference of two numbers near
+// each other: kl = sum p h is that column's h less a small part, and the difference is what the
+// other columns hold, 1 - p of it. In reverse KL at a low temperature and large logits h = lp - lq
+// is hundreds of bits there (lq far below 0 where the teacher disagrees); in the JSD with the
+// teacher near one-hot elsewhere it is -log2(1 - beta) there, and the gradient 1e-11 of it (T = 3,
+// V = 17, beta 0.0044: the gradient 90 times off, docs/design.md, "Numerics"). kl in float32
+// would carry their rounding into it, 1e-3 of G and more. So the kernels take every column's h
+// relative to the h of a reference column (the student's largest logit, where p is largest:
+// h_ref, take_reference): h of the reference column comes out 0 (near 0 in reverse KL: its h is
+// formed from the logits' difference), the other columns' h - h_ref as before, and the sum a as
+// a_rel = sum p (h - h_ref), a sum of small terms (kl_rel once unrounded_sums has scaled it).
+// h - kl = (h - h_ref) - kl_rel, and the fast soft part takes a_n = h_ref + kl_rel
+// (docs/design.md, "Numerics"). Forward KL's gradient is h - kl p, h = p - q, which holds no such
+// difference.
 
-// reverse KL's lse_t2 less h_ref (above), from the reference column's logits s_ref and t_ref;
-// lse_t2 itself where h_ref is not finite (a teacher logit of -inf there: the divergence is inf)
-__device__ __forceinline__ float shifted_lse_t2(float s_ref, float t_ref, float scale2, float lse_z2, float lse_t2) {
-  const float h_ref = fmaf(s_ref, scale2, -lse_z2) - fmaf(t_ref, scale2, -lse_t2);
-  return isfinite(h_ref) ? lse_t2 - h_ref : lse_t2;
+// h_ref of a RELATIVE_H divergence from its reference column's logits s_ref and t_ref, 0 where
+// it is not finite (a teacher logit of -inf there in reverse KL: the divergence is inf; a row
+// with no student column), and r.c_h set to take each column's h relative to it (0 and r as
+// they are elsewhere). SMALL_B: the variant of column_terms that the row's columns take.
+template <int MODE, bool SMALL_B>
+__device__ __forceinline__ float take_reference(float s_ref, float t_ref, RowMath& r, float soft_b,
+                                                const SoftPoly& poly) {
+  using D = Divergence<MODE>;
+  r.c_h = 0.0f;
+  if (!D::RELATIVE_H) return 0.0f;
+  const float h = D::template ref_h<SMALL_B>(s_ref, t_ref, r, soft_b, poly);
+  const float h_ref = isfinite(h) ? h : 0.0f;
+  r.c_h = D::h_shift(h_ref, r);
+  return h_ref;
 }
 
 // (m, t_at_m) taken on over the four columns of s and t: the largest s, and the t of its column
@@ -200,7 +218,7 @@ __device__ __forceinline__ bool label_dominates(float target_logit, float lse_s)
 // bits by as much, and the gradient's h - kl where p is near one-hot (kl is the h of that column
 // less a small part) by far more. The sums for the exact distributions, in their first order:
 // a_n = a 2^eps_z, b_n = b 2^eps_t (the gradient's kl is a_n: h's own offset cancels in h - a_n;
-// in the fused kernel's reverse KL, a is a_rel and a_n kl_rel: "A sharp row", above); the soft
+// where h is relative (RELATIVE_H), a is a_rel and a_n kl_rel: "A sharp row", above); the soft
 // part, in bits: a KL also takes its logs' offsets.
 template <int MODE>
 __device__ __forceinline__ float2 unrounded_sums(float a, float b, float eps_z, float eps_t) {
