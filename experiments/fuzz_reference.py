@@ -12,14 +12,17 @@ is a lead, not a verdict: a sharp row's float32 logits alone can leave that much
 floors, tests/conftest.py's assert_near_float64, say how much).
 
     python experiments/fuzz_reference.py --seed 0 --cases 400
+    python experiments/fuzz_reference.py --gpu --seed 0 --cases 400     # the GPU backend
 
 Answer (the Zen 4 EPYC, 2026-12-05; docs/design.md, "Small divergences" and "Numerics"): the code
 before b84755b, 18 of seeds 0-599 off by more than 1e-3, every one beta 1e-6 with the soft part's
-gradient alone (up to 0.12: seed 432); this code, none of those, and 7 of seeds 600-1999, each as
-far off or more with the code before: the JSD's saturated soft gradient alone, which is not yet
-right (seeds 1471, 1487: 200 times off, 1876), a student deep in a soft cap of 1 (894, 1436: the
-cap's derivative is right absolutely, not relatively, as the contract says), and sharp rows at
-1.3e-3 (769, 1131).
+gradient alone (up to 0.12: seed 432). With the JSD's h relative to the reference column (and the
+reference's own gradient taken about it), 4 of seeds 0-1999 where 7 of 600-1999 were: a student
+deep in a soft cap of 1 (894, 1436: the cap's derivative is right absolutely, not relatively, as
+the contract says), and the JSD's gradient alone where p's mass is on columns at which q is far
+below it, right to float32's rounding of those columns' h absolutely (1131: 1.3e-3; 1487: a
+gradient of 1e-29 that comes out 2e-6); the saturated rows that were 200 times off (1471, 1876)
+and the sharp rows of 769 are right.
 """
 
 import argparse
@@ -80,10 +83,13 @@ def draw(seed):
     return arrays, weights, opts, run, upstream
 
 
-def errors(arrays, weights, opts, run, upstream):
-    """Relative errors (norms) of the loss and the gradients against the float64 reference."""
-    loss, ctx = jsdgpu.forward(**arrays, token_weights=weights, **opts, **run)
-    grads = jsdgpu.backward(ctx, upstream) if upstream is not None else jsdgpu.backward(ctx)
+def errors(arrays, weights, opts, run, upstream, xp=np):
+    """Relative errors (norms) of the loss and the gradients against the float64 reference; the
+    call on xp's arrays (NumPy: the CPU backend; CuPy: the GPU's)."""
+    on = lambda a: None if a is None else xp.asarray(a)  # noqa: E731
+    loss, ctx = jsdgpu.forward(**{k: on(v) for k, v in arrays.items()}, token_weights=on(weights), **opts, **run)
+    grads = jsdgpu.backward(ctx, on(upstream)) if upstream is not None else jsdgpu.backward(ctx)
+    loss, grads = _numpy(loss), [_numpy(g) for g in grads]
     want = list(reference(**arrays, token_weights=weights, reduction=run["reduction"], grad_output=upstream,
                           **opts))
     if "num_valid_tokens" in run:  # the reference divides by the valid rows' count
@@ -99,16 +105,25 @@ def errors(arrays, weights, opts, run, upstream):
     return found
 
 
+def _numpy(a):
+    return a.get() if hasattr(a, "get") else a
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpu", action="store_true", help="CuPy arrays: the GPU backend")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", type=int, default=200)
     p.add_argument("--tolerance", type=float, default=1e-3)
     a = p.parse_args()
+    if a.gpu:
+        import cupy as xp
+    else:
+        xp = np
     flagged = 0
     for seed in range(a.seed, a.seed + a.cases):
         arrays, weights, opts, run, upstream = draw(seed)
-        found = errors(arrays, weights, opts, run, upstream)
+        found = errors(arrays, weights, opts, run, upstream, xp)
         if not max(found.values()) <= a.tolerance:  # (a NaN flags too)
             flagged += 1
             shape = dict(T=len(arrays["target"]), vs=len(arrays["student_weight"]), vt=len(arrays["teacher_weight"]))
