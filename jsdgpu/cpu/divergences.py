@@ -53,9 +53,9 @@ def soft(a, b, mode, beta):
 @numba.njit(fastmath=FAST, inline="always")
 def grad_dz(p, h, a, mode, c):
     """A column's dz, the soft part's gradient in its tempered logit, from its p and h (column's or
-    column32's) and the row's a (its kl; relative in column32's reverse KL and JSD; in forward KL
-    column32's sum of p - q): p - q in forward KL, h less a p there (the row's p - q sum to 0 but for their
-    roundings, which a takes out: c's float32 rounding shifted every column's d alike), else
+    column32's) and the row's a (its kl; relative in reverse KL and the JSD; in forward KL
+    column32's sum of p - q): p - q in forward KL, h less a p there (the row's p - q sum to 0 but
+    for their roundings, which a takes out: c's float32 rounding shifted every column's d alike), else
     c p (h - a), with the row's c = 1 - beta in the JSD, 1 in reverse KL (each kernel's, in its own
     precision: a float64 c would take the float32 kernel's gradient loop to float64)."""
     return h - a * p if mode == FORWARD_KL else c * p * (h - a)
@@ -145,9 +145,9 @@ def log1p_small(y):
 @numba.njit(fastmath=FAST, inline="always")
 def column32(s, t, p, q, mode, small_b, row, poly):
     """One column's (a, b, precise, w, h), float32: its shares of the fast sums a = sum p (lp - lm)
-    and b = sum q (lq - lm) (m the mixture, p in forward KL, q in reverse KL; in reverse KL a
-    relative to the reference column, as the GPU's: rows.py), of the precise sum and of the weights'
-    sum, and the gradient's h (p - q in forward KL, and a their sum; lp - lm less the reference
+    and b = sum q (lq - lm) (m the mixture, p in forward KL, q in reverse KL; in reverse KL and the
+    JSD a relative to the reference column, as the GPU's: rows.py), of the precise sum and of the
+    weights' sum, and the gradient's h (p - q in forward KL, and a their sum; lp - lm less the reference
     column's in reverse KL and the JSD: rows.py); from its logits s, t and probabilities p, q.
     mode and small_b (the JSD's b < 1/6): constants where rows.py calls it; row: the row's (c =
     lse_z - lse_t, scale = 1 / temperature, the reference column's t - s (reverse KL's) and h

@@ -133,7 +133,7 @@ def column_sums(s, t, p, h, inv_z, inv_t, mode, small_b, row, poly, w_p, k_dz, s
             prefetch(s_next, k)
             prefetch(t_next, k)
         da, db, dp, dw = column_block(s[lo:end], t[lo:end], p[lo:end], h[lo:end], inv_z, inv_t, mode, small_b, row,
-                                       poly, w_p, k_dz)
+                                      poly, w_p, k_dz)
         a += da
         b += db
         precise += dp

@@ -245,8 +245,8 @@ def _kernels(sources):
                 h_ref = np.float64(h_ref32)
             row = (F32(c), scale, diff_ref, h_ref32, beta > 0.5, beta32, one_minus_beta32, b)
             s_next, t_next = next_row(s, t, i, z_cols, t_i)
-            a, b_sum, precise, weights = row_sums(z_cols, t_i, p, h, inv_z, inv_t, mode,
-                                                   b < SMALL_B_BELOW, row, row_poly, w_p, k_soft * c_dz, s_next, t_next)
+            a, b_sum, precise, weights = row_sums(z_cols, t_i, p, h, inv_z, inv_t, mode, b < SMALL_B_BELOW, row,
+                                                  row_poly, w_p, k_soft * c_dz, s_next, t_next)
             target_logit = np.float64(s_i[y]) if y >= 0 else 0.0
             ce[i] = lse_s - target_logit
             jsd[i] = soft_of_sums(a, b_sum, precise, weights, mode, beta, h_ref)
