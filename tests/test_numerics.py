@@ -98,9 +98,9 @@ def test_saturated_jsd_gradients(xp, rng, beta, vs):
     size and less, is what j holds: as close to the float64 reference as every gradient
     (assert_near_float64). With h = ln(p / m) taken as it is, kl = sum p h cancelled against the
     h of column i to that h's rounding, and the gradient was 0.1 to 0.9 off, relatively; h
-    relative to the reference column (row_math.cuh, "A sharp row") keeps it right. (Where p's mass is on
-    several such columns, the gradient is right to the rounding of their h, absolutely: the
-    contract's "Numerics".)"""
+    relative to the reference column (row_math.cuh, "A sharp row") keeps it right. (Where p's
+    mass is on several such columns, the gradient is right to the rounding of their h,
+    absolutely: the contract's "Numerics".)"""
     case = make_case(rng, T=3, hs=16, ht=16, vs=vs, vt=vs, bias=True, logit_std=1.0)
     i, j = rng.choice(vs, 2, replace=False)
     case["student_bias"][[i, j]] += [20.0, 10.0]

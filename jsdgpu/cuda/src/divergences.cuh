@@ -119,7 +119,9 @@ struct Divergence<REVERSE_KL> {
   __device__ static __forceinline__ float ref_h(float s_ref, float t_ref, const RowMath& r, float, const SoftPoly&) {
     return fmaf(s_ref, r.scale2, -r.lse_z2) - fmaf(t_ref, r.scale2, -r.lse_t2);
   }
-  __device__ static __forceinline__ float h_shift(float h_ref, const RowMath& r) { return (r.lse_t2 - h_ref) - r.lse_z2; }
+  __device__ static __forceinline__ float h_shift(float h_ref, const RowMath& r) {
+    return (r.lse_t2 - h_ref) - r.lse_z2;
+  }
   __device__ static __forceinline__ float grad_factor(const RowMath& r) { return r.w_soft_over_t * LN2; }
   __device__ static __forceinline__ float grad_soft(float k, float p, float h, float kl) { return k * p * (h - kl); }
   __device__ static __forceinline__ float soft_bits(float a, float, const RowMath&) { return a; }

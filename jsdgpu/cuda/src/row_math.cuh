@@ -74,8 +74,8 @@ struct SoftPoly {
 
 // One column's shares of the fast sums (a, b) and of the precise one (soft, over the weights' sum
 // w; natural units), p and q, and the gradient's h (lp - lm in bits, relative to the reference
-// column in reverse KL and the JSD; p - q in forward KL). s: the student logit (0 in a pad column, -inf with t past
-// the row's end), t: the teacher's. soft_b: the JSD's b (above).
+// column in reverse KL and the JSD; p - q in forward KL). s: the student logit (0 in a pad
+// column, -inf with t past the row's end), t: the teacher's. soft_b: the JSD's b (above).
 struct ColumnTerms {
   float a, b, soft, w, p, q, h;
 };
