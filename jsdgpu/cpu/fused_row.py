@@ -62,15 +62,14 @@ def shifted_exp_sum(x, scale, pad, e):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def reference_column(s):
+def reference_column(s, s_max):
     """The reference column of reverse KL and the JSD (row_math.cuh, "A sharp row"): the first
-    that holds the student's largest logit; -1 where none does (a row with a NaN above its
-    numbers). Any such column will do: the largest t of those columns, the GPU's choice, took
-    2-2.5 ms more at 512 rows of 32000 (docs/record.md). Found by the vectorized max32 of blocks,
-    then a scan of the block that holds it: a scan of the row, or a vectorized reduction to the
-    first index, took 2 ms more. (Where a teacher's pad holds the largest z, no column of G is
-    near one-hot and any reference will do.)"""
-    s_max = max32(s)
+    that holds the student's largest logit, s_max (max32(s)); -1 where none does (a row with a NaN
+    above its numbers). Any such column will do: the largest t of those columns, the GPU's
+    choice, took 2-2.5 ms more at 512 rows of 32000 (docs/record.md). Found by the vectorized
+    max32 of blocks, then a scan of the block that holds it: a scan of the row, or a vectorized
+    reduction to the first index, took 2 ms more. (Where a teacher's pad holds the largest z, no
+    column of G is near one-hot and any reference will do.)"""
     for lo in range(0, len(s), _BLOCK):
         block = s[lo:lo + _BLOCK]
         if max32(block) == s_max:

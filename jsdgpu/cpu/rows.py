@@ -31,7 +31,8 @@ def _row_stats(s, t, y, inv_temp, vs, vt):
     """(max s, max z, max t / T, sum exp(s - max), sum exp(z - max z), sum exp(t / T - max), the
     target logit, the reference column's t) of one row: z = s / temperature padded with zeros to
     vt; the reference column is reference_column's (its t NaN where there is none)."""
-    ms = np.float64(max32(s[:vs]))
+    s_max = max32(s[:vs])
+    ms = np.float64(s_max)
     mt = np.float64(max32(t[:vt]))
     mz = ms * inv_temp
     if vt > vs:
@@ -49,7 +50,7 @@ def _row_stats(s, t, y, inv_temp, vs, vt):
     sum_t = 0.0
     for j in range(vt):  # (vt >= vs: the student is padded, never the teacher)
         sum_t += exp64(t[j] * inv_temp - mt)
-    ref = reference_column(s[:vs])
+    ref = reference_column(s[:vs], s_max)
     return (ms, mz, mt, sum_s, sum_z, sum_t, (np.float64(s[y]) if y >= 0 else 0.0),
             np.float64(t[ref]) if ref >= 0 else np.nan)
 
@@ -230,7 +231,7 @@ def _kernels(sources):
             # from the logits' difference, the JSD's by column32 itself (so that it comes out 0 there)
             diff_ref, h_ref32, h_ref = F32(0.0), F32(0.0), 0.0
             inv_z, inv_t = F32(1.0 / sum_z), F32(1.0 / sum_t)
-            ref = reference_column(s_i) if mode != FORWARD_KL else -1
+            ref = reference_column(s_i, max32(s_i)) if mode != FORWARD_KL else -1
             if mode == REVERSE_KL:
                 diff_ref, s_ref, t_ref = (t_i[ref] - s_i[ref], s_i[ref], t_i[ref]) if ref >= 0 else (
                     F32(0.0), F32(0.0), F32(np.nan))

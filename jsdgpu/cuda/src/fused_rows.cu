@@ -157,6 +157,10 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   // gradient_sums.cu's model_logits makes them), or a slice that ends inside a float4 of columns
   // (whose values past the end must be -inf).
   const bool model_t = scale_t != 1.0f || cap_t != 0.0f;
+  // The row's RowMath from its statistics in row_values (lse_s: set by passes; c_h 0)
+  auto row_math = [&]() {
+    return RowMath{scale2, 0.0f, row_values[1], row_values[2], 0.0f, beta, one_minus_beta, w_hard, w_soft_over_t};
+  };
   const bool adjust = bias_s != nullptr || bias_t != nullptr || n % 4 != 0 || ns % 4 != 0 || f.with_model || model_t;
 
   // This cluster's row and the next one: the first two by its index, then from row_counter.
@@ -310,7 +314,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     __syncthreads();
     if (Divergence<MODE>::RELATIVE_H) {  // h_ref (row_math.cuh, "A sharp row"), once for the CTA
       if (threadIdx.x == 0) {
-        RowMath r = {scale2, 0.0f, row_values[1], row_values[2], 0.0f, beta, one_minus_beta, w_hard, w_soft_over_t};
+        RowMath r = row_math();
         row_values[6] = Divergence<MODE>::SMALL_B && soft_b < SMALL_B_BELOW
                             ? take_reference<MODE, true>(row_values[4], row_values[5], r, soft_b, poly)
                             : take_reference<MODE, false>(row_values[4], row_values[5], r, soft_b, poly);
@@ -326,8 +330,7 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
     }
 
     f.row = row;
-    // lse_s: set by passes; c_h: the shift of h to h_ref (row_math.cuh, "A sharp row")
-    f.rm = RowMath{scale2, 0.0f, row_values[1], row_values[2], 0.0f, beta, one_minus_beta, w_hard, w_soft_over_t};
+    f.rm = row_math();  // c_h: the shift of h to h_ref (row_math.cuh, "A sharp row")
     if (Divergence<MODE>::RELATIVE_H) f.rm.c_h = Divergence<MODE>::h_shift(row_values[6], f.rm);
     f.label_apart = G != nullptr && label_dominates(row_values[3], row_values[0]);
     f.label_column = holds_label && !f.label_apart ? y - lo : -1;
