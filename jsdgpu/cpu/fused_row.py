@@ -1,8 +1,8 @@
-"""The CPU's fused row kernel's row in one thread (rows.fused_kernel's body, as the GPU's
+"""The CPU's fused row kernel's row in one thread (rows._fused_row's parts, as the GPU's
 fused_row.cuh is fused_rows.cu's): the row's shifted exps and their sums, its reference column,
 the column pass over column32's terms a block at a time with the next row's logits prefetched,
-and the gradient row. Each function is inlined into the kernel (rows.py's _sources_digest holds
-this file)."""
+and the gradient row. Each function is inlined into the row's function (rows.py's
+_sources_digest holds this file)."""
 
 import numba
 import numpy as np
@@ -189,7 +189,9 @@ def gradient_columns(s, p, h, k_a, w_hard, softmax_is_p, shift_s, inv_sum_s, mod
     model's, the loop reads neither; else it runs a block at a time over h, then copies the block to
     G (written straight to G, a loop over s and G in one memory was scalar: LLVM's check that a
     store does not overlap a later load finds them overlapping, and takes its scalar loop; the row
-    then took 5.5 ms more at 512 rows of 32000)."""
+    then took 5.5 ms more at 512 rows of 32000). The copy is a loop of its own: a slice's
+    assignment, which tests its two arrays for overlap, took the kernel at temperature 2 from
+    15.6 to 17-21 ms at 512 rows of 32000 outside a parallel loop's body.)"""
     if softmax_is_p and model_scale == F32(1.0) and model_inv_cap == F32(0.0):
         for j in range(len(G)):
             G[j] = h[j] - k_a * p[j]
@@ -203,4 +205,6 @@ def gradient_columns(s, p, h, k_a, w_hard, softmax_is_p, shift_s, inv_sum_s, mod
         else:
             gradient_block(s[lo:end], p[lo:end], h_block, k_a, w_hard, False, shift_s, inv_sum_s, model_scale,
                             model_inv_cap)
-        G[lo:end] = h_block[:len(G[lo:end])]
+        g_block = G[lo:end]
+        for j in range(len(g_block)):
+            g_block[j] = h_block[j]

@@ -174,6 +174,109 @@ def _stats_of(stats, i):
     return stats[0, i], stats[1, i], stats[2, i], stats[3, i], stats[4, i], stats[5, i], stats[6, i], stats[7, i]
 
 
+# ---- each kernel's row: a function of its own ----
+#
+# Each kernel is a loop over its rows in parallel (numba.prange) that calls its row's function.
+# With the row's code inlined into that loop, Numba's passes for the parallel loop took most of
+# a kernel's first compilation (the fused kernel's 76-80 s, where the loop and its row's function
+# take 25-28: docs/design.md, "The CPU backend"). The row's functions compile with the parallel
+# loop's error model, NumPy's: under Python's, njit's default, each float division tests its
+# divisor for zero so as to raise, and LLVM kept such a loop scalar (the JSD's column pass, eight
+# times slower).
+_row_function = numba.njit(fastmath=FAST, error_model="numpy")
+
+
+@_row_function
+def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, poly, w_hard, w_soft_over_t, ce, jsd, G,
+               label_terms, write_grad, model_scale, model_inv_cap):
+    """Row i of fused_kernel (_kernels')."""
+    vs, vt = s.shape[1], t.shape[1]
+    scale = F32(inv_temp)
+    same_z = scale == F32(1.0) and vt == vs  # z is s
+    row_poly = (poly[0], poly[1], poly[2], poly[3], poly[4], poly[5], poly[6], poly[7], poly[8], poly[9], poly[10],
+                poly[11], poly[12], poly[13], poly[14], poly[15], poly[16], poly[17], poly[18], poly[19], poly[20],
+                poly[21], poly[22], poly[23], poly[24], poly[25], poly[26])
+    b, beta32, one_minus_beta32 = F32(soft_b), F32(beta), F32(one_minus_beta)
+    k_soft, m_scale, m_inv_cap = F32(w_soft_over_t), F32(model_scale), F32(model_inv_cap)
+    c_dz = one_minus_beta32 if mode == JSD else F32(1.0)  # grad_dz's
+    # the gradient's column part (column_block): softmax(s) is p where z is s, and its hard term
+    # then goes in with the column's
+    w_p = F32(w_hard) if same_z else F32(0.0)
+    s_i, t_i, y = s[i], t[i], target[i]
+    p = np.empty(vt, np.float32)  # exp(z - shift), then p
+    h = np.empty(vt, np.float32)  # exp(t / T - shift), then h
+    shift_s, sum_s = shifted_exp_sum(s_i, F32(1.0), 0, p if same_z else np.empty(0, np.float32))
+    shift_z, sum_z = (shift_s, sum_s) if same_z else shifted_exp_sum(s_i, scale, vt - vs, p)
+    shift_t, sum_t = shifted_exp_sum(t_i, scale, 0, h)
+    lse_s, lse_z, lse_t = shift_s + math.log(sum_s), shift_z + math.log(sum_z), shift_t + math.log(sum_t)
+    c = lse_z - lse_t
+    z_cols = padded(s_i, vt)
+    # h relative to the reference column's h_ref (row_math.cuh, "A sharp row"): reverse KL's from
+    # the logits' difference, the JSD's by column32 itself (so that it comes out 0 there)
+    diff_ref, h_ref32, h_ref = F32(0.0), F32(0.0), 0.0
+    inv_z, inv_t = F32(1.0 / sum_z), F32(1.0 / sum_t)
+    ref = reference_column(s_i, max32(s_i)) if mode != FORWARD_KL else -1
+    if mode == REVERSE_KL:
+        diff_ref, s_ref, t_ref = (t_i[ref] - s_i[ref], s_i[ref], t_i[ref]) if ref >= 0 else (
+            F32(0.0), F32(0.0), F32(np.nan))
+        h_ref = (np.float64(s_ref) - np.float64(t_ref)) * np.float64(scale) - c
+        if not math.isfinite(h_ref):  # (a teacher logit of -inf there: the divergence is inf)
+            diff_ref, h_ref = F32(0.0), -c
+    elif mode == JSD and ref >= 0:
+        h_ref32 = column32(z_cols[ref], t_i[ref], p[ref] * inv_z, h[ref] * inv_t, JSD, b < SMALL_B_BELOW,
+                           (F32(c), scale, diff_ref, F32(0.0), beta > 0.5, beta32, one_minus_beta32, b),
+                           row_poly)[4]
+        h_ref32 = h_ref32 if math.isfinite(h_ref32) else F32(0.0)
+        h_ref = np.float64(h_ref32)
+    row = (F32(c), scale, diff_ref, h_ref32, beta > 0.5, beta32, one_minus_beta32, b)
+    s_next, t_next = next_row(s, t, i, z_cols, t_i)
+    a, b_sum, precise, weights = row_sums(z_cols, t_i, p, h, inv_z, inv_t, mode, b < SMALL_B_BELOW, row, row_poly,
+                                          w_p, k_soft * c_dz, s_next, t_next)
+    target_logit = np.float64(s_i[y]) if y >= 0 else 0.0
+    ce[i] = lse_s - target_logit
+    jsd[i] = soft_of_sums(a, b_sum, precise, weights, mode, beta, h_ref)
+    if write_grad:
+        apart = _label_apart(y, target_logit, lse_s)
+        label_derivative = _model_derivative(s_i[y], model_scale, model_inv_cap) if y >= 0 else 1.0
+        label_terms[i] = -w_hard * label_derivative if apart else 0.0
+        k_a = k_soft * c_dz * F32(a)
+        inv_sum_s = F32(1.0 / sum_s)
+        gradient_columns(s_i, p, h, k_a, F32(w_hard), same_z, shift_s, inv_sum_s, m_scale, m_inv_cap, G[i])
+        if y >= 0 and not apart:
+            G[i, y] -= w_hard * label_derivative
+
+
+@_row_function
+def _stats_row(i, s, t, target, inv_temp, stats):
+    """Row i of stats_kernel."""
+    (stats[0, i], stats[1, i], stats[2, i], stats[3, i], stats[4, i], stats[5, i], stats[6, i],
+     stats[7, i]) = _row_stats(s[i], t[i], target[i], inv_temp, s.shape[1], t.shape[1])
+
+
+@_row_function
+def _kl_row(i, s, t, inv_temp, mode, beta, stats, kl):
+    """Row i of kl_kernel."""
+    none = np.empty(0)
+    kl[0, i], kl[1, i] = _row_kl(s[i], t[i], inv_temp, mode, beta, _stats_of(stats, i), none, none)
+
+
+@_row_function
+def _finish_row(i, s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, stats, kl, ce, jsd, G, label_terms,
+                write_grad):
+    """Row i of finish_kernel."""
+    vs = s.shape[1]
+    row = _stats_of(stats, i)
+    p = np.empty(vs if write_grad else 0)
+    h = np.empty(vs if write_grad else 0)
+    for j in range(len(p)):  # what _row_kl takes p and h from (the rows' statistics, all ranks')
+        p[j] = exp64(np.float64(s[i, j]) * inv_temp - row[1])
+        h[j] = exp64(t[i, j] * inv_temp - row[2])
+    if write_grad:
+        _row_kl(s[i], t[i], inv_temp, mode, beta, row, p, h)  # (this rank's sums: not needed)
+    _results(s[i], i, target[i], row, kl[0, i], kl[1, i], inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G,
+             label_terms, write_grad, p, h, 1.0, 0.0)  # (the models' passes are around the phases)
+
+
 # ---- the kernels, their cache keyed by what they take in ----
 
 def _sources_digest():
@@ -190,7 +293,9 @@ def _kernels(sources):
     """The four kernels, each a closure over `sources` (_sources_digest's). Numba keys a kernel's
     cache by its own file's time and size, its own bytecode and its closure's contents: without
     the digest, a change to a module it inlines, with rows.py unchanged (a pull, a checkout),
-    left the old kernel running from the cache (docs/design.md, "The CPU backend")."""
+    left the old kernel running from the cache (docs/design.md, "The CPU backend"). Each passes
+    its row's function the row's index as an int64: the parallel loop's index is unsigned in the
+    loop's body and signed where Numba first types it, and each compiled the function again."""
 
     @rows_in_parallel
     @numba.njit(parallel=True, fastmath=FAST, cache=True)
@@ -203,63 +308,9 @@ def _kernels(sources):
         and column32's twenty-seven coefficients (divergences.precise_terms). G may be s's
         memory."""
         sources  # (its cache key: _kernels)
-        n, vs = s.shape
-        vt = t.shape[1]
-        scale = F32(inv_temp)
-        same_z = scale == F32(1.0) and vt == vs  # z is s
-        row_poly = (poly[0], poly[1], poly[2], poly[3], poly[4], poly[5], poly[6], poly[7], poly[8], poly[9], poly[10],
-                    poly[11], poly[12], poly[13], poly[14], poly[15], poly[16], poly[17], poly[18], poly[19],
-                    poly[20], poly[21], poly[22], poly[23], poly[24], poly[25], poly[26])
-        b, beta32, one_minus_beta32 = F32(soft_b), F32(beta), F32(one_minus_beta)
-        k_soft, m_scale, m_inv_cap = F32(w_soft_over_t), F32(model_scale), F32(model_inv_cap)
-        c_dz = one_minus_beta32 if mode == JSD else F32(1.0)  # grad_dz's
-        # the gradient's column part (column_block): softmax(s) is p where z is s, and its hard term
-        # then goes in with the column's
-        w_p = F32(w_hard) if same_z else F32(0.0)
-        none = np.empty(0, np.float32)
-        for i in numba.prange(n):
-            s_i, t_i, y = s[i], t[i], target[i]
-            p = np.empty(vt, np.float32)  # exp(z - shift), then p
-            h = np.empty(vt, np.float32)  # exp(t / T - shift), then h
-            shift_s, sum_s = shifted_exp_sum(s_i, F32(1.0), 0, p if same_z else none)
-            shift_z, sum_z = (shift_s, sum_s) if same_z else shifted_exp_sum(s_i, scale, vt - vs, p)
-            shift_t, sum_t = shifted_exp_sum(t_i, scale, 0, h)
-            lse_s, lse_z, lse_t = shift_s + math.log(sum_s), shift_z + math.log(sum_z), shift_t + math.log(sum_t)
-            c = lse_z - lse_t
-            z_cols = padded(s_i, vt)
-            # h relative to the reference column's h_ref (row_math.cuh, "A sharp row"): reverse KL's
-            # from the logits' difference, the JSD's by column32 itself (so that it comes out 0 there)
-            diff_ref, h_ref32, h_ref = F32(0.0), F32(0.0), 0.0
-            inv_z, inv_t = F32(1.0 / sum_z), F32(1.0 / sum_t)
-            ref = reference_column(s_i, max32(s_i)) if mode != FORWARD_KL else -1
-            if mode == REVERSE_KL:
-                diff_ref, s_ref, t_ref = (t_i[ref] - s_i[ref], s_i[ref], t_i[ref]) if ref >= 0 else (
-                    F32(0.0), F32(0.0), F32(np.nan))
-                h_ref = (np.float64(s_ref) - np.float64(t_ref)) * np.float64(scale) - c
-                if not math.isfinite(h_ref):  # (a teacher logit of -inf there: the divergence is inf)
-                    diff_ref, h_ref = F32(0.0), -c
-            elif mode == JSD and ref >= 0:
-                h_ref32 = column32(z_cols[ref], t_i[ref], p[ref] * inv_z, h[ref] * inv_t, JSD, b < SMALL_B_BELOW,
-                                   (F32(c), scale, diff_ref, F32(0.0), beta > 0.5, beta32, one_minus_beta32, b),
-                                   row_poly)[4]
-                h_ref32 = h_ref32 if math.isfinite(h_ref32) else F32(0.0)
-                h_ref = np.float64(h_ref32)
-            row = (F32(c), scale, diff_ref, h_ref32, beta > 0.5, beta32, one_minus_beta32, b)
-            s_next, t_next = next_row(s, t, i, z_cols, t_i)
-            a, b_sum, precise, weights = row_sums(z_cols, t_i, p, h, inv_z, inv_t, mode, b < SMALL_B_BELOW, row,
-                                                  row_poly, w_p, k_soft * c_dz, s_next, t_next)
-            target_logit = np.float64(s_i[y]) if y >= 0 else 0.0
-            ce[i] = lse_s - target_logit
-            jsd[i] = soft_of_sums(a, b_sum, precise, weights, mode, beta, h_ref)
-            if write_grad:
-                apart = _label_apart(y, target_logit, lse_s)
-                label_derivative = _model_derivative(s_i[y], model_scale, model_inv_cap) if y >= 0 else 1.0
-                label_terms[i] = -w_hard * label_derivative if apart else 0.0
-                k_a = k_soft * c_dz * F32(a)
-                inv_sum_s = F32(1.0 / sum_s)
-                gradient_columns(s_i, p, h, k_a, F32(w_hard), same_z, shift_s, inv_sum_s, m_scale, m_inv_cap, G[i])
-                if y >= 0 and not apart:
-                    G[i, y] -= w_hard * label_derivative
+        for i in numba.prange(s.shape[0]):
+            _fused_row(np.int64(i), s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, poly, w_hard,
+                       w_soft_over_t, ce, jsd, G, label_terms, write_grad, model_scale, model_inv_cap)
 
     # ---- the three phases (vocab parallelism: each rank's shard, combined between them) ----
 
@@ -270,21 +321,16 @@ def _kernels(sources):
         t / temperature; the sums of exp(x - max) of each; the target logit (0 where target < 0);
         the reference column's t (_row_stats')."""
         sources  # (its cache key: _kernels)
-        n, vs = s.shape
-        vt = t.shape[1]
-        for i in numba.prange(n):
-            (stats[0, i], stats[1, i], stats[2, i], stats[3, i], stats[4, i], stats[5, i], stats[6, i],
-             stats[7, i]) = _row_stats(s[i], t[i], target[i], inv_temp, vs, vt)
+        for i in numba.prange(s.shape[0]):
+            _stats_row(np.int64(i), s, t, target, inv_temp, stats)
 
     @rows_in_parallel
     @numba.njit(parallel=True, fastmath=FAST, cache=True)
     def kl_kernel(s, t, inv_temp, mode, beta, stats, kl):
         """kl [2, n]: a and b of each row."""
         sources  # (its cache key: _kernels)
-        n = s.shape[0]
-        none = np.empty(0)
-        for i in numba.prange(n):
-            kl[0, i], kl[1, i] = _row_kl(s[i], t[i], inv_temp, mode, beta, _stats_of(stats, i), none, none)
+        for i in numba.prange(s.shape[0]):
+            _kl_row(np.int64(i), s, t, inv_temp, mode, beta, stats, kl)
 
     @rows_in_parallel
     @numba.njit(parallel=True, fastmath=FAST, cache=True)
@@ -294,18 +340,9 @@ def _kernels(sources):
         the mean; the label's one-hot term kept apart where it dominates (as the fused GPU kernel does,
         where G is 16-bit)."""
         sources  # (its cache key: _kernels)
-        n, vs = s.shape
-        for i in numba.prange(n):
-            row = _stats_of(stats, i)
-            p = np.empty(vs if write_grad else 0)
-            h = np.empty(vs if write_grad else 0)
-            for j in range(len(p)):  # what _row_kl takes p and h from (the rows' statistics, all ranks')
-                p[j] = exp64(np.float64(s[i, j]) * inv_temp - row[1])
-                h[j] = exp64(t[i, j] * inv_temp - row[2])
-            if write_grad:
-                _row_kl(s[i], t[i], inv_temp, mode, beta, row, p, h)  # (this rank's sums: not needed)
-            _results(s[i], i, target[i], row, kl[0, i], kl[1, i], inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd,
-                      G, label_terms, write_grad, p, h, 1.0, 0.0)  # (the models' passes are around the phases)
+        for i in numba.prange(s.shape[0]):
+            _finish_row(np.int64(i), s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, stats, kl, ce, jsd, G,
+                        label_terms, write_grad)
 
     return fused_kernel, stats_kernel, kl_kernel, finish_kernel
 
