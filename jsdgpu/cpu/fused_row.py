@@ -190,8 +190,8 @@ def gradient_columns(s, p, h, k_a, w_hard, softmax_is_p, shift_s, inv_sum_s, mod
     G (written straight to G, a loop over s and G in one memory was scalar: LLVM's check that a
     store does not overlap a later load finds them overlapping, and takes its scalar loop; the row
     then took 5.5 ms more at 512 rows of 32000). The copy is a loop of its own: a slice's
-    assignment, which tests its two arrays for overlap, took the kernel at temperature 2 from
-    15.6 to 17-21 ms at 512 rows of 32000 outside a parallel loop's body.)"""
+    assignment tests its two arrays for overlap, and outside a parallel loop's body it took the
+    kernel at temperature 2 from 15.6 to 17-21 ms at 512 rows of 32000."""
     if softmax_is_p and model_scale == F32(1.0) and model_inv_cap == F32(0.0):
         for j in range(len(G)):
             G[j] = h[j] - k_a * p[j]
