@@ -171,6 +171,32 @@ def test_cpu_kernels_cache_keys_hold_the_modules_they_take_in(tmp_path, monkeypa
     assert rows._sources_digest() == digest
 
 
+@pytest.mark.parametrize("row_options", [True, False], ids=["row_function", "njit_defaults"])
+def test_cpu_row_functions_divide_on_vectors(rng, row_options):
+    """Each CPU row kernel calls its row's function, compiled with rows._row_function's options:
+    under njit's own error model each float division tests its divisor for zero so as to raise,
+    and LLVM kept the JSD's column loops scalar, eight times slower (docs/design.md, "The CPU
+    backend"). The JSD's column loops (fused_row.row_sums) compiled with those options divide on
+    vectors; with njit's defaults on scalars only, which shows what the check tells apart."""
+    import re
+
+    import numba
+    from jsdgpu.cpu import fused_row, rows
+    from jsdgpu.cpu.divergences import JSD, precise_terms
+    from jsdgpu.options import Divergence
+    f32 = np.float32
+    s, t = rng.standard_normal(40, dtype=f32), rng.standard_normal(40, dtype=f32)
+    p, h = np.exp(s), np.exp(t)
+    b, poly = precise_terms(Divergence.JSD, 0.5)
+    row = (f32(0.0), f32(1.0), f32(0.0), f32(0.0), False, f32(0.5), f32(0.5), f32(b))
+    compile_ = rows._row_function if row_options else numba.njit(fastmath=rows.FAST)
+    row_sums = compile_(fused_row.row_sums.py_func)
+    row_sums(s, t, p, h, f32(1 / p.sum()), f32(1 / h.sum()), JSD, False, row, tuple(poly), f32(0.5), f32(0.5), s, t)
+    ir = "".join(row_sums.inspect_llvm().values())
+    vector_divisions = re.findall(r"fdiv[^\n]*<\d+ x float>", ir)
+    assert (len(vector_divisions) > 0) == row_options
+
+
 def test_cpu_kernels_on_one_thread_below_parallel_from(monkeypatch):
     """A CPU row kernel runs on one thread where its first array holds fewer than PARALLEL_FROM
     values, on Numba's threads from there (cpu/threads.py), and the thread count is Numba's
