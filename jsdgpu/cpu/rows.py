@@ -100,13 +100,12 @@ def _reference_h(stats, inv_temp, mode, beta):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _row_kl(s, t, inv_temp, mode, beta, stats, p, h):
-    """(a, b) of one row with its statistics (_row_stats'), a relative to _reference_h. Where p and
-    h have room (the finish kernel's, with the gradient), they hold the student columns' exp(z -
+def _row_kl(s, t, inv_temp, mode, beta, stats, h_ref, p, h):
+    """(a, b) of one row with its statistics (_row_stats'), a relative to h_ref (_reference_h's).
+    Where p and h have room (the finish kernel's, with the gradient), they hold the student columns' exp(z -
     max z) and exp(t / T - max), and their p and h are written over them. One loop a divergence,
     its mode a constant: with it a variable, LLVM if-converted column's branch on it in the
     vectorized loop, and every divergence paid for the JSD's log."""
-    h_ref = _reference_h(stats, inv_temp, mode, beta)
     if mode == FORWARD_KL:
         return _kl_columns(s, t, inv_temp, FORWARD_KL, beta, stats, h_ref, p, h)
     if mode == JSD:
@@ -151,14 +150,14 @@ def _gradient_row(s, y, lse_s, softmax_is_p, mode, beta, a, w_hard, w_soft_over_
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _results(s, i, y, stats, a, b, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms, write_grad,
-             p, h, model_scale, model_inv_cap):
-    """Row i's CE and soft part from its statistics and KL sums a (relative: _row_kl's), b, and
+def _results(s, i, y, stats, a, b, h_ref, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms,
+             write_grad, p, h, model_scale, model_inv_cap):
+    """Row i's CE and soft part from its statistics and KL sums a (relative to h_ref), b, and
     with write_grad its gradient row and label term from its columns' p and h, in the raw logits
     where the student's are its model's (model_scale, model_inv_cap: _model_derivative's)."""
     lse_s, lse_z = stats[0] + math.log(stats[3]), stats[1] + math.log(stats[4])
     ce[i] = lse_s - stats[6]
-    jsd[i] = soft(a + _reference_h(stats, inv_temp, mode, beta), b, mode, beta)
+    jsd[i] = soft(a + h_ref, b, mode, beta)
     if write_grad:
         apart = _label_apart(y, stats[6], lse_s)
         label_derivative = _model_derivative(s[y], model_scale, model_inv_cap) if y >= 0 else 1.0
@@ -257,7 +256,9 @@ def _stats_row(i, s, t, target, inv_temp, stats):
 def _kl_row(i, s, t, inv_temp, mode, beta, stats, kl):
     """Row i of kl_kernel."""
     none = np.empty(0)
-    kl[0, i], kl[1, i] = _row_kl(s[i], t[i], inv_temp, mode, beta, _stats_of(stats, i), none, none)
+    row = _stats_of(stats, i)
+    kl[0, i], kl[1, i] = _row_kl(s[i], t[i], inv_temp, mode, beta, row, _reference_h(row, inv_temp, mode, beta), none,
+                                 none)
 
 
 @_row_function
@@ -266,15 +267,16 @@ def _finish_row(i, s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, st
     """Row i of finish_kernel."""
     vs = s.shape[1]
     row = _stats_of(stats, i)
+    h_ref = _reference_h(row, inv_temp, mode, beta)  # (one for its columns' h and its value)
     p = np.empty(vs if write_grad else 0)
     h = np.empty(vs if write_grad else 0)
     for j in range(len(p)):  # what _row_kl takes p and h from (the rows' statistics, all ranks')
         p[j] = exp64(np.float64(s[i, j]) * inv_temp - row[1])
         h[j] = exp64(t[i, j] * inv_temp - row[2])
     if write_grad:
-        _row_kl(s[i], t[i], inv_temp, mode, beta, row, p, h)  # (this rank's sums: not needed)
-    _results(s[i], i, target[i], row, kl[0, i], kl[1, i], inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G,
-             label_terms, write_grad, p, h, 1.0, 0.0)  # (the models' passes are around the phases)
+        _row_kl(s[i], t[i], inv_temp, mode, beta, row, h_ref, p, h)  # (this rank's sums: not needed)
+    _results(s[i], i, target[i], row, kl[0, i], kl[1, i], h_ref, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd,
+             G, label_terms, write_grad, p, h, 1.0, 0.0)  # (the models' passes are around the phases)
 
 
 # ---- the kernels, their cache keyed by what they take in ----
