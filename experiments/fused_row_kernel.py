@@ -14,14 +14,20 @@ against 0.857; a student scale of 2 alone 0.632-0.642. The student model's deriv
 into pass 2 (H200, 2026-12-05, two runs, the sources before it first; same section), after
 against before: caps of 30 on both 0.718 and 0.720 against 0.735 and 0.739, on the student alone
 0.693 and 0.672 against 0.685 and 0.703; without a model 0.564 against 0.569 (the second run).
+Pass 2's columns without branches (H100, 2026-12-06; docs/design.md, "Small divergences"), before
+against after at 2048 rows: the JSD 0.710 against 0.625 on the benchmark's chunk, 0.666 against
+0.638 with --noise 0.25.
 
     python experiments/fused_row_kernel.py                               # the library's kernel
     python experiments/fused_row_kernel.py --shapes 16,512,4,2 8,1024,4,1 16,256,8,2
     python experiments/fused_row_kernel.py --sources jsdgpu/cuda/src /tmp/variant_src   # A/B
+    python experiments/fused_row_kernel.py --noise 0.25 --sources ...   # a converging student's rows
     ncu --clock-control none -k regex:fused_rows -c 1 python experiments/fused_row_kernel.py --once
 
 Each kernel runs as the library launches it, on chunks of the benchmark's logits (bench/harness.py
-one_chunk), median of 20 launches, the kernels taking turns, two rounds, the best kept; its
+one_chunk; with --noise, the student's logits of std 4 and the teacher's the student's plus noise
+of that std, as experiments/row_kernel_divergence.py draws them: 0.25 gives a mean row JSD of about
+0.007 nats, where nearly every column takes the polynomials), median of 20 launches, the kernels taking turns, two rounds, the best kept; its
 outputs (CE, JSD, G, poisoned before each run) compared with the first kernel's. A source is a
 directory holding fused_rows.cu and the headers it includes (a copy of jsdgpu/cuda/src, edited).
 """
@@ -58,6 +64,8 @@ def main():
     p.add_argument("--sources", nargs="+", type=pathlib.Path, default=[],
                    help="source directories to time (the first is the reference)")
     p.add_argument("--once", action="store_true", help="one launch of the library's kernel (for ncu)")
+    p.add_argument("--noise", type=float, help="a converging student: the teacher's logits the student's plus "
+                   "noise of this std (logits of std 4); default: the benchmark's independent chunk")
     a = p.parse_args()
     import cupy  # needs the GPU: after --help
 
@@ -76,6 +84,11 @@ def main():
     if a.sources:
         del variants["library"]
     xs, ws, xt, wt, target, be, work, G_all = harness.one_chunk(max(ROWS), np.random.default_rng(0))
+    if a.noise is not None:
+        rng, V = cupy.random.default_rng(0), harness.V
+        student = rng.standard_normal((max(ROWS), V), dtype=np.float32) * 4.0
+        work.logits_s[:, :V] = student
+        work.logits_t[:, :V] = student + a.noise * rng.standard_normal((max(ROWS), V), dtype=np.float32)
     # the same chunk's buffers with each variant's kernel (the library's CudaWork, replaced field)
     works = {name: work if v is None else dataclasses.replace(work, fused=kernels.fused_kernel(
         device, ws.dtype, *v)) for name, v in variants.items()}

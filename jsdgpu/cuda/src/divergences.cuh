@@ -43,8 +43,8 @@ __device__ __forceinline__ float w_phi(const Column& c) { return fmaf(c.o, fmaf(
 //     row's kl by it (column's h less it: c_h = h_shift(h_ref, r)).
 //   SMALL_B: whether it has a variant for a small mixture weight b (< SMALL_B_BELOW).
 //   weight_is_q(r): whether its weight distribution is q (mirrored).
-//   column<SMALL_B>(c, r, soft_b, k): a column's h, a and b into k; returns what its far_soft
-//     takes (the JSD's; 0 elsewhere).
+//   column<SMALL_B, STRAIGHT>(c, r, soft_b, k): a column's h, a and b into k; returns what its
+//     far_soft takes (the JSD's; 0 elsewhere). STRAIGHT: by selects, not branches (column_terms).
 //   far_soft<SMALL_B>(c, k, r, soft_b, far): the column's precise term where |d| >= 1 (below 1,
 //     the host's polynomial: sources.soft_terms).
 //   grad_factor(r), GRAD_OF_P, grad_soft(k, p, h, kl): the soft part's gradient in a column,
@@ -66,7 +66,7 @@ template <>
 struct Divergence<FORWARD_KL> {
   enum : bool { RELATIVE_H = false, SMALL_B = false, GRAD_OF_P = false };
   __device__ static __forceinline__ bool weight_is_q(const RowMath&) { return false; }
-  template <bool SMALL>
+  template <bool SMALL, bool STRAIGHT>
   __device__ static __forceinline__ float column(const Column& c, const RowMath&, float, ColumnTerms& k) {
     k.h = c.near ? -c.p * c.qd : c.p - c.q;
     k.a = k.h;
@@ -103,7 +103,7 @@ template <>
 struct Divergence<REVERSE_KL> {
   enum : bool { RELATIVE_H = true, SMALL_B = false, GRAD_OF_P = true };
   __device__ static __forceinline__ bool weight_is_q(const RowMath&) { return true; }
-  template <bool SMALL>
+  template <bool SMALL, bool STRAIGHT>
   __device__ static __forceinline__ float column(const Column& c, const RowMath& r, float, ColumnTerms& k) {
     k.h = fmaf(-c.diff, r.scale2, r.c_h);
     k.a = c.p * k.h;
@@ -148,7 +148,7 @@ template <>
 struct Divergence<JSD> {
   enum : bool { RELATIVE_H = true, SMALL_B = true, GRAD_OF_P = true };
   __device__ static __forceinline__ bool weight_is_q(const RowMath& r) { return r.beta > 0.5f; }
-  template <bool SMALL>
+  template <bool SMALL, bool STRAIGHT>
   __device__ static __forceinline__ float column(const Column& c, const RowMath& r, float soft_b, ColumnTerms& k) {
     const bool mirrored = weight_is_q(r);
     const float d2 = c.d2, ratio = c.ratio, w = c.w, o = c.o;
@@ -162,7 +162,7 @@ struct Divergence<JSD> {
     const bool series = SMALL && !c.near && o_less_w < 0.1f * w && o_less_w > -0.1f * w;
     // (where b >= 1/6, |y| = b |e^d - 1| >= 1/10 past |d| < 1)
     float y = 0.0f, l2 = 0.0f, h_w, h_o;
-    if (c.near) {
+    if (c.near && !STRAIGHT) {
       h_w = -c.qd;
       h_o = d2 - c.qd;
     } else if (series) {
@@ -178,8 +178,8 @@ struct Divergence<JSD> {
       h_o = d2 + h_w;
     } else {
       l2 = lg2(d2 <= 0.0f ? fmaf(soft_b, ratio, 1.0f - soft_b) : fmaf(1.0f - soft_b, ratio, soft_b));
-      h_w = -l2 - fmaxf(d2, 0.0f);
-      h_o = fminf(d2, 0.0f) - l2;
+      h_w = c.near ? -c.qd : -l2 - fmaxf(d2, 0.0f);  // (near only where STRAIGHT)
+      h_o = c.near ? d2 - c.qd : fminf(d2, 0.0f) - l2;
     }
     const float h_p = mirrored ? h_o : h_w;  // lp - lm
     k.h = h_p - r.c_h;

@@ -135,9 +135,9 @@ struct FusedRow {
 
   // One column of pass 2: its terms added to sums; returns what pass 3 reads in its place, (p, h)
   // (with FOLD, p and forward KL's h, q, times the model's derivative at z)
-  template <int MODE, bool FOLD, bool SMALL_B>
+  template <int MODE, bool FOLD, bool SMALL_B, bool STRAIGHT>
   __device__ __forceinline__ float2 column_sum(float z, float t, float4& sums, const SoftPoly& poly) const {
-    const ColumnTerms c = column_terms<MODE, SMALL_B>(z, t, rm, soft_b, poly);
+    const ColumnTerms c = column_terms<MODE, SMALL_B, STRAIGHT>(z, t, rm, soft_b, poly);
     sums = make_float4(sums.x + c.a, sums.y + c.b, sums.z + c.soft, sums.w + c.w);
     const float derivative = FOLD ? model_derivative(z, model_scale, model_inv_cap) : 1.0f;
     return make_float2(FOLD ? c.p * derivative : c.p, FOLD && !Divergence<MODE>::GRAD_OF_P ? c.h * derivative : c.h);
@@ -152,10 +152,13 @@ struct FusedRow {
     for (int k = 0; k < ALL; ++k) {
       if (column(k) >= n) continue;
       if (k >= GROUPS) {  // column by column from and to shared memory: a float4 of s and t and their
-                          // results held at once took 16 registers more, and the JSD spilled
-#pragma unroll
+                          // results held at once took 16 registers more, and the JSD spilled.
+                          // With branches (column_terms' STRAIGHT false), and in the KLs one column
+                          // at a time: each other way some mode spilled (here or under NVRTC 13.5:
+                          // tests/test_cuda_sources.py)
+#pragma unroll(MODE == JSD ? 4 : 1)
         for (int j = 0; j < 4; ++j) {
-          const float2 ph = column_sum<MODE, FOLD, SMALL_B>(extra_value(k, 0, j), extra_value(k, 1, j), sums, poly);
+          const float2 ph = column_sum<MODE, FOLD, SMALL_B, false>(extra_value(k, 0, j), extra_value(k, 1, j), sums, poly);
           extra_value(k, 1, j) = ph.y;
           if (SOFTMAX_IS_P) extra_value(k, 0, j) = ph.x;
         }
@@ -166,7 +169,7 @@ struct FusedRow {
       float pv[4], hv[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float2 ph = column_sum<MODE, FOLD, SMALL_B>(sv[j], tv[j], sums, poly);
+        const float2 ph = column_sum<MODE, FOLD, SMALL_B, true>(sv[j], tv[j], sums, poly);
         pv[j] = ph.x;
         hv[j] = ph.y;
       }

@@ -84,13 +84,18 @@ struct ColumnTerms {
 // the common one (b >= 1/6, where the series is never taken) holds no check of it in each column
 constexpr float SMALL_B_BELOW = 1.0f / 6.0f;
 
-template <int MODE, bool SMALL_B = false>
+// STRAIGHT: the polynomials and the far formulas are taken for every column, and its own chosen by
+// selects: no branch, so that the unrolled columns of a thread's registers interleave (with a branch
+// per column, the JSD's common variant took 79 instructions a column; straight, 58:
+// experiments/column_sass.py); else each only where the column needs it (the fused kernel's
+// columns in shared memory: straight there, the shapes that hold such columns spilled)
+template <int MODE, bool SMALL_B = false, bool STRAIGHT = true>
 __device__ __forceinline__ ColumnTerms column_terms(float s, float t, const RowMath& r, float soft_b,
                                                     const SoftPoly& poly);
 
 #include "divergences.cuh"
 
-template <int MODE, bool SMALL_B>
+template <int MODE, bool SMALL_B, bool STRAIGHT>
 __device__ __forceinline__ ColumnTerms column_terms(float s, float t, const RowMath& r, float soft_b,
                                                     const SoftPoly& poly) {
   using D = Divergence<MODE>;
@@ -105,29 +110,25 @@ __device__ __forceinline__ ColumnTerms column_terms(float s, float t, const RowM
   c.d2 = mirrored ? -c.dq2 : c.dq2;                      // log2(o / w)
   c.w = mirrored ? c.q : c.p;
   // the smaller of w and o over the larger: at most 1, so nothing here overflows
-  c.ratio = ex2(-fabsf(c.d2));
+  c.ratio = ex2(fminf(c.d2, -c.d2));  // 2^-|d2| (fminf: one instruction, -fabsf took two)
   c.o = c.d2 <= 0.0f ? c.w * c.ratio : (mirrored ? c.p : c.q);
   c.near = fabsf(c.d2) < LOG2E;  // |d| < 1: P and Q take d in bits (sources.soft_terms)
-  c.qd = 0.0f;
-  if (c.near) {
-    float cq = poly.g[SOFT_POLY_TERMS - 1];
+  float cq = poly.g[SOFT_POLY_TERMS - 1], cp = poly.c[SOFT_POLY_TERMS - 1];  // Q and P at d2
+  if (STRAIGHT || c.near) {
 #pragma unroll
-    for (int j = SOFT_POLY_TERMS - 2; j >= 0; --j) cq = fmaf(cq, c.d2, poly.g[j]);
-    c.qd = c.d2 * cq;
+    for (int j = SOFT_POLY_TERMS - 2; j >= 0; --j) {
+      cq = fmaf(cq, c.d2, poly.g[j]);
+      cp = fmaf(cp, c.d2, poly.c[j]);
+    }
   }
+  c.qd = c.near ? c.d2 * cq : 0.0f;
   ColumnTerms k;
   k.w = c.w;
   k.p = c.p;
   k.q = c.q;
-  const float far = D::template column<SMALL_B>(c, r, soft_b, k);
-  if (c.near) {
-    float cp = poly.c[SOFT_POLY_TERMS - 1];
-#pragma unroll
-    for (int j = SOFT_POLY_TERMS - 2; j >= 0; --j) cp = fmaf(cp, c.d2, poly.c[j]);
-    k.soft = c.w * (c.d2 * c.d2) * cp;
-  } else {
-    k.soft = D::template far_soft<SMALL_B>(c, k, r, soft_b, far);
-  }
+  const float far = D::template column<SMALL_B, STRAIGHT>(c, r, soft_b, k);
+  const float far_soft = D::template far_soft<SMALL_B>(c, k, r, soft_b, far);
+  k.soft = c.near ? c.w * (c.d2 * c.d2) * cp : far_soft;
   return k;
 }
 
