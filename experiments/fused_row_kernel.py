@@ -26,9 +26,10 @@ against after at 2048 rows: the JSD 0.710 against 0.625 on the benchmark's chunk
 
 Each kernel runs as the library launches it, on chunks of the benchmark's logits (bench/harness.py
 one_chunk; with --noise, the student's logits of std 4 and the teacher's the student's plus noise
-of that std, as experiments/row_kernel_divergence.py draws them: 0.25 gives a mean row JSD of about
-0.007 nats, where nearly every column takes the polynomials), median of 20 launches, the kernels taking turns, two rounds, the best kept; its
-outputs (CE, JSD, G, poisoned before each run) compared with the first kernel's. A source is a
+of that std, as experiments/row_kernel_divergence.py draws them: 0.25 gives a mean row JSD of
+about 0.007 nats, where nearly every column takes the polynomials), median of 20 launches, the
+kernels taking turns, two rounds, the best kept; its outputs (CE, JSD, G, poisoned before each
+run) compared with the first kernel's. A source is a
 directory holding fused_rows.cu and the headers it includes (a copy of jsdgpu/cuda/src, edited).
 """
 
