@@ -53,7 +53,7 @@ def nvdisasm():
 
 def instructions_a_column(root):
     import ml_dtypes
-    from cuda.bindings import nvrtc
+    from test_cuda_sources import compile_sm90
 
     from jsdgpu.cuda import sources
     from jsdgpu.options import Divergence
@@ -68,14 +68,8 @@ def instructions_a_column(root):
                 text = text.replace(old, new)
             (narrowed / name).write_text(text)
         name = sources.fused_rows(ml_dtypes.bfloat16, Divergence.JSD)
-        _, prog = nvrtc.nvrtcCreateProgram(sources.source("fused_rows", narrowed).encode(), b"f.cu", 0, [], [])
-        nvrtc.nvrtcAddNameExpression(prog, name.encode())
-        opts = [b"--gpu-architecture=sm_90"] + [o.encode() for o in sources.NVRTC_OPTIONS]
-        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        assert result == nvrtc.nvrtcResult.NVRTC_SUCCESS, result
-        _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
-        nvrtc.nvrtcGetCUBIN(prog, cubin)
+        ok, log, cubin = compile_sm90(sources.source("fused_rows", narrowed), [name])
+        assert ok, log
         path = pathlib.Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
         sass = subprocess.run([nvdisasm(), "-c", str(path)], capture_output=True, text=True, check=True).stdout

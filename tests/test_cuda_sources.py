@@ -13,7 +13,8 @@ from jsdgpu.cuda import sources
 
 
 def compile_sm90(source, names, arch="sm_90"):
-    """(ok, log, kernels compiled) for the source with the template instantiations `names`."""
+    """(ok, log, cubin) for the source with the template instantiations `names` (cubin: the compiled
+    module, None where compilation failed; experiments/column_sass.py disassembles it)."""
     from cuda.bindings import nvrtc
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"family.cu", 0, [], [])
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
@@ -25,7 +26,13 @@ def compile_sm90(source, names, arch="sm_90"):
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
     log = b" " * size
     nvrtc.nvrtcGetProgramLog(prog, log)
-    return result == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode()
+    ok = result == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    cubin = None
+    if ok:
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+    return ok, log.decode(), cubin
 
 
 # bytes of (stack frame, spill stores, spill loads) a family's kernels may have: topk_logits' epilogue
@@ -44,7 +51,7 @@ def nvrtc_version():
 @pytest.mark.parametrize("family", sorted(sources.FAMILIES))
 def test_compiles_for_sm90_without_spills(family):
     names = sources.FAMILIES[family]
-    ok, log = compile_sm90(sources.source(family), names, sources.arch(family))
+    ok, log, _ = compile_sm90(sources.source(family), names, sources.arch(family))
     assert ok, log
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
     assert len(kernels) == len(names), (kernels, names)
@@ -62,7 +69,7 @@ SM_SHARED_BYTES, CTA_RESERVED_BYTES = 228 * 1024, 1024
 def test_each_fused_shape_fits_an_sm_as_often_as_it_asks(shape):
     """A shape's CTAs per SM (min_ctas) fit an SM's shared memory: each CTA's next row, its extra
     groups (shared_bytes) and its static shared memory (the compiler's count)."""
-    ok, log = compile_sm90(sources.source("fused_rows"), [sources.fused_rows("bfloat16", 1, shape)])
+    ok, log, _ = compile_sm90(sources.source("fused_rows"), [sources.fused_rows("bfloat16", 1, shape)])
     assert ok, log
     static = int(re.search(r"(\d+) bytes smem", log).group(1))
     assert shape.min_ctas * (shape.shared_bytes + static + CTA_RESERVED_BYTES) <= SM_SHARED_BYTES
@@ -79,13 +86,13 @@ def test_another_fused_shape_compiles():
     """A shape other than the library's, as experiments ask for (FusedShape): one instantiation."""
     shape = sources.FusedShape(cluster=8, threads=1024, groups=4, min_ctas=1)
     name = sources.fused_rows("float32", 1, shape)
-    ok, log = compile_sm90(sources.source("fused_rows"), [name])
+    ok, log, _ = compile_sm90(sources.source("fused_rows"), [name])
     assert ok, log
     assert len(re.findall(r"Compiling entry function", log)) == 1
 
 
 def test_a_compile_error_is_caught():
-    ok, log = compile_sm90(sources.source("targets") + "\nthis is not C++;\n", [])
+    ok, log, _ = compile_sm90(sources.source("targets") + "\nthis is not C++;\n", [])
     assert not ok and "error" in log
 
 
