@@ -1,10 +1,10 @@
 """Where does one step's GPU time go?
 
-Answer (H200, 2026-11-30, docs/design.md "Where a step's time goes"): at T = 8192 the products
-take what the four-product floor does (29.3 of a 38.0 ms profiled step), the fused row kernel
-3.5 ms (at the SM clock the products leave it), the other kernels 0.65 ms and the GPU idles
-0.09 ms from the first product on; at T = 1024 the products take 3.43 of 4.14 ms and the row
-kernel 0.36.
+Answer (H200, 2026-11-30): at T = 8192 the products take what the four-product floor does
+(29.3 of a 38.0 ms profiled step), the fused row kernel 3.5 ms (at the SM clock the products
+leave it), the other kernels 0.65 ms and the GPU idles 0.09 ms from the first product on; at
+T = 1024 the products take 3.43 of 4.14 ms and the row kernel 0.36. (The present code's steps,
+profiled by experiments/run_steps.py: docs/design.md, "Where a step's time goes".)
 
     python experiments/profile_step.py                              # T = 1024 and 8192, fwd + bwd
     python experiments/profile_step.py --tokens 8192 --valid 1 0.5 --modes fwd_bwd fwd --kernels
