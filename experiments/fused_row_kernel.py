@@ -24,6 +24,11 @@ against after at 2048 rows: the JSD 0.710 against 0.625 on the benchmark's chunk
     python experiments/fused_row_kernel.py --noise 0.25 --sources ...   # a converging student's rows
     ncu --clock-control none -k regex:fused_rows -c 1 python experiments/fused_row_kernel.py --once
 
+Under ncu (one H100, 2026-12-06; docs/design.md, "The fused row kernel"), the JSD on 1024 rows
+issues 425.7 M instructions, on 70% of the schedulers' cycles. With `--page source --print-source
+sass --csv` (each instruction's count) the same launch counted 472 M: under that page the warps
+went round the mbarrier waits' poll loops more, so take its counts outside those loops.
+
 Each kernel runs as the library launches it, on chunks of the benchmark's logits (bench/harness.py
 one_chunk; with --noise, the student's logits of std 4 and the teacher's the student's plus noise
 of that std, as experiments/row_kernel_divergence.py draws them: 0.25 gives a mean row JSD of
