@@ -1,5 +1,5 @@
 """Does any combination of the options and shapes take the CPU backend away from the float64
-reference?
+reference, in the online loss or the top-k loss?
 
 Draws --cases random calls (seeds from --seed on): T, the two vocabularies, the hidden sizes, the
 logits' std (0.5-8), a bias, ignored rows (none, some, all), a converging student (the teacher's
@@ -9,10 +9,14 @@ caps, token weights, each reduction with a random upstream gradient for "none", 
 num_valid_tokens; and prints each draw whose loss or gradients (grad_input, grad_weight,
 grad_bias) are more than --tolerance off, relatively (a norm), with its seed and options. A flag
 is a lead, not a verdict: a sharp row's float32 logits alone can leave that much (the tests'
-floors, tests/conftest.py's assert_near_float64, say how much).
+floors, tests/conftest.py's assert_near_float64, say how much). --topk draws top-k calls
+(draw_topk): the teacher's top k (1-300) of the student's logits plus noise or of independent
+ones, at its temperature 0.05, 1 or 5, in order or shuffled, some slots unused, either
+missing_mass, the student's options alone.
 
     python experiments/fuzz_reference.py --seed 0 --cases 400
     python experiments/fuzz_reference.py --gpu --seed 0 --cases 400     # the GPU backend
+    python experiments/fuzz_reference.py --topk --seed 0 --cases 2000    # the top-k loss
 
 Answer (the Zen 4 EPYC, 2026-12-05; docs/design.md, "Small divergences" and "Numerics"): the code
 before b84755b, 18 of seeds 0-599 off by more than 1e-3, every one beta 1e-6 with the soft part's
@@ -22,7 +26,13 @@ deep in a soft cap of 1 (894, 1436: the cap's derivative is right absolutely, no
 the contract says), and the JSD's gradient alone where p's mass is on columns at which q is far
 below it, right to float32's rounding of those columns' h absolutely (1131: 1.3e-3; 1487: a
 gradient of 1e-29 that comes out 2e-6); the saturated rows that were 200 times off (1471, 1876)
-and the sharp rows of 769 are right.
+and the sharp rows of 769 are right. Seeds 2000-2999 (2026-12-06): 2077, the JSD's gradient of
+7e-14 where p's mass is on two columns at which q is far below it (it came out 1.5e-4: 4e-8 of
+the row's scale, weight 206 over temperature 0.05), and 2494, a student deep in a cap of 1. The
+top-k loss (--topk, seeds 0-1999, 2026-12-06): 3 flagged (214, 608, 894), each a student deep
+in a cap of 1 (scale x / c up to 33-127), each within 1.4e-6 with a cap of 30 in its place.
+A top-k teacher whose slots hold all of its mass in reverse KL gives an infinite divergence, as
+the reference does; such draws count as right.
 """
 
 import argparse
@@ -33,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jsdgpu  # noqa: E402
-from jsdgpu.reference import reference  # noqa: E402
+from jsdgpu.reference import reference, reference_topk  # noqa: E402
 
 
 def draw(seed):
@@ -45,17 +55,62 @@ def draw(seed):
     hs, ht = int(rng.integers(1, 33)), int(rng.integers(1, 33))
     std = float(rng.choice([0.5, 1, 4, 8]))
     bias = rng.random() < 0.3
-
-    def f(shape, scale=1.0):
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-    target = rng.integers(0, vs, T)
-    target[rng.random(T) < float(rng.choice([0, 0.3, 1.0]))] = -100
+    f = _normals(rng)
+    target = _target(rng, T, vs)
     arrays = dict(student_input=f((T, hs)), student_weight=f((vs, hs), std / np.sqrt(hs)), teacher_input=f((T, ht)),
                   teacher_weight=f((vt, ht), std / np.sqrt(ht)), target=target,
                   student_bias=f(vs, 0.5) if bias else None, teacher_bias=f(vt, 0.5) if bias else None)
     if rng.random() < 0.3:  # a converging student: the teacher's hidden state shares the student's
         shared = min(hs, ht)
         arrays["teacher_input"][:, :shared] = arrays["student_input"][:, :shared]
+    return (arrays, *_run(rng, T, _loss_options(rng, std, teacher=True)))
+
+
+def draw_topk(seed):
+    """draw's, of a top-k call: the teacher's log-softmax (of the student's logits plus noise of std
+    0.01-2, or independent ones; at temperature 0.05, 1 or 5) at its k largest ids, in order or
+    shuffled, some slots unused (-inf); the options with missing_mass."""
+    rng = np.random.default_rng(seed)
+    T = int(rng.choice([1, 2, 3, 7, 13, 31, 40]))
+    vs = int(rng.choice([2, 3, 17, 130, 1031, 2999]))
+    hs, std, f = int(rng.integers(1, 33)), float(rng.choice([0.5, 1, 4, 8])), _normals(rng)
+    k = min(vs, int(rng.choice([1, 2, 5, 8, 64, 300])))
+    arrays = dict(student_input=f((T, hs)), student_weight=f((vs, hs), std / np.sqrt(hs)), target=_target(rng, T, vs),
+                  student_bias=f(vs, 0.5) if rng.random() < 0.3 else None)
+    s = arrays["student_input"].astype(np.float64) @ arrays["student_weight"].T.astype(np.float64)
+    if rng.random() < 0.5:
+        t = s + rng.standard_normal(s.shape) * float(rng.choice([0.01, 0.3, 2.0]))
+    else:
+        t = rng.standard_normal(s.shape) * std
+    t /= float(rng.choice([0.05, 1.0, 5.0]))
+    logq = t - np.logaddexp.reduce(t, axis=1, keepdims=True)
+    ids = np.argsort(-logq, axis=1)[:, :k]
+    if rng.random() < 0.3:
+        ids = rng.permuted(ids, axis=1)
+    logprobs = np.take_along_axis(logq, ids, 1).astype(np.float32)
+    if rng.random() < 0.2 and k > 1:
+        logprobs[rng.random(logprobs.shape) < 0.3] = -np.inf
+    arrays.update(teacher_indices=ids, teacher_logprobs=logprobs)
+    opts = dict(_loss_options(rng, std, teacher=False), missing_mass=str(rng.choice(["bucket", "renormalize"])))
+    return (arrays, *_run(rng, T, opts))
+
+
+def _normals(rng):
+    """f(shape, scale): float32 normals of that std."""
+    def f(shape, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+    return f
+
+
+def _target(rng, T, vs):
+    target = rng.integers(0, vs, T)
+    target[rng.random(T) < float(rng.choice([0, 0.3, 1.0]))] = -100
+    return target
+
+
+def _loss_options(rng, std, teacher):
+    """The loss options: beta, temperature, the two weights, the models' scales and caps (the
+    teacher's only where it is a model: teacher)."""
     opts = dict(beta=float(rng.choice([0.0, 1.0, 0.5, 1e-6, 1 - 1e-6, rng.random()])),
                 temperature=float(np.exp(rng.uniform(np.log(0.05), np.log(50)))) if rng.random() < 0.5 else 1.0,
                 weight_hard_loss=float(rng.choice([0.0, 0.5, 1.0])),
@@ -64,12 +119,18 @@ def draw(seed):
         opts["weight_soft_loss"] = 1.0
     if rng.random() < 0.3:
         opts["student_logit_scale"] = float(rng.choice([0.5, 2.0, 40.0 / max(std, 1)]))
-    if rng.random() < 0.3:
+    if teacher and rng.random() < 0.3:
         opts["teacher_logit_scale"] = float(rng.choice([0.5, 2.0]))
     if rng.random() < 0.3:
         opts["student_logit_softcap"] = float(rng.choice([1.0, 5.0, 30.0]))
-    if rng.random() < 0.3:
+    if teacher and rng.random() < 0.3:
         opts["teacher_logit_softcap"] = float(rng.choice([1.0, 5.0, 30.0]))
+    return opts
+
+
+def _run(rng, T, opts):
+    """(token_weights, options, run options, upstream gradient or None): the reduction, weights,
+    chunk size and num_valid_tokens."""
     reduction = str(rng.choice(["mean", "sum", "none"]))
     weights = None
     if rng.random() < 0.4:
@@ -80,24 +141,33 @@ def draw(seed):
     if reduction == "mean" and rng.random() < 0.2:
         run["num_valid_tokens"] = float(rng.uniform(0.5, 50))
     upstream = rng.standard_normal(T).astype(np.float32) if reduction == "none" else None
-    return arrays, weights, opts, run, upstream
+    return weights, opts, run, upstream
 
 
 def errors(arrays, weights, opts, run, upstream, xp=np):
     """Relative errors (norms) of the loss and the gradients against the float64 reference; the
-    call on xp's arrays (NumPy: the CPU backend; CuPy: the GPU's)."""
+    call on xp's arrays (NumPy: the CPU backend; CuPy: the GPU's); a top-k call where the arrays
+    hold teacher_indices."""
+    topk = "teacher_indices" in arrays
     on = lambda a: None if a is None else xp.asarray(a)  # noqa: E731
-    loss, ctx = jsdgpu.forward(**{k: on(v) for k, v in arrays.items()}, token_weights=on(weights), **opts, **run)
+    loss, ctx = (jsdgpu.forward_topk if topk else jsdgpu.forward)(
+        **{k: on(v) for k, v in arrays.items()}, token_weights=on(weights), **opts, **run)
     grads = jsdgpu.backward(ctx, on(upstream)) if upstream is not None else jsdgpu.backward(ctx)
     loss, grads = _numpy(loss), [_numpy(g) for g in grads]
-    want = list(reference(**arrays, token_weights=weights, reduction=run["reduction"], grad_output=upstream,
-                          **opts))
+    want = list((reference_topk if topk else reference)(**arrays, token_weights=weights, reduction=run["reduction"],
+                                                        grad_output=upstream, **opts))
     if "num_valid_tokens" in run:  # the reference divides by the valid rows' count
         factor = max(1, int((arrays["target"] != -100).sum())) / run["num_valid_tokens"]
         want = [None if w is None else w * factor for w in want]
 
     def rel(got, w):
         got, w = np.asarray(got, np.float64), np.asarray(w, np.float64)
+        # an infinite divergence (a teacher's top-k that holds all of its mass, in reverse KL) is
+        # right where it is the reference's infinity, or its NaN (times a weight of 0)
+        finite = np.isfinite(got) & np.isfinite(w)
+        if not ((got == w) | (np.isnan(got) & np.isnan(w)))[~finite].all():
+            return np.inf
+        got, w = got[finite], w[finite]
         return float(np.linalg.norm(got - w) / max(np.linalg.norm(w), 1e-6))
     found = dict(loss=rel(loss, want[0]), grad_input=rel(grads[0], want[3]), grad_weight=rel(grads[1], want[4]))
     if grads[2] is not None:
@@ -112,6 +182,7 @@ def _numpy(a):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", action="store_true", help="CuPy arrays: the GPU backend")
+    p.add_argument("--topk", action="store_true", help="the top-k loss (forward_topk) in place of the online one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", type=int, default=200)
     p.add_argument("--tolerance", type=float, default=1e-3)
@@ -122,11 +193,12 @@ def main():
         xp = np
     flagged = 0
     for seed in range(a.seed, a.seed + a.cases):
-        arrays, weights, opts, run, upstream = draw(seed)
+        arrays, weights, opts, run, upstream = (draw_topk if a.topk else draw)(seed)
         found = errors(arrays, weights, opts, run, upstream, xp)
         if not max(found.values()) <= a.tolerance:  # (a NaN flags too)
             flagged += 1
-            shape = dict(T=len(arrays["target"]), vs=len(arrays["student_weight"]), vt=len(arrays["teacher_weight"]))
+            shape = dict(T=len(arrays["target"]), vs=len(arrays["student_weight"]))
+            shape.update(k=arrays["teacher_indices"].shape[1]) if a.topk else shape.update(vt=len(arrays["teacher_weight"]))
             print(f"seed {seed}: {shape} {opts} {run} token_weights={weights is not None}: "
                   + ", ".join(f"{k} {v:.1e}" for k, v in found.items()), flush=True)
     print(f"{flagged} of {a.cases} draws off by more than {a.tolerance}")
