@@ -35,7 +35,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import api, topk, torch_rows
 from .options import DEFAULTS, LossOptions, RunOptions, TopKOptions
-from .torch_bridge import as_rows, autocast_dtype, caster, check_dtypes, rows_shaped
+from .torch_bridge import as_rows, autocast_dtype, caster, check_dtypes, rows_shaped, weight_rows
 from .torch_bridge import current_stream, from_native, to_native  # noqa: F401 (the bridge call.py uses)
 from .torch_sharding import are_plain, plain_inputs
 
@@ -245,7 +245,7 @@ def fused_linear_jsd_loss(student_input, student_weight, teacher_input, teacher_
         plain.values()
     hs, ht = student_input.shape[-1], teacher_input.shape[-1]
     xs, xt, target = as_rows(student_input, hs), as_rows(teacher_input, ht), as_rows(true_labels)
-    weights = None if token_weights is None else as_rows(token_weights)
+    weights = weight_rows(token_weights)
     compute_dtype = autocast_dtype(xs.device.type)
     check_dtypes(compute_dtype, ("student", xs, student_weight), ("teacher", xt, teacher_weight))
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
@@ -420,7 +420,7 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
     hs, k = student_input.shape[-1], teacher_indices.shape[-1]
     xs, target = as_rows(student_input, hs), as_rows(true_labels)
     ids, lq = as_rows(teacher_indices, k), as_rows(teacher_logprobs, teacher_logprobs.shape[-1])
-    weights = None if token_weights is None else as_rows(token_weights)
+    weights = weight_rows(token_weights)
     compute_dtype = autocast_dtype(xs.device.type)
     check_dtypes(compute_dtype, ("student", xs, student_weight))
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,

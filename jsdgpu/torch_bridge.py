@@ -167,6 +167,18 @@ def as_rows(t, *width):
     return t if t.dim() == 1 + len(width) else t.reshape(-1, *width)
 
 
+def weight_rows(token_weights):
+    """token_weights as [rows] (as_rows; None stays None). The loss takes them as constants: one
+    that wants a gradient raises, as PyTorch's own losses do for their `weight`, where the loss
+    would otherwise leave it without one (docs/contract.md, "Front ends")."""
+    if token_weights is None:
+        return None
+    if token_weights.requires_grad and torch.is_grad_enabled():
+        raise ValueError("token_weights: the loss gives no gradient in the token weights (pass them detached; for "
+                         "one, multiply the rows' losses of reduction='none' by them)")
+    return as_rows(token_weights)
+
+
 def rows_shaped(result, reduction, labels):
     """The loss (or loss, soft, hard) of reduction "none" in the labels' shape; else as it is."""
     if reduction != "none":

@@ -256,6 +256,32 @@ def test_torch_modules_take_weights_per_call(rng, torch_device, loss, compiled, 
         assert rel_err(t.grad.cpu().numpy(), want) <= 1e-4
 
 
+@pytest.mark.parametrize("loss", ["online", "topk"])
+def test_torch_weights_that_want_a_gradient_raise(rng, torch_device, loss):
+    """token_weights that require a gradient raise ValueError naming them, where autograd is on (the
+    loss gives them none, as PyTorch's own losses give their `weight` none); under torch.no_grad
+    the same tensor is taken, and gives the loss of its detached values."""
+    torch = pytest.importorskip("torch")
+    jtorch = pytest.importorskip("jsdgpu.torch")
+    T = 7
+    if loss == "online":
+        case = make_case(rng, T=T, bias=False)
+        names = ("student_input", "student_weight", "teacher_input", "teacher_weight", "target")
+        module = jtorch.FusedLinearJSDLoss(beta=0.3)
+    else:
+        case = make_topk_case(rng, T=T, bias=False)
+        names = ("student_input", "student_weight", "teacher_indices", "teacher_logprobs", "target")
+        module = jtorch.FusedLinearTopKJSDLoss(beta=0.3)
+    ts = [torch.from_numpy(case[n]).to(torch_device) for n in names]
+    ts[0].requires_grad_(True)
+    w = torch.from_numpy(token_weights(rng, T, "mixed")).to(torch_device).requires_grad_(True)
+    with pytest.raises(ValueError, match="token_weights"):
+        module(*ts, token_weights=w)
+    with torch.no_grad():
+        wanted = module(*ts, token_weights=w)
+    assert module(*ts, token_weights=w.detach()).item() == pytest.approx(wanted.item(), rel=1e-6)
+
+
 # what the student's gradients of compiled_rows_step may differ from the float64 reference's by,
 # relative: bf16 tensors, 2^-7; under autocast G is 16-bit on the GPU, and its rounding, 2^-9 a
 # value, bounds it (1.01e-4 once on the H200 for the top-k loss, 1.12e-4 for the online one; the
