@@ -173,7 +173,8 @@ def backward(ctx, grad_output=1.0, out=None):
     if not isinstance(ctx, Context):
         raise TypeError(f"ctx must be the Context that forward returned, got {type(ctx).__name__}")
     if ctx._done:
-        raise RuntimeError("backward was already called on this ctx; call forward again")
+        raise RuntimeError("backward was already called on this ctx, and freed its gradient rows; call forward (in "
+                           "PyTorch eagerly, the loss) again for another backward")
     if ctx._grads is None and ctx._recompute is None:  # (rows_own_backward's, or none)
         raise ValueError("this ctx holds no gradients: forward ran with compute_grad=False")
     ctx._done = True

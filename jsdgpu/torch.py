@@ -204,7 +204,7 @@ class _Eager(torch.autograd.Function):
     jsdgpu call on the tensors ((loss, jsdgpu ctx); the student's tensors are passed for autograd
     to see). backward hands the loss's grad_output to jsdgpu.backward, which folds it into the
     gradients' products and casts (no pass of its own), and returns each gradient in its tensor's
-    dtype."""
+    dtype. That frees the call's gradient rows: a second backward (a retained graph) raises."""
 
     @staticmethod
     def forward(ctx, run, xs, ws, bs):

@@ -132,6 +132,18 @@ def test_a_second_backward_says_so(rng, device):
         loss.backward()
 
 
+def test_a_compiled_loss_backpropagates_a_retained_graph_again(rng, device):
+    """Traced, the operator's gradients are its outputs: a second backward through a retained graph
+    adds the same gradients again (docs/contract.md, "Front ends")."""
+    ts = tensors(make_case(rng, T=5), device)
+    torch._dynamo.reset()
+    loss = torch.compile(jtorch.FusedLinearJSDLoss(), fullgraph=True)(*ts)
+    loss.backward(retain_graph=True)
+    first = ts[0].grad.clone()
+    loss.backward()
+    torch.testing.assert_close(ts[0].grad, 2 * first)
+
+
 def test_gradients_land_without_copies(rng, device):
     """The module's gradients are the tensors jsdgpu.backward made, viewed (pointer check on
     the functional form's outputs through the bridge)."""
