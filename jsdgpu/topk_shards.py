@@ -80,7 +80,7 @@ def sharded_topk_rows(xp, s, shard, ids, lq, target, opts, missing_mass, ce, sof
         P, Q = xp.exp(LP), xp.exp(LQ)
         soft_rows, u, u_bar = topk_terms(opts.divergence, opts.beta, LP, LQ, P, Q)
         soft[:] = xp.where(soft_rows < 0, 0.0, soft_rows)  # >= 0 but by rounding (NaN passes)
-        ce[:] = lse_s - stats[6]
+        ce[:] = xp.where(lse_s < stats[6], 0.0, lse_s - stats[6])  # >= 0 but by rounding (NaN passes)
         if not with_grad:
             return None
         logp = z - lse_z[:, None]

@@ -150,13 +150,21 @@ def _gradient_row(s, y, lse_s, softmax_is_p, mode, beta, a, w_hard, w_soft_over_
 
 
 @numba.njit(fastmath=FAST, inline="always")
+def _cross_entropy(lse_s, target_logit):
+    """A row's CE, lse_s - target_logit: 0 where the logsumexp's rounding takes it below (a
+    confident row's CE under the rounding of its largest logit; NaN passes)."""
+    ce = lse_s - target_logit
+    return 0.0 if ce < 0.0 else ce
+
+
+@numba.njit(fastmath=FAST, inline="always")
 def _results(s, i, y, stats, a, b, h_ref, inv_temp, mode, beta, w_hard, w_soft_over_t, ce, jsd, G, label_terms,
              write_grad, p, h, model_scale, model_inv_cap):
     """Row i's CE and soft part from its statistics and KL sums a (relative to h_ref), b, and
     with write_grad its gradient row and label term from its columns' p and h, in the raw logits
     where the student's are its model's (model_scale, model_inv_cap: _model_derivative's)."""
     lse_s, lse_z = stats[0] + math.log(stats[3]), stats[1] + math.log(stats[4])
-    ce[i] = lse_s - stats[6]
+    ce[i] = _cross_entropy(lse_s, stats[6])
     jsd[i] = soft(a + h_ref, b, mode, beta)
     if write_grad:
         apart = _label_apart(y, stats[6], lse_s)
@@ -232,7 +240,7 @@ def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, po
     a, b_sum, precise, weights = row_sums(z_cols, t_i, p, h, inv_z, inv_t, mode, b < SMALL_B_BELOW, row, row_poly,
                                           w_p, k_soft * c_dz, s_next, t_next)
     target_logit = np.float64(s_i[y]) if y >= 0 else 0.0
-    ce[i] = lse_s - target_logit
+    ce[i] = _cross_entropy(lse_s, target_logit)
     jsd[i] = soft_of_sums(a, b_sum, precise, weights, mode, beta, h_ref)
     if write_grad:
         apart = _label_apart(y, target_logit, lse_s)

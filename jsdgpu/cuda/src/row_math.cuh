@@ -261,7 +261,8 @@ __device__ __forceinline__ void write_row_results(long long row, float target_lo
                                                   const RowMath& r, bool with_grad, float* ce_out, float* jsd_out,
                                                   float* label_terms) {
   if (with_grad) label_terms[row] = label_apart ? -r.w_hard : 0.0f;
-  ce_out[row] = r.lse_s - target_logit;
+  const float ce = r.lse_s - target_logit;
+  ce_out[row] = ce < 0.0f ? 0.0f : ce;  // a CE is >= 0: below by rounding alone (NaN passes)
   jsd_out[row] = soft;
 }
 

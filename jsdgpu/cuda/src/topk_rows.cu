@@ -291,7 +291,8 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
   const double soft = sums.soft + rest.d, u_bar = sums.pu + rest.pu;
   const bool label_apart = G != nullptr && target_logit - (float)lse_s < -LN2;  // softmax(s)[y] < 1/2
   if (threadIdx.x == 0) {
-    ce_out[row] = (float)(lse_s - (double)target_logit);
+    const double ce = lse_s - (double)target_logit;
+    ce_out[row] = ce < 0.0 ? 0.0f : (float)ce;  // a CE is >= 0: below by rounding alone (NaN passes)
     soft_out[row] = soft < 0.0 ? 0.0f : (float)soft;  // a divergence is >= 0: below by rounding alone (NaN passes)
     if (G != nullptr) label_terms[row] = label_apart ? -w_hard : 0.0f;
   }
