@@ -35,7 +35,7 @@ A top-k teacher whose slots hold all of its mass in reverse KL gives an infinite
 the reference does; such draws count as right. On the GPU (one H100, 2026-12-06): the online
 loss's seeds 2000-2599 flag 2494 alone (2077 is right there: every such column's h the same); the
 top-k loss's seeds 0-599 flag 214 (the cap), and 326 and 460, the hard part alone on rows whose
-label holds all but 1e-8 of the mass: their CE of 7e-9 came out -1.6e-7 before the kernels wrote
+label holds all but 7e-9 of the mass: their CE of 7e-9 came out -1.6e-7 before the kernels wrote
 0 below 0 (now 0), and their gradient, p - 1 at the label, is right to float32's rounding of p,
 6e-8, absolutely (docs/contract.md, "Numerics").
 """
