@@ -55,8 +55,7 @@ def _fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor,
     """(loss, soft_loss, hard_loss, grad_input, grad_weight, grad_bias) for grad_output 1, the
     gradients empty without compute_grad (or without a bias). student_input [T, Hs], target,
     token_weights and row_scales [T] (row_scales: backward's, of reduction "none": _backward);
-    compute_dtype: autocast's dtype, or None for the tensors' own; the models' scales and soft caps
-    last (LossOptions')."""
+    compute_dtype: autocast's, or None for the tensors' own; the models' scales and caps last."""
     loss, ctx = _online(student_input, student_weight, teacher_input, teacher_weight, target, student_bias,
                         teacher_bias, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index,
                                        student_logit_scale, teacher_logit_scale, student_logit_softcap,
@@ -278,13 +277,14 @@ def _call_options(student_input, student_weight, student_bias, *loss_options):
     """(compute_grad, options): whether a student tensor wants a gradient, and the loss options
     (LossOptions' fields in order: weight_hard_loss, weight_soft_loss, beta, temperature,
     ignore_index, the models' scales and soft caps) as the operators take them, checked before
-    any work."""
+    any work; traced, by the operator as it runs (a schedule's options are symbolic floats there)."""
     compute_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (student_input, student_weight, student_bias))
     w_hard, w_soft, beta, temperature, ignore_index, *models = loss_options
     options = (float(w_hard), float(w_soft), float(beta), float(temperature), int(ignore_index),
                *(None if m is None else float(m) for m in models))
-    (LossOptions if torch.compiler.is_compiling() else _loss_options)(*options)  # (Dynamo warns of caches)
+    if not torch.compiler.is_compiling():
+        _loss_options(*options)
     return compute_grad, options
 
 
@@ -426,8 +426,8 @@ def fused_linear_topk_jsd_loss(student_input, student_weight, teacher_indices, t
     compute_grad, options = _call_options(student_input, student_weight, student_bias, weight_hard_loss,
                                           weight_soft_loss, beta, temperature, ignore_index, student_logit_scale,
                                           1.0, student_logit_softcap, None)
-    # missing_mass's check, before any work (uncached while traced: Dynamo warns of caches)
-    (_topk_options.__wrapped__ if torch.compiler.is_compiling() else _topk_options)(options, missing_mass)
+    if not torch.compiler.is_compiling():  # missing_mass's check, before any work (traced: the operator's)
+        _topk_options(options, missing_mass)
     # a process group is no operator argument: vocab parallel runs eagerly, traced or not
     eager = vocab_parallel is not None or _runs_eagerly(xs, student_weight, ids, lq, target, student_bias, weights)
 

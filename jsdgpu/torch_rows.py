@@ -18,6 +18,7 @@ the call again in backward instead.
 """
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .backend import HeldG
 from .call import backend_for, scale_held
@@ -29,9 +30,11 @@ from .torch_bridge import _NUMPY_DTYPES, caster, current_stream, from_native, to
 def carries(xs, ws, width, student_bias, compute_dtype, chunk_size, num_valid_tokens, topk=False):
     """Whether a traced call of the rows' own losses with gradients carries them (above): its
     rows a concrete count, and the call keeping them (online.keeps_row_gradients, or with topk
-    topk.keeps_row_gradients). width: the teacher's vocabulary, or with topk its k."""
+    topk.keeps_row_gradients). width: the teacher's vocabulary, or with topk its k. A size that
+    torch.compile traces as symbolic (dynamic shapes: rows that change from call to call) is an
+    int to the Python that Dynamo runs, but not one below any bound known as it traces."""
     shape = (xs.shape[0], *ws.shape, width)
-    if not all(isinstance(n, int) for n in shape):
+    if not all(isinstance(n, int) and statically_known_true(n < 2**62) for n in shape):
         return False
     return _keeps(xs.device.type, *shape, topk, ws.dtype if compute_dtype is None else compute_dtype, ws.dtype,
                   student_bias is not None, chunk_size, num_valid_tokens)

@@ -415,6 +415,40 @@ def test_training_step_compiled_fullgraph(rng, device, bias):
     assert results[0][0][-1] < results[0][0][0]  # it trains
 
 
+@pytest.mark.parametrize("loss", ["online", "topk"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_steps_whose_rows_and_options_change(rng, device, loss, reduction, dynamic):
+    """torch.compile(fullgraph=True) of the loss over steps whose row count and options change
+    from step to step (a temperature and a soft weight schedule, ragged batches), with dynamic
+    shapes as torch.compile finds them (dynamic=None: symbolic from the second shape on) or from
+    the first (dynamic=True): every step's loss and student gradients as the float64
+    reference's."""
+    from test_topk import make_topk_case
+    torch._dynamo.reset()
+    module = (jtorch.FusedLinearJSDLoss if loss == "online" else jtorch.FusedLinearTopKJSDLoss)(reduction=reduction)
+    step = torch.compile(lambda *a: module(*a), fullgraph=True, dynamic=dynamic)
+    for i, T in enumerate((9, 13, 6, 13)):
+        module.temperature, module.weight_soft_loss = 1.0 + 0.5 * i, 0.5 + 0.1 * i
+        if loss == "online":
+            case = make_case(rng, T=T, bias=False)
+            names, reference = ARGS[:5], jsdgpu.reference
+        else:
+            case = make_topk_case(rng, T=T, bias=False)
+            names, reference = ("student_input", "student_weight", "teacher_indices", "teacher_logprobs",
+                                "target"), jsdgpu.reference_topk
+        ts = [torch.from_numpy(case[n]).to(device) for n in names]
+        ts[0].requires_grad_(True), ts[1].requires_grad_(True)
+        out = step(*ts)
+        upstream = rng.standard_normal(T) if reduction == "none" else None
+        (out if upstream is None else out * torch.from_numpy(upstream).float().to(device)).sum().backward()
+        want = reference(**{n: case[n] for n in names}, reduction=reduction, grad_output=upstream,
+                         temperature=module.temperature, weight_soft_loss=module.weight_soft_loss)
+        np.testing.assert_allclose(out.detach().cpu().numpy(), want[0], rtol=1e-5, atol=1e-6)
+        assert rel_err(ts[0].grad.cpu().numpy(), want[3]) <= 1e-4
+        assert rel_err(ts[1].grad.cpu().numpy(), want[4]) <= 1e-4
+
+
 def test_compiled_call_traces_without_warnings_of_ours(rng, device):
     """Dynamo traces the front end's Python before the operator: no caches of ours in that path
     (Dynamo warns of each lru_cache it meets, and traces through it)."""
