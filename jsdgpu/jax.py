@@ -261,6 +261,10 @@ def _check_options(options, loss=LossOptions):
     unknown = set(options) - set(fields) - set(_RUN_FIELDS)
     if unknown:
         raise TypeError(f"unknown options: {sorted(unknown)}")
+    arrays = sorted(k for k, v in options.items() if isinstance(v, jax.Array))  # (a tracer is one too)
+    if arrays:  # such as a schedule's value passed through jit: each value is a trace of its own
+        raise TypeError(f"{', '.join(arrays)}: the options are Python numbers, static under jax.jit, not JAX "
+                        "arrays (mark them static: jax.jit(..., static_argnames=...))")
     loss(**{k: v for k, v in options.items() if k in fields})  # their checks, at trace time
     RunOptions(**{k: v for k, v in options.items() if k in _RUN_FIELDS})
     return tuple(sorted(options.items()))

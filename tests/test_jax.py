@@ -229,3 +229,19 @@ def test_num_valid_tokens(rng):
     ref = jsdgpu.reference(**case)
     assert abs(float(loss) - ref[0] / 4.0) <= 1e-5 * ref[0]
     assert rel_err(np.asarray(g), ref[4] / 4.0) <= 1e-4
+
+
+def test_options_are_static_numbers(rng):
+    """An option passed as a JAX array (a schedule's value traced through jax.jit) raises TypeError
+    naming it; static, each value traces once and gives the reference's loss."""
+    case = make_case(rng, T=6)
+    args = [jnp.asarray(case[k]) for k in ("student_input", "student_weight", "teacher_input",
+                                           "teacher_weight", "target")]
+    traced = jax.jit(lambda temperature: jjax.fused_linear_jsd_loss(*args, temperature=temperature))
+    with pytest.raises(TypeError, match="temperature: the options are Python numbers, static"):
+        traced(2.0)
+    static = jax.jit(lambda temperature: jjax.fused_linear_jsd_loss(*args, temperature=temperature),
+                     static_argnames="temperature")
+    for temperature in (1.0, 2.0):
+        ref = jsdgpu.reference(**case, temperature=temperature)[0]
+        assert abs(float(static(temperature=temperature)) - ref) <= 1e-5 * ref
