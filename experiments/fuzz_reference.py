@@ -17,6 +17,7 @@ missing_mass, the student's options alone.
     python experiments/fuzz_reference.py --seed 0 --cases 400
     python experiments/fuzz_reference.py --gpu --seed 0 --cases 400     # the GPU backend
     python experiments/fuzz_reference.py --topk --seed 0 --cases 2000    # the top-k loss
+    python experiments/fuzz_reference.py --torch compiled --seed 0 --cases 80   # through jsdgpu.torch
 
 Answer (the Zen 4 EPYC, 2026-12-05; docs/design.md, "Small divergences" and "Numerics"): the code
 before b84755b, 18 of seeds 0-599 off by more than 1e-3, every one beta 1e-6 with the soft part's
@@ -37,7 +38,9 @@ loss's seeds 2000-2599 flag 2494 alone (2077 is right there: every such column's
 top-k loss's seeds 0-599 flag 214 (the cap), and 326 and 460, the hard part alone on rows whose
 label holds all but 7e-9 of the mass: their CE of 7e-9 came out -1.6e-7 before the kernels wrote
 0 below 0 (now 0), and their gradient, p - 1 at the label, is right to float32's rounding of p,
-6e-8, absolutely (docs/contract.md, "Numerics").
+6e-8, absolutely (docs/contract.md, "Numerics"). Through jsdgpu.torch's modules on the CPU
+(--torch, 2026-12-06): eagerly seeds 0-599 of each loss, compiled (fullgraph) 0-79 of each, flag
+only the top-k's 214 (the cap).
 """
 
 import argparse
@@ -149,16 +152,13 @@ def _run(rng, T, opts):
     return weights, opts, run, upstream
 
 
-def errors(arrays, weights, opts, run, upstream, xp=np):
+def errors(arrays, weights, opts, run, upstream, call):
     """Relative errors (norms) of the loss and the gradients against the float64 reference; the
-    call on xp's arrays (NumPy: the CPU backend; CuPy: the GPU's); a top-k call where the arrays
-    hold teacher_indices."""
+    call by call(arrays, weights, opts, run, upstream) -> (loss, [grad_input, grad_weight,
+    grad_bias]) in NumPy (library_call's or torch_call's); a top-k call where the arrays hold
+    teacher_indices."""
     topk = "teacher_indices" in arrays
-    on = lambda a: None if a is None else xp.asarray(a)  # noqa: E731
-    loss, ctx = (jsdgpu.forward_topk if topk else jsdgpu.forward)(
-        **{k: on(v) for k, v in arrays.items()}, token_weights=on(weights), **opts, **run)
-    grads = jsdgpu.backward(ctx, on(upstream)) if upstream is not None else jsdgpu.backward(ctx)
-    loss, grads = _numpy(loss), [_numpy(g) for g in grads]
+    loss, grads = call(arrays, weights, opts, run, upstream)
     want = list((reference_topk if topk else reference)(**arrays, token_weights=weights, reduction=run["reduction"],
                                                         grad_output=upstream, **opts))
     if "num_valid_tokens" in run:  # the reference divides by the valid rows' count
@@ -180,6 +180,46 @@ def errors(arrays, weights, opts, run, upstream, xp=np):
     return found
 
 
+def library_call(xp):
+    """errors' call through jsdgpu.forward (forward_topk) and backward on xp's arrays (NumPy: the
+    CPU backend; CuPy: the GPU's)."""
+    def call(arrays, weights, opts, run, upstream):
+        on = lambda a: None if a is None else xp.asarray(a)  # noqa: E731
+        loss, ctx = (jsdgpu.forward_topk if "teacher_indices" in arrays else jsdgpu.forward)(
+            **{k: on(v) for k, v in arrays.items()}, token_weights=on(weights), **opts, **run)
+        grads = jsdgpu.backward(ctx, on(upstream)) if upstream is not None else jsdgpu.backward(ctx)
+        return _numpy(loss), [_numpy(g) for g in grads]
+    return call
+
+
+def torch_call(device, compiled):
+    """errors' call through jsdgpu.torch's module (FusedLinearJSDLoss or FusedLinearTopKJSDLoss,
+    the options its constructor's, chunk_size too), eagerly or under torch.compile(fullgraph=True),
+    backward through the upstream gradient (a sum of the rows' losses with "none")."""
+    import torch
+    from jsdgpu.torch import FusedLinearJSDLoss, FusedLinearTopKJSDLoss
+
+    def call(arrays, weights, opts, run, upstream):
+        topk = "teacher_indices" in arrays
+        module = (FusedLinearTopKJSDLoss if topk else FusedLinearJSDLoss)(
+            reduction=run["reduction"], chunk_size=run.get("chunk_size"), **opts)
+        names = ("student_input", "student_weight", *(("teacher_indices", "teacher_logprobs") if topk else
+                 ("teacher_input", "teacher_weight")), "target", "student_bias", *(() if topk else ("teacher_bias",)))
+        ts = [None if arrays[n] is None else torch.from_numpy(np.asarray(arrays[n])).to(device) for n in names]
+        student = [t for t, n in zip(ts, names) if n in ("student_input", "student_weight", "student_bias")]
+        for t in student:
+            if t is not None:
+                t.requires_grad_(True)
+        step = lambda *a, w: module(*a, token_weights=w, num_valid_tokens=run.get("num_valid_tokens"))  # noqa: E731
+        if compiled:
+            torch._dynamo.reset()
+            step = torch.compile(step, fullgraph=True)
+        loss = step(*ts, w=None if weights is None else torch.from_numpy(weights).to(device))
+        (loss if upstream is None else loss * torch.from_numpy(upstream).to(device)).sum().backward()
+        return loss.detach().cpu().numpy(), [None if t is None else t.grad.cpu().numpy() for t in student]
+    return call
+
+
 def _numpy(a):
     return a.get() if hasattr(a, "get") else a
 
@@ -188,18 +228,22 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", action="store_true", help="CuPy arrays: the GPU backend")
     p.add_argument("--topk", action="store_true", help="the top-k loss (forward_topk) in place of the online one")
+    p.add_argument("--torch", choices=["eager", "compiled"], help="through jsdgpu.torch's module (on the GPU with --gpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", type=int, default=200)
     p.add_argument("--tolerance", type=float, default=1e-3)
     a = p.parse_args()
-    if a.gpu:
-        import cupy as xp
+    if a.torch:
+        call = torch_call("cuda" if a.gpu else "cpu", a.torch == "compiled")
+    elif a.gpu:
+        import cupy
+        call = library_call(cupy)
     else:
-        xp = np
+        call = library_call(np)
     flagged = 0
     for seed in range(a.seed, a.seed + a.cases):
         arrays, weights, opts, run, upstream = (draw_topk if a.topk else draw)(seed)
-        found = errors(arrays, weights, opts, run, upstream, xp)
+        found = errors(arrays, weights, opts, run, upstream, call)
         if not max(found.values()) <= a.tolerance:  # (a NaN flags too)
             flagged += 1
             shape = dict(T=len(arrays["target"]), vs=len(arrays["student_weight"]))
