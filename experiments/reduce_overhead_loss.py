@@ -9,9 +9,13 @@ deleter"; with "none" the first four raise "Detected 2 tensor(s) in the cudagrap
 tracked as outputs", T = 96 is right, and T = 80 raises "Expected standard deleter". Whole
 training steps so compiled with fixed options pass (tests/test_torch.py::
 test_compiled_reduce_overhead), as do the same steps under torch.compile's default mode
-(test_compiled_steps_whose_rows_and_options_change). A lead: the loss's memory is CuPy's through
-torch's caching allocator (raw allocations, viewed as tensors: jsdgpu/torch_bridge.py), whose
-deleters are not the ones CUDA-graph trees expect of the tensors in their pool.
+(test_compiled_steps_whose_rows_and_options_change). A lead, from torch's source: CUDA-graph
+trees checkpoint their pool's state (torch._C._cuda_setCheckpointPoolState, in
+torch/_inductor/cudagraph_trees.py) and expect every live storage in it to have the caching
+allocator's standard deleter; the operator's outputs (the loss, its parts, the gradients) are
+views of CuPy arrays on torch's raw allocations (jsdgpu/torch_bridge.py, from_native), whose
+deleters are not that one. Outputs made in torch.empty buffers (api.backward's out=, as
+jsdgpu.jax writes into XLA's) would be.
 
     python experiments/reduce_overhead_loss.py
     python experiments/reduce_overhead_loss.py --fixed     # the same temperature every step
