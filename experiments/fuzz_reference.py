@@ -57,8 +57,7 @@ from jsdgpu.reference import reference, reference_topk  # noqa: E402
 def draw(seed):
     """(arrays, token_weights, options, run options, upstream gradient or None) of one call."""
     rng = np.random.default_rng(seed)
-    T = int(rng.choice([1, 2, 3, 7, 13, 31, 40]))
-    vs = int(rng.choice([2, 3, 17, 130, 1031, 2999]))
+    T, vs = _rows_and_vocabulary(rng)
     vt = vs if rng.random() < 0.7 else vs + int(rng.integers(0, 50))
     hs, ht = int(rng.integers(1, 33)), int(rng.integers(1, 33))
     std = float(rng.choice([0.5, 1, 4, 8]))
@@ -79,8 +78,7 @@ def draw_topk(seed):
     0.01-2, or independent ones; at temperature 0.05, 1 or 5) at its k largest ids, in order or
     shuffled, some slots unused (-inf); the options with missing_mass."""
     rng = np.random.default_rng(seed)
-    T = int(rng.choice([1, 2, 3, 7, 13, 31, 40]))
-    vs = int(rng.choice([2, 3, 17, 130, 1031, 2999]))
+    T, vs = _rows_and_vocabulary(rng)
     hs, std, f = int(rng.integers(1, 33)), float(rng.choice([0.5, 1, 4, 8])), _normals(rng)
     k = min(vs, int(rng.choice([1, 2, 5, 8, 64, 300])))
     arrays = dict(student_input=f((T, hs)), student_weight=f((vs, hs), std / np.sqrt(hs)), target=_target(rng, T, vs),
@@ -103,6 +101,11 @@ def draw_topk(seed):
     return (arrays, *_run(rng, T, opts))
 
 
+def _rows_and_vocabulary(rng):
+    """(T, the student's vocabulary): odd sizes, T = 1 and vocabularies of 2 among them."""
+    return int(rng.choice([1, 2, 3, 7, 13, 31, 40])), int(rng.choice([2, 3, 17, 130, 1031, 2999]))
+
+
 def _normals(rng):
     """f(shape, scale): float32 normals of that std."""
     def f(shape, scale=1.0):
@@ -111,6 +114,7 @@ def _normals(rng):
 
 
 def _target(rng, T, vs):
+    """Labels in [0, vs), none, some or all of them ignored (-100)."""
     target = rng.integers(0, vs, T)
     target[rng.random(T) < float(rng.choice([0, 0.3, 1.0]))] = -100
     return target
@@ -247,7 +251,10 @@ def main():
         if not max(found.values()) <= a.tolerance:  # (a NaN flags too)
             flagged += 1
             shape = dict(T=len(arrays["target"]), vs=len(arrays["student_weight"]))
-            shape.update(k=arrays["teacher_indices"].shape[1]) if a.topk else shape.update(vt=len(arrays["teacher_weight"]))
+            if a.topk:
+                shape["k"] = arrays["teacher_indices"].shape[1]
+            else:
+                shape["vt"] = len(arrays["teacher_weight"])
             print(f"seed {seed}: {shape} {opts} {run} token_weights={weights is not None}: "
                   + ", ".join(f"{k} {v:.1e}" for k, v in found.items()), flush=True)
     print(f"{flagged} of {a.cases} draws off by more than {a.tolerance}")
