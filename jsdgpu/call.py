@@ -71,6 +71,10 @@ class Context:
         self._recompute = None  # with it, where forward computed no gradients: (row scales, out) ->
                                 # the gradients (rows_own_backward)
 
+    def gradient_dtypes(self):
+        """(grad_input's dtype, grad_weight's and grad_bias's) as backward makes them."""
+        return self._dtype, np.dtype(np.float32) if self._grad_weight_float32 else self._dtype
+
 
 def bridged(arrays, compute):
     """compute(arrays) -> (loss, ctx), with framework tensors (torch, JAX) among the arrays
@@ -210,7 +214,7 @@ def _backward(ctx, grad_output, out):
             scale = xp.asarray(grad_output, dtype=np.float32)
             if scale.ndim != 0:
                 raise ValueError(f"grad_output must be a scalar, got shape {tuple(scale.shape)}")
-        weight_dtype = np.float32 if ctx._grad_weight_float32 else ctx._dtype
+        input_dtype, weight_dtype = ctx.gradient_dtypes()
         out_input, out_weight, out_bias = out
         if g.held is not None:  # G was held for all rows: one product, straight into the dtype
             grad_weight = backend.weight_product(g.held, scale, weight_dtype, out_weight)
@@ -218,11 +222,11 @@ def _backward(ctx, grad_output, out):
             grad_weight = backend.scale_cast(g.grad_weight, scale, weight_dtype, out_weight)
         grad_bias = None if g.grad_bias is None else backend.scale_cast(g.grad_bias, scale, weight_dtype, out_bias)
         if ctx._valid_rows is None:
-            grad_input = backend.scale_cast(g.grad_input, scale, ctx._dtype, out_input)
+            grad_input = backend.scale_cast(g.grad_input, scale, input_dtype, out_input)
         else:  # the valid rows' among zeros
-            valid_rows_grad = backend.scale_cast(g.grad_input, scale, ctx._dtype)
+            valid_rows_grad = backend.scale_cast(g.grad_input, scale, input_dtype)
             if out_input is None:
-                grad_input = xp.zeros((ctx._n_rows, valid_rows_grad.shape[1]), ctx._dtype)
+                grad_input = xp.zeros((ctx._n_rows, valid_rows_grad.shape[1]), input_dtype)
             else:
                 grad_input = out_input
                 grad_input[...] = 0

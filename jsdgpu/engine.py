@@ -188,9 +188,9 @@ def run(loss, xs, other, first=None):
     ahead = loss.ahead
     if ahead is not None and (rows.valid_rows is not None or ahead[:2] != (chunk, hold_g)):
         ahead = None  # the guess was wrong: the rows or their chunks are others
-    # a call of the rows' own losses holds G in memory of all of its rows (valid or not): of the
-    # call's own shape, which a front end carries from forward to backward (jsdgpu.torch_rows), or
-    # the front end's own (ChunkLoss.g_memory: jsdgpu.jax)
+    # a call of the rows' own losses holds G in memory of all of its rows (valid or not), as its
+    # plan counted (keeps_row_gradients): the front end's own where it carries G from forward to
+    # backward (ChunkLoss.g_memory: jsdgpu.torch_rows, jsdgpu.jax)
     out = loss.outputs(n_rows, chunk, hold_g, held_rows=n_all if loss.run_opts.rows_own else None) \
         if ahead is None else ahead[2]
     G_all, ce, soft, grads, label_terms = out

@@ -35,7 +35,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import api, topk, torch_rows
 from .options import DEFAULTS, LossOptions, RunOptions, TopKOptions
-from .torch_bridge import as_rows, autocast_dtype, caster, check_dtypes, rows_shaped, weight_rows
+from .torch_bridge import as_rows, autocast_dtype, caster, check_dtypes, operator_outputs, rows_shaped, weight_rows
 from .torch_bridge import current_stream, from_native, to_native  # noqa: F401 (the bridge call.py uses)
 from .torch_sharding import are_plain, plain_inputs
 
@@ -62,17 +62,18 @@ def _fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor,
                                        teacher_logit_softcap),
                         chunk_size, num_valid_tokens, compute_grad, compute_dtype, None, token_weights, reduction,
                         row_scales)
-    return _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
+    return operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
 
 
 def _online(xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_tokens, compute_grad, compute_dtype,
-            vocab_parallel=None, token_weights=None, reduction="mean", row_scales=None):
+            vocab_parallel=None, token_weights=None, reduction="mean", row_scales=None, g_memory=None):
     """jsdgpu.forward on the tensors, the inputs and weights cast to compute_dtype (autocast's;
-    None: as they are): (loss, jsdgpu ctx). options: the LossOptions' fields in order."""
+    None: as they are): (loss, jsdgpu ctx). options: the LossOptions' fields in order; g_memory:
+    api.forward_with's (jsdgpu.torch_rows)."""
     cast = caster(compute_dtype)
     return api.forward_with(cast(xs), cast(ws), cast(xt), cast(wt), target, bs, bt, _loss_options(*options),
                             _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, vocab_parallel,
-                                         reduction), token_weights, row_scales)
+                                         reduction), token_weights, row_scales, g_memory)
 
 
 @functools.lru_cache(maxsize=64)  # the options' checks, once per set of values
@@ -92,17 +93,6 @@ def _run_options(chunk_size, compute_grad, num_valid_tokens, weight_dtype, vocab
     return RunOptions(chunk_size=chunk_size, compute_grad=compute_grad, num_valid_tokens=num_valid_tokens,
                       grad_weight_float32=weight_dtype == torch.float32, vocab_parallel=vocab_parallel,
                       reduction=reduction)
-
-
-def _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias):
-    """The loss operators' outputs: the loss, its parts and the student's gradients (each in its
-    tensor's dtype; empty without compute_grad, or without a bias)."""
-    grads = [torch.empty(0, device=loss.device) for _ in range(3)]  # distinct: returns may not alias
-    if compute_grad:
-        gi, gw, gb = api.backward(ctx)
-        grads = [gi.to(student_input.dtype), gw.to(student_weight.dtype),
-                 torch.empty(0, device=loss.device) if gb is None else gb.to(student_bias.dtype)]
-    return loss, ctx.soft_loss, ctx.hard_loss, *grads
 
 
 @_fused_linear_jsd.register_fake
@@ -375,17 +365,17 @@ def _fused_linear_topk_jsd(student_input: torch.Tensor, student_weight: torch.Te
                                      student_logit_scale, teacher_logit_scale, student_logit_softcap,
                                      teacher_logit_softcap), chunk_size,
                       num_valid_tokens, compute_grad, compute_dtype, token_weights, reduction, row_scales)
-    return _outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
+    return operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
 
 
 def _topk(xs, ws, ids, lq, target, bs, missing_mass, options, chunk_size, num_valid_tokens, compute_grad,
-          compute_dtype, token_weights=None, reduction="mean", row_scales=None, vocab_parallel=None):
+          compute_dtype, token_weights=None, reduction="mean", row_scales=None, vocab_parallel=None, g_memory=None):
     """jsdgpu.forward_topk on the tensors, as _online."""
     cast = caster(compute_dtype)
     return topk.forward_topk_with(cast(xs), cast(ws), ids, lq, target, bs, _topk_options(options, missing_mass),
                                   _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, vocab_parallel,
                                                reduction),
-                                  token_weights, row_scales)
+                                  token_weights, row_scales, g_memory)
 
 
 @_fused_linear_topk_jsd.register_fake

@@ -1,7 +1,7 @@
 """The bridge between torch tensors and the core's arrays (jsdgpu.call's, through jsdgpu.torch):
 zero-copy views both ways, CuPy on torch's current stream with memory from torch's caching
-allocator (on the CPU, the products by torch's BLAS or NumPy's, the faster), and the operands'
-dtype under autocast."""
+allocator (on the CPU, the products by torch's BLAS or NumPy's, the faster), the operands'
+dtype under autocast, and the custom operators' outputs in tensors torch allocated."""
 
 import functools
 
@@ -9,12 +9,21 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from .call import backward
+
 
 # NumPy's dtype of each torch dtype a CUDA tensor crosses to CuPy as, by its pointer (to_native)
 _NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
                  torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float64: np.dtype(np.float64),
                  torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32), torch.int16: np.dtype(np.int16),
                  torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_)}
+
+_TORCH_DTYPES = {n: t for t, n in _NUMPY_DTYPES.items()}
+
+
+def torch_dtype(dtype):
+    """The torch dtype of a NumPy dtype (one of _NUMPY_DTYPES')."""
+    return _TORCH_DTYPES[np.dtype(dtype)]
 
 
 def to_native(t):
@@ -159,6 +168,26 @@ def _cupy_stream(pointer, device):
 @functools.lru_cache(maxsize=None)
 def _allocator(device):
     return functools.partial(_torch_memory, device)
+
+
+def operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias):
+    """The loss operators' outputs: the loss, its parts and the student's gradients (each in its
+    tensor's dtype; empty without compute_grad, or without a bias), each a tensor torch allocated,
+    not a view of the core's arrays (from_native's): torch.compile's CUDA-graph trees
+    (mode="reduce-overhead") take over the storage of a graph's outputs, which must be the
+    caching allocator's own. The gradients are written into such tensors; the parts are copied."""
+    device = loss.device
+    grads = [torch.empty(0, device=device) for _ in range(3)]  # distinct: returns may not alias
+    if compute_grad:
+        input_dtype, weight_dtype = map(torch_dtype, ctx.gradient_dtypes())
+        out = (torch.empty(student_input.shape, dtype=input_dtype, device=device),
+               torch.empty(student_weight.shape, dtype=weight_dtype, device=device),
+               None if student_bias is None else torch.empty(student_bias.shape, dtype=weight_dtype, device=device))
+        backward(ctx, out=out)
+        grads[:2] = out[0].to(student_input.dtype), out[1].to(student_weight.dtype)
+        if student_bias is not None:
+            grads[2] = out[2].to(student_bias.dtype)
+    return loss.clone(), ctx.soft_loss.clone(), ctx.hard_loss.clone(), *grads
 
 
 def as_rows(t, *width):

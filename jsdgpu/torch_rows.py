@@ -6,11 +6,11 @@ A call of the rows' own losses keeps its gradients where G (the gradient in the 
 is held for all rows (call.loss_of_call): backward only scales them by each row's grad_output
 and forms grad_weight in one product. Eagerly the jsdgpu ctx carries them (jsdgpu.torch._Eager).
 A traced operator carries tensors only, of shapes its fake function gives: so the engine holds G
-in memory of all of the call's rows (engine.run), and the operator fused_linear_jsd_rows returns
-it, with grad_input's rows for grad_output 1 (float32), and what grad_weight's product needs
+in the operator's memory of all of the call's rows (ChunkLoss.g_memory), which fused_linear_jsd_rows
+returns with grad_input's rows for grad_output 1 (float32), and what grad_weight's product needs
 (the valid rows' indices, label terms, labels and row scales, each padded to the call's rows,
-1/N, and the count of valid rows, on the CPU, so that backward reads it without waiting for the
-GPU); backward's operator carried_weight_gradient forms grad_weight from them. The top-k loss's
+1/N, and the count of valid rows); backward's operator carried_weight_gradient forms grad_weight
+from them. The top-k loss's
 operator fused_linear_topk_jsd_rows does the same, where both of its plans keep them
 (topk.keeps_row_gradients). Where G is not held (too many rows for the budget, a student bias),
 or the rows are a symbolic size (the decision depends on it), jsdgpu.torch's operators compute
@@ -24,7 +24,7 @@ from .backend import HeldG
 from .call import backend_for, scale_held
 from .online import keeps_row_gradients
 from .topk import keeps_row_gradients as topk_keeps_row_gradients
-from .torch_bridge import _NUMPY_DTYPES, caster, current_stream, from_native, to_native
+from .torch_bridge import _NUMPY_DTYPES, caster, current_stream, from_native, to_native, torch_dtype
 
 
 def carries(xs, ws, width, student_bias, compute_dtype, chunk_size, num_valid_tokens, topk=False):
@@ -59,7 +59,7 @@ def _g_layout(xs, ws, compute_dtype):
     """(columns, torch dtype) of a row of the carried G."""
     dtype = ws.dtype if compute_dtype is None else compute_dtype
     columns, np_dtype = _backend(xs.device.type).g_row_layout(ws.shape[0], _NUMPY_DTYPES[dtype])
-    return columns, next(t for t, n in _NUMPY_DTYPES.items() if n == np_dtype)
+    return columns, torch_dtype(np_dtype)
 
 
 _OUTPUTS = tuple[(torch.Tensor,) * 11]  # (loss, soft, hard) of each row and what backward carries
@@ -73,14 +73,15 @@ def _rows(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_inp
     """(loss, soft, hard) of each row [T], and what backward carries: grad_input [T, Hs] float32
     for grad_output 1, G [T, columns], the valid rows' indices [T] int64, their label terms [T]
     float32, labels [T] int32 (-1 past them), row scales [T] float32, 1/N (0-d float32) and their
-    count (0-d int64, on the CPU); each past the count unused. options: weight_hard_loss,
+    count (0-d int64); each past the count unused. options: weight_hard_loss,
     weight_soft_loss, beta, temperature, the student's and the teacher's logit scales; caps: the
     student's and the teacher's soft caps, 0 for none."""
     from .torch import _online
+    G = _g_memory(student_input, student_weight, compute_dtype)
     loss, ctx = _online(student_input, student_weight, teacher_input, teacher_weight, target, None, teacher_bias,
                         _loss_fields(options, ignore_index, caps), chunk_size, num_valid_tokens, True, compute_dtype,
-                        None, token_weights, "none")
-    return _outputs(loss, ctx, student_input, student_weight, compute_dtype)
+                        None, token_weights, "none", g_memory=G)
+    return _outputs(loss, ctx, student_input, student_weight.shape[0], G)
 
 
 @torch.library.custom_op("jsdgpu::fused_linear_topk_jsd_rows", mutates_args=())
@@ -91,10 +92,11 @@ def _topk_rows(student_input: torch.Tensor, student_weight: torch.Tensor, teache
     """As fused_linear_jsd_rows, against the teacher's top-k (jsdgpu.forward_topk), its arguments
     in the same places, so that the two share their autograd rule."""
     from .torch import _topk
+    G = _g_memory(student_input, student_weight, compute_dtype)
     loss, ctx = _topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, None, missing_mass,
                       _loss_fields(options, ignore_index, caps), chunk_size, num_valid_tokens, True, compute_dtype,
-                      token_weights, "none")
-    return _outputs(loss, ctx, student_input, student_weight, compute_dtype)
+                      token_weights, "none", g_memory=G)
+    return _outputs(loss, ctx, student_input, student_weight.shape[0], G)
 
 
 def _loss_fields(options, ignore_index, caps):
@@ -103,12 +105,21 @@ def _loss_fields(options, ignore_index, caps):
     return (w_hard, w_soft, beta, temperature, ignore_index, scale_s, scale_t, *(c or None for c in caps))
 
 
-def _outputs(loss, ctx, xs, ws, compute_dtype):
-    return loss, ctx.soft_loss, ctx.hard_loss, *_carried(ctx, xs, ws.shape[0], _g_layout(xs, ws, compute_dtype))
+def _g_memory(xs, ws, compute_dtype):
+    """The memory of the carried G, [T, columns] (_g_layout): the engine holds G in it."""
+    columns, dtype = _g_layout(xs, ws, compute_dtype)
+    return torch.empty((xs.shape[0], columns), dtype=dtype, device=xs.device)
 
 
-def _carried(ctx, xs, vocab, g_layout):
-    """What _rows carries of the jsdgpu ctx of its call (ctx._grads kept: call.loss_of_call)."""
+def _outputs(loss, ctx, xs, vocab, G):
+    """_rows' outputs, each a tensor torch allocated (torch_bridge.operator_outputs says why): the
+    rows' losses and parts copied, and what backward carries (_carried)."""
+    return loss.clone(), ctx.soft_loss.clone(), ctx.hard_loss.clone(), *_carried(ctx, xs, vocab, G)
+
+
+def _carried(ctx, xs, vocab, G):
+    """What _rows carries of the jsdgpu ctx of its call (ctx._grads kept: call.loss_of_call), G
+    held in its memory G."""
     T, device, f32 = xs.shape[0], xs.device, torch.float32
     grads = ctx._grads
     held = grads.held
@@ -125,19 +136,18 @@ def _carried(ctx, xs, vocab, g_layout):
     if n:
         grad_input[valid] = from_native(grads.grad_input)
         rows[:n] = valid
-    G = torch.empty((T, g_layout[0]), dtype=g_layout[1], device=device) if held is None else \
-        from_native(held.G.base if held.G.base is not None else held.G)
-    assert G.shape == (T, g_layout[0]), (G.shape, g_layout)  # the engine's memory of all rows (engine.run)
+        assert ctx._backend.xp.may_share_memory(held.G, to_native(G)), "G held in the engine's memory, not G"
     # rows past the count and columns past the vocabulary (the row pitch's padding) are unused, but
     # an operator's outputs are its inputs' function
     G[n:] = 0
     G[:n, vocab:] = 0
-    inv_n = held.inv_n if held is not None else 1.0
+    inv_n = 1.0 if held is None else held.inv_n
     inv_n = torch.full((), inv_n, dtype=f32, device=device) if isinstance(inv_n, float) else \
-        from_native(inv_n).to(f32).reshape(())
+        from_native(inv_n).reshape(()).to(f32, copy=True)
     return (grad_input, G, rows, padded(None if held is None else held.label_terms, 0.0, f32),
             padded(None if held is None else held.target, -1, torch.int32),
-            padded(None if held is None else held.g_scale, 0.0, f32), inv_n, torch.tensor(n, dtype=torch.int64))
+            padded(None if held is None else held.g_scale, 0.0, f32), inv_n,
+            torch.full((), n, dtype=torch.int64, device=device))
 
 
 def _rows_fake(student_input, student_weight, compute_dtype):
@@ -147,7 +157,7 @@ def _rows_fake(student_input, student_weight, compute_dtype):
     rows = lambda dtype: new((T,), dtype=dtype)  # noqa: E731
     return (rows(torch.float32), rows(torch.float32), rows(torch.float32), new((T, hs), dtype=torch.float32),
             new((T, columns), dtype=g_dtype), rows(torch.int64), rows(torch.float32), rows(torch.int32),
-            rows(torch.float32), new((), dtype=torch.float32), torch.empty((), dtype=torch.int64))
+            rows(torch.float32), new((), dtype=torch.float32), new((), dtype=torch.int64))
 
 
 @_rows.register_fake
@@ -169,8 +179,12 @@ def _weight_gradient(G: torch.Tensor, student_input: torch.Tensor, rows: torch.T
                      weight_dtype: torch.dtype) -> torch.Tensor:
     """grad_weight [vocab, Hs] in weight_dtype from _rows' carried tensors and the rows' losses'
     grad_output [T]: the one product of G held (backend.weight_product), each valid row's parts
-    times its grad_output (call.scale_held, as backward does eagerly)."""
-    n = int(count)
+    times its grad_output (call.scale_held, as backward does eagerly). The count is read on the
+    host (a wait for the GPU's forward); inside a CUDA-graph capture, where it cannot be, it is
+    all rows: a capturable forward computes every row, masked. (On the CPU, as a CPU output of
+    the operator, it made torch.compile's CUDA-graph partitions return the operator's whole
+    output tuple, keeping its unused outputs alive in the graphs' pool, which they refuse.)"""
+    n = G.shape[0] if G.is_cuda and torch.cuda.is_current_stream_capturing() else int(count)
     if not n:
         return torch.zeros((vocab, student_input.shape[1]), dtype=weight_dtype, device=G.device)
     valid = rows[:n]
@@ -180,7 +194,9 @@ def _weight_gradient(G: torch.Tensor, student_input: torch.Tensor, rows: torch.T
         held = HeldG(to_native(G[:n]), vocab, to_native(xs), to_native(inv_n), to_native(label_terms[:n]),
                      to_native(row_target[:n]), to_native(row_scales[:n]))
         scale_held(held, to_native(scales))
-        return from_native(_backend(G.device.type).weight_product(held, None, _NUMPY_DTYPES[weight_dtype]))
+        out = torch.empty((vocab, student_input.shape[1]), dtype=weight_dtype, device=G.device)  # torch's own
+        _backend(G.device.type).weight_product(held, None, _NUMPY_DTYPES[weight_dtype], to_native(out))
+        return out
 
 
 @_weight_gradient.register_fake

@@ -424,11 +424,28 @@ def test_compiled_steps_whose_rows_and_options_change(rng, device, loss, reducti
     shapes as torch.compile finds them (dynamic=None: symbolic from the second shape on) or from
     the first (dynamic=True): every step's loss and student gradients as the float64
     reference's."""
+    compiled_steps(rng, device, loss, reduction, (9, 13, 6, 13), fullgraph=True, dynamic=dynamic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss", ["online", "topk"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_alone_compiled_with_cuda_graphs(rng, loss, reduction):
+    """torch.compile(mode="reduce-overhead") of the loss alone (torch's CUDA-graph trees, which
+    take over the storage of its outputs, and of the gradients it saves for backward) over steps
+    with fresh inputs, a temperature and soft weight schedule, and row counts met again (graphs
+    replayed): every step as the float64 reference."""
+    compiled_steps(rng, "cuda", loss, reduction, (64, 64, 96, 64, 80, 96, 64), mode="reduce-overhead")
+
+
+def compiled_steps(rng, device, loss, reduction, rows, **compile_options):
+    """The loss compiled with compile_options, a step for each of `rows` (its T), the options
+    changing from step to step: each step's loss and student gradients against the reference."""
     from test_topk import make_topk_case
     torch._dynamo.reset()
     module = (jtorch.FusedLinearJSDLoss if loss == "online" else jtorch.FusedLinearTopKJSDLoss)(reduction=reduction)
-    step = torch.compile(lambda *a: module(*a), fullgraph=True, dynamic=dynamic)
-    for i, T in enumerate((9, 13, 6, 13)):
+    step = torch.compile(lambda *a: module(*a), **compile_options)
+    for i, T in enumerate(rows):
         module.temperature, module.weight_soft_loss = 1.0 + 0.5 * i, 0.5 + 0.1 * i
         if loss == "online":
             case = make_case(rng, T=T, bias=False)
@@ -444,9 +461,9 @@ def test_compiled_steps_whose_rows_and_options_change(rng, device, loss, reducti
         (out if upstream is None else out * torch.from_numpy(upstream).float().to(device)).sum().backward()
         want = reference(**{n: case[n] for n in names}, reduction=reduction, grad_output=upstream,
                          temperature=module.temperature, weight_soft_loss=module.weight_soft_loss)
-        np.testing.assert_allclose(out.detach().cpu().numpy(), want[0], rtol=1e-5, atol=1e-6)
-        assert rel_err(ts[0].grad.cpu().numpy(), want[3]) <= 1e-4
-        assert rel_err(ts[1].grad.cpu().numpy(), want[4]) <= 1e-4
+        np.testing.assert_allclose(out.detach().cpu().numpy(), want[0], rtol=1e-5, atol=1e-6, err_msg=f"step {i}")
+        assert rel_err(ts[0].grad.cpu().numpy(), want[3]) <= 1e-4, i
+        assert rel_err(ts[1].grad.cpu().numpy(), want[4]) <= 1e-4, i
 
 
 def test_compiled_call_traces_without_warnings_of_ours(rng, device):

@@ -234,14 +234,26 @@ def _bucket(n):
 
 
 def _device_constant(value):
-    """A 0-d float32 device array holding value, made once per device (for beta where alpha is
-    on the device: filling one per product took a launch and an allocation)."""
-    return _constants(cupy.cuda.Device().id, float(value))
+    """A 0-d float32 device array holding value (beta where alpha is on the device: filling one
+    per product took a launch and an allocation), made once per device outside a CUDA-graph
+    capture, in CuPy's own pool, not the caller's allocator: a block kept for the process must
+    not sit in memory a graph owns (torch.compile's CUDA-graph trees refuse a live block of their
+    pool that is not a graph's output, and their warm-up allocates in that pool too). During a
+    capture before that, one of the call's own, its fill part of the graph."""
+    key = (cupy.cuda.Device().id, float(value))
+    constant = _constants.get(key)
+    if constant is None:
+        stream = cupy.cuda.get_current_stream()
+        if stream.is_capturing():
+            return cupy.full((), value, np.float32)
+        with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+            constant = cupy.full((), value, np.float32)
+        stream.synchronize()  # filled before any stream reads it
+        _constants[key] = constant
+    return constant
 
 
-@functools.lru_cache(maxsize=None)
-def _constants(device_id, value):
-    return cupy.full((), value, np.float32)
+_constants = {}  # (device, value) -> its 0-d float32 array (_device_constant)
 
 
 _observed = threading.local()
