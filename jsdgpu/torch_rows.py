@@ -9,8 +9,9 @@ A traced operator carries tensors only, of shapes its fake function gives: so th
 in the operator's memory of all of the call's rows (ChunkLoss.g_memory), which fused_linear_jsd_rows
 returns with grad_input's rows for grad_output 1 (float32), and what grad_weight's product needs
 (the valid rows' indices, label terms, labels and row scales, each padded to the call's rows,
-1/N, and the count of valid rows); backward's operator carried_weight_gradient forms grad_weight
-from them. The top-k loss's
+1/N, and the count of valid rows, on the CPU, so that backward reads it without waiting for the
+GPU); backward's operator carried_weight_gradient forms grad_weight from them. These operators
+run outside torch.compile's CUDA graphs (_OUTSIDE_CUDA_GRAPHS). The top-k loss's
 operator fused_linear_topk_jsd_rows does the same, where both of its plans keep them
 (topk.keeps_row_gradients). Where G is not held (too many rows for the budget, a student bias),
 or the rows are a symbolic size (the decision depends on it), jsdgpu.torch's operators compute
@@ -63,9 +64,16 @@ def _g_layout(xs, ws, compute_dtype):
 
 
 _OUTPUTS = tuple[(torch.Tensor,) * 11]  # (loss, soft, hard) of each row and what backward carries
+# torch.compile's CUDA-graph trees (mode="reduce-overhead") run these operators outside their
+# graphs, between them: a CPU output (the count) inside a graph's partition made Inductor return
+# the operator's whole output tuple from it, which kept its unused parts alive in the graphs'
+# pool, which the trees refuse; a count on the device would make backward wait for the GPU's
+# forward (docs/design.md, "The front ends"). Before torch had the tag, a graph with a CPU output
+# ran without CUDA graphs whole.
+_OUTSIDE_CUDA_GRAPHS = {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
 
 
-@torch.library.custom_op("jsdgpu::fused_linear_jsd_rows", mutates_args=())
+@torch.library.custom_op("jsdgpu::fused_linear_jsd_rows", mutates_args=(), **_OUTSIDE_CUDA_GRAPHS)
 def _rows(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
           teacher_weight: torch.Tensor, target: torch.Tensor, teacher_bias: torch.Tensor | None,
           options: list[float], ignore_index: int, chunk_size: int | None, num_valid_tokens: float | None,
@@ -73,7 +81,7 @@ def _rows(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_inp
     """(loss, soft, hard) of each row [T], and what backward carries: grad_input [T, Hs] float32
     for grad_output 1, G [T, columns], the valid rows' indices [T] int64, their label terms [T]
     float32, labels [T] int32 (-1 past them), row scales [T] float32, 1/N (0-d float32) and their
-    count (0-d int64); each past the count unused. options: weight_hard_loss,
+    count (0-d int64, on the CPU); each past the count unused. options: weight_hard_loss,
     weight_soft_loss, beta, temperature, the student's and the teacher's logit scales; caps: the
     student's and the teacher's soft caps, 0 for none."""
     from .torch import _online
@@ -84,7 +92,7 @@ def _rows(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_inp
     return _outputs(loss, ctx, student_input, student_weight.shape[0], G)
 
 
-@torch.library.custom_op("jsdgpu::fused_linear_topk_jsd_rows", mutates_args=())
+@torch.library.custom_op("jsdgpu::fused_linear_topk_jsd_rows", mutates_args=(), **_OUTSIDE_CUDA_GRAPHS)
 def _topk_rows(student_input: torch.Tensor, student_weight: torch.Tensor, teacher_indices: torch.Tensor,
                teacher_logprobs: torch.Tensor, target: torch.Tensor, missing_mass: str, options: list[float],
                ignore_index: int, chunk_size: int | None, num_valid_tokens: float | None,
@@ -146,8 +154,7 @@ def _carried(ctx, xs, vocab, G):
         from_native(inv_n).reshape(()).to(f32, copy=True)
     return (grad_input, G, rows, padded(None if held is None else held.label_terms, 0.0, f32),
             padded(None if held is None else held.target, -1, torch.int32),
-            padded(None if held is None else held.g_scale, 0.0, f32), inv_n,
-            torch.full((), n, dtype=torch.int64, device=device))
+            padded(None if held is None else held.g_scale, 0.0, f32), inv_n, torch.tensor(n, dtype=torch.int64))
 
 
 def _rows_fake(student_input, student_weight, compute_dtype):
@@ -157,7 +164,7 @@ def _rows_fake(student_input, student_weight, compute_dtype):
     rows = lambda dtype: new((T,), dtype=dtype)  # noqa: E731
     return (rows(torch.float32), rows(torch.float32), rows(torch.float32), new((T, hs), dtype=torch.float32),
             new((T, columns), dtype=g_dtype), rows(torch.int64), rows(torch.float32), rows(torch.int32),
-            rows(torch.float32), new((), dtype=torch.float32), new((), dtype=torch.int64))
+            rows(torch.float32), new((), dtype=torch.float32), torch.empty((), dtype=torch.int64))
 
 
 @_rows.register_fake
@@ -172,19 +179,15 @@ def _topk_fake(student_input, student_weight, teacher_indices, teacher_logprobs,
     return _rows_fake(student_input, student_weight, compute_dtype)
 
 
-@torch.library.custom_op("jsdgpu::carried_weight_gradient", mutates_args=())
+@torch.library.custom_op("jsdgpu::carried_weight_gradient", mutates_args=(), **_OUTSIDE_CUDA_GRAPHS)
 def _weight_gradient(G: torch.Tensor, student_input: torch.Tensor, rows: torch.Tensor, label_terms: torch.Tensor,
                      row_target: torch.Tensor, row_scales: torch.Tensor, inv_n: torch.Tensor, count: torch.Tensor,
                      grad_output: torch.Tensor, vocab: int, compute_dtype: torch.dtype | None,
                      weight_dtype: torch.dtype) -> torch.Tensor:
     """grad_weight [vocab, Hs] in weight_dtype from _rows' carried tensors and the rows' losses'
     grad_output [T]: the one product of G held (backend.weight_product), each valid row's parts
-    times its grad_output (call.scale_held, as backward does eagerly). The count is read on the
-    host (a wait for the GPU's forward); inside a CUDA-graph capture, where it cannot be, it is
-    all rows: a capturable forward computes every row, masked. (On the CPU, as a CPU output of
-    the operator, it made torch.compile's CUDA-graph partitions return the operator's whole
-    output tuple, keeping its unused outputs alive in the graphs' pool, which they refuse.)"""
-    n = G.shape[0] if G.is_cuda and torch.cuda.is_current_stream_capturing() else int(count)
+    times its grad_output (call.scale_held, as backward does eagerly)."""
+    n = int(count)
     if not n:
         return torch.zeros((vocab, student_input.shape[1]), dtype=weight_dtype, device=G.device)
     valid = rows[:n]
