@@ -64,7 +64,7 @@ def _g_layout(xs, ws, compute_dtype):
 
 
 _OUTPUTS = tuple[(torch.Tensor,) * 11]  # (loss, soft, hard) of each row and what backward carries
-# torch.compile's CUDA-graph trees (mode="reduce-overhead") run these operators outside their
+# torch.compile's CUDA-graph trees (mode="reduce-overhead") run the operators below outside their
 # graphs, between them: a CPU output (the count) inside a graph's partition made Inductor return
 # the operator's whole output tuple from it, which kept its unused parts alive in the graphs'
 # pool, which the trees refuse; a count on the device would make backward wait for the GPU's
@@ -120,8 +120,9 @@ def _g_memory(xs, ws, compute_dtype):
 
 
 def _outputs(loss, ctx, xs, vocab, G):
-    """_rows' outputs, each a tensor torch allocated (torch_bridge.operator_outputs says why): the
-    rows' losses and parts copied, and what backward carries (_carried)."""
+    """_rows' outputs, each a tensor torch allocated, as jsdgpu.torch's operators' are
+    (torch_bridge.operator_outputs): the rows' losses and parts copied, and what backward carries
+    (_carried)."""
     return loss.clone(), ctx.soft_loss.clone(), ctx.hard_loss.clone(), *_carried(ctx, xs, vocab, G)
 
 
