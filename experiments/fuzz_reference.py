@@ -40,8 +40,9 @@ label holds all but 7e-9 of the mass: their CE of 7e-9 came out -1.6e-7 before t
 0 below 0 (now 0), and their gradient, p - 1 at the label, is right to float32's rounding of p,
 6e-8, absolutely (docs/contract.md, "Numerics"). Through jsdgpu.torch's modules on the CPU
 (--torch, 2026-12-06): eagerly seeds 0-599 of each loss, compiled (fullgraph) 0-79 of each, flag
-only the top-k's 214 (the cap); on the GPU (one H100, after the operators' outputs became tensors
-of torch's own, 9801c5a), compiled seeds 0-59 of each flag none.
+only the top-k's 214 (the cap); after the operators' outputs became tensors of torch's own
+(9801c5a), compiled seeds 0-59 of each flag none on the GPU (one H100), and 0-79 of each none on
+the CPU (the code of e4dde53).
 """
 
 import argparse
