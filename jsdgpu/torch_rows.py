@@ -120,10 +120,10 @@ def _g_memory(xs, ws, compute_dtype):
 
 
 def _outputs(loss, ctx, xs, vocab, G):
-    """_rows' outputs, each a tensor torch allocated, as jsdgpu.torch's operators' are
-    (torch_bridge.operator_outputs): the rows' losses and parts copied, and what backward carries
-    (_carried)."""
-    return loss.clone(), ctx.soft_loss.clone(), ctx.hard_loss.clone(), *_carried(ctx, xs, vocab, G)
+    """_rows' outputs: the rows' losses and parts, and what backward carries (_carried). They may be
+    views of the core's arrays, unlike jsdgpu.torch's operators' (torch_bridge.operator_outputs):
+    these operators run outside torch.compile's CUDA graphs (_OUTSIDE_CUDA_GRAPHS)."""
+    return loss, ctx.soft_loss, ctx.hard_loss, *_carried(ctx, xs, vocab, G)
 
 
 def _carried(ctx, xs, vocab, G):
@@ -152,7 +152,7 @@ def _carried(ctx, xs, vocab, G):
     G[:n, vocab:] = 0
     inv_n = 1.0 if held is None else held.inv_n
     inv_n = torch.full((), inv_n, dtype=f32, device=device) if isinstance(inv_n, float) else \
-        from_native(inv_n).reshape(()).to(f32, copy=True)
+        from_native(inv_n).reshape(()).to(f32)
     return (grad_input, G, rows, padded(None if held is None else held.label_terms, 0.0, f32),
             padded(None if held is None else held.target, -1, torch.int32),
             padded(None if held is None else held.g_scale, 0.0, f32), inv_n, torch.tensor(n, dtype=torch.int64))
