@@ -4,6 +4,7 @@ Every case draws fresh random inputs; the seed is printed so a failure can be re
 (JSDGPU_SEED=<seed> pytest ...).
 """
 
+import contextlib
 import os
 import secrets
 import sys
@@ -230,16 +231,21 @@ def head_path_ignored(T):
 
 def _with_fault_handler(target, *args):
     """target(*args) in a rank whose fatal signals print every thread's Python stack to stderr
-    (which the test's report shows), and which ends without the interpreter's finalization once
-    target has returned and its results are through the queue. Ranks over gloo aborted now and
-    then in finalization, after delivering their results and destroying the process group (exit
+    (which the test's report shows), whose exception goes to the parent through results (the last
+    of args) as ("error", rank, its traceback), and which ends without the interpreter's
+    finalization once target has returned and its results are through the queue. Ranks over gloo
+    aborted now and then in finalization, after delivering their results and destroying the process group (exit
     code -6, "terminate called without an active exception" from a thread without Python frames
     while the main thread had none: torch's C++ threads torn down with the interpreter, as
     pytorch/pytorch#179291 describes); what a rank does wrong before then still fails the test."""
     import faulthandler
+    import traceback
     faulthandler.enable(all_threads=True)
-    target(*args)
     results = args[-1]
+    try:
+        target(*args)
+    except BaseException:  # noqa: BLE001 - handed to the parent, which fails the test
+        results.put(("error", args[0], traceback.format_exc()))
     results.close()
     results.join_thread()  # (the queue's feeder thread has written everything to the pipe)
     sys.stdout.flush()
@@ -247,10 +253,21 @@ def _with_fault_handler(target, *args):
     os._exit(0)
 
 
+@contextlib.contextmanager
+def process_group(rendezvous, rank, world, backend="gloo"):
+    """torch.distributed's default process group of a rank, for the block."""
+    import torch.distributed as dist
+    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def run_processes(target, world, rendezvous, *args, count=None):
     """target(rank, world, rendezvous, *args, results) in `world` spawned processes: the `count`
-    items they put in results (default: one each); fails the test with the traceback a rank put as
-    ("error", rank, traceback), and kills a rank left waiting in a collective by its partner's end."""
+    items they put in results (default: one each); fails the test with the traceback of what a rank
+    raised, and kills a rank left waiting in a collective by its partner's end."""
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jsdgpu
-from conftest import BF16, make_case, rel_err
+from conftest import BF16, make_case, process_group, rel_err, run_processes
 
 torch = pytest.importorskip("torch")
 jtorch = pytest.importorskip("jsdgpu.torch")
@@ -579,11 +579,9 @@ def test_opcheck(rng, device):
 
 # ---- data parallel: two CPU processes ----
 
-def _ddp_rank(rank, world, path, data, result):
-    import torch.distributed as dist
+def _ddp_rank(rank, world, rendezvous, data, results):
     from torch.nn.parallel import DistributedDataParallel
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
-    try:
+    with process_group(rendezvous, rank, world):
         torch.manual_seed(0)
         models = Models("cpu")
         ddp = DistributedDataParallel(models)
@@ -595,31 +593,21 @@ def _ddp_rank(rank, world, path, data, result):
             return jtorch.fused_linear_jsd_loss(*args, beta=0.3, num_valid_tokens=n)
         loss = ddp(x[part], labels[part], loss_fn)
         (loss * world).backward()  # DDP averages the ranks' gradients: the sum is the whole batch's
-        result.put((rank, float(loss.detach()), [p.grad.numpy().copy() for p in models.parameters()
+        results.put((rank, float(loss.detach()), [p.grad.numpy().copy() for p in models.parameters()
                                                   if p.requires_grad]))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_distributed_data_parallel_equals_one_process(rng, tmp_path):
     """Two CPU processes (gloo) under DistributedDataParallel, each with half of a batch and the
     whole batch's num_valid_tokens: their losses add up to the one-process loss, and their
     averaged gradients are its gradients."""
-    import torch.multiprocessing as mp
     data = batches(rng, "cpu", 1, shape=(4, 6))[0]
     torch.manual_seed(0)
     models = Models("cpu")
     loss = models(*data, jtorch.FusedLinearJSDLoss(beta=0.3))
     loss.backward()
     want = [p.grad.numpy() for p in models.parameters() if p.requires_grad]
-    ctx = mp.get_context("spawn")
-    result = ctx.Queue()
-    procs = [ctx.Process(target=_ddp_rank, args=(r, 2, tmp_path / "rendezvous", data, result)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = sorted(result.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    out = sorted(run_processes(_ddp_rank, 2, f"file://{tmp_path / 'rendezvous'}", data))
     assert abs(out[0][1] + out[1][1] - float(loss.detach())) <= 1e-5 * float(loss.detach())
     for g0, g1, w in zip(out[0][2], out[1][2], want):
         assert np.array_equal(g0, g1) and rel_err(g0, w) <= 1e-5

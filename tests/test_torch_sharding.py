@@ -7,11 +7,9 @@ vocab_parallel, the same hidden states on every rank (the top-k loss: the studen
 the loss and gradients equal one process's.
 A head sharded any other way raises, naming its placement."""
 
-import traceback
-
 import numpy as np
 import pytest
-from conftest import run_processes
+from conftest import process_group, run_processes
 
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():
@@ -80,12 +78,9 @@ def _report(results, rank, world, loss, whole_loss, student, whole, weight):
 
 
 def _rank(rank, world, rendezvous, seed, loss_kind, bias, compiled, device, results):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    try:
-        dist.init_process_group("gloo" if device == "cpu" else "nccl", init_method=rendezvous, rank=rank,
-                                world_size=world)
+    with process_group(rendezvous, rank, world, "gloo" if device == "cpu" else "nccl"):
         options = dict(beta=0.4, temperature=2.0)
         batch = tuple(a.to(device) for a in _batch(seed, world * T_RANK))
         whole, teacher_w = (m.to(device) for m in _models(seed, bias))  # one process on the whole batch
@@ -99,11 +94,6 @@ def _rank(rank, world, rendezvous, seed, loss_kind, bias, compiled, device, resu
         mine = tuple(a[rank * T_RANK:(rank + 1) * T_RANK] for a in batch)
         loss = _step(student, teacher_w, mine, loss_kind, compiled, **options)
         _report(results, rank, world, loss, whole_loss, student, whole, type(student.head.weight).__name__)
-    except BaseException:  # noqa: BLE001 - handed to the parent, which fails the test
-        results.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _run(target, world, tmp_path, *args):
@@ -141,13 +131,11 @@ def test_fsdp2_head_on_one_gpu(tmp_path, rng, loss_kind, compiled):
 
 
 def _placement_rank(rank, world, rendezvous, results):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from jsdgpu.torch import FusedLinearJSDLoss
-    try:
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    with process_group(rendezvous, rank, world):
         mesh = init_device_mesh("cpu", (world,))
         x, xt, labels, _, _ = _batch(0, T_RANK)
         w = distribute_tensor(torch.randn(V, H), mesh, [Shard(1)])  # along the hidden dimension
@@ -162,11 +150,6 @@ def _placement_rank(rank, world, rendezvous, results):
             except ValueError as e:
                 messages.append(str(e))
         results.put((rank, messages))
-    except BaseException:  # noqa: BLE001
-        results.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def test_a_head_sharded_otherwise_raises_naming_its_placement(tmp_path):
@@ -176,13 +159,11 @@ def test_a_head_sharded_otherwise_raises_naming_its_placement(tmp_path):
 
 
 def _tp_rank(rank, world, rendezvous, seed, bias, loss_kind, results):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from jsdgpu.torch import FusedLinearJSDLoss, FusedLinearTopKJSDLoss
-    try:
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    with process_group(rendezvous, rank, world):
         mesh = init_device_mesh("cpu", (world,))
         options = dict(beta=0.7, temperature=1.5)
         x, xt, labels, ids, lq = _batch(seed, T_RANK)
@@ -213,11 +194,6 @@ def _tp_rank(rank, world, rendezvous, seed, bias, loss_kind, results):
             if k in sharded:
                 errors[k] = float((sharded[k].grad.full_tensor() - whole[k].grad).norm() / whole[k].grad.norm())
         results.put((rank, float(loss), float(whole_loss), errors, type(sharded["ws"].grad).__name__, ""))
-    except BaseException:  # noqa: BLE001 - handed to the parent, which fails the test
-        results.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("loss_kind", ["online", "topk"])
@@ -237,15 +213,13 @@ def _fsdp_tp_rank(rank, world, rendezvous, seed, loss_kind, results):
     vocabulary on the tensor-parallel dimension and fully_shard'ed over the data-parallel one, the
     teacher's head sharded over the vocabulary (the top-k loss: the stored top-k instead); each
     data-parallel pair its own part of the batch."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from jsdgpu.torch import FusedLinearJSDLoss, FusedLinearTopKJSDLoss
-    try:
-        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
+    with process_group(rendezvous, rank, world):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp = mesh["dp"].get_local_rank()
         x, xt, labels, ids, lq = _batch(seed, 2 * T_RANK)
@@ -271,11 +245,6 @@ def _fsdp_tp_rank(rank, world, rendezvous, seed, loss_kind, results):
         teacher = distribute_tensor(teacher_w, mesh["tp"], [Shard(0)])
         loss = step(student, slice(dp * T_RANK, (dp + 1) * T_RANK), teacher, vocab_parallel=mesh["tp"])
         _report(results, rank, world, loss, whole_loss, student, whole, str(student.head.weight.placements))
-    except BaseException:  # noqa: BLE001 - handed to the parent, which fails the test
-        results.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("loss_kind", ["online", "topk"])
