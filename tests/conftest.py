@@ -230,13 +230,13 @@ def head_path_ignored(T):
 
 
 def _with_fault_handler(target, *args):
-    """target(*args) in a rank whose fatal signals print every thread's Python stack to stderr
-    (which the test's report shows), whose exception goes to the parent through results (the last
-    of args) as ("error", rank, its traceback), and which ends without the interpreter's
-    finalization once target has returned and its results are through the queue. Ranks over gloo
-    aborted now and then in finalization, after delivering their results and destroying the process group (exit
-    code -6, "terminate called without an active exception" from a thread without Python frames
-    while the main thread had none: torch's C++ threads torn down with the interpreter, as
+    """target(*args) in a rank whose fatal signals print every thread's Python stack to stderr (which
+    the test's report shows), whose exception goes to the parent through results (the last of args)
+    as ("error", rank, its traceback), and which ends without the interpreter's finalization once
+    target has returned and its results are through the queue. Ranks over gloo aborted now and then
+    in finalization, after delivering their results and destroying the process group (exit code -6,
+    "terminate called without an active exception" from a thread without Python frames while the
+    main thread had none: torch's C++ threads torn down with the interpreter, as
     pytorch/pytorch#179291 describes); what a rank does wrong before then still fails the test."""
     import faulthandler
     import traceback
