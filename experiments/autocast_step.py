@@ -1,14 +1,19 @@
-"""What does autocast over float32 weights add to the eager module's step, beyond its casts?
+"""What does autocast over float32 weights add to the module's step (eager, or --compiled),
+beyond its casts?
 
 Answer (one H200, 2026-12-05, two runs; docs/design.md, "The front ends"): under autocast the
 step took 0.95 and 0.87 ms longer than on bf16 weights at T = 1024, less than the casts alone
 (1.13 and 1.12 ms: the step's own work partly hides them), and 1.62 and 1.88 ms longer at T =
 8192, 0.45 and 0.70 ms (1.5% and 2.4% of the step) beyond the casts (1.17 and 1.18): the float32
 gradients' wider writes (grad_input, and the master weight's gradient, written in float32).
+Compiled (--compiled --tokens 4096 8192 --rounds 3 --reps 10, one H100, 2026-12-06, two runs
+alternating with --package of the code before, whose operator copied the float32 sum into its
+output): autocast added 1.42 and 2.13 ms at T = 4096 and 0.68 and 1.18 at 8192 (casts 1.6),
+against 3.41 and 3.41, and 1.19 and 1.86 with the copy.
 
 Three steps on the same inputs, in turns (--rounds rounds of --reps steps each, the median of
-each round's median), after a second of all three (the GPU at its power cap), one H200, V =
-128256, Hs = 2048, Ht = 4096, the teacher = the student + noise (its hidden state [x_s | noise],
+each round's median), after a second of all three (the GPU at its power cap), V = 128256, Hs =
+2048, Ht = 4096, the teacher = the student + noise (its hidden state [x_s | noise],
 its head [W_s | 0.7 W_n]), 0-40% of the rows ignored, other rows each step:
 
 - bf16: FusedLinearJSDLoss forward + backward on bf16 inputs and weights;
@@ -17,10 +22,16 @@ its head [W_s | 0.7 W_n]), 0-40% of the rows ignored, other rows each step:
 - casts: the four casts to bf16 alone (both inputs and both weights), what autocast must add.
 
     python experiments/autocast_step.py --tokens 1024 8192
+    python experiments/autocast_step.py --tokens 4096 8192 --compiled   # the module compiled
+
+--package DIR: the jsdgpu package in DIR (git archive REV jsdgpu | tar -x -C DIR) instead of this
+tree's, to compare two versions run after run.
 """
 
 import argparse
+import pathlib
 import statistics
+import sys
 import time
 
 V, HS, HT = 128256, 2048, 4096
@@ -95,11 +106,18 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=12)
+    p.add_argument("--compiled", action="store_true", help="the module under torch.compile(fullgraph=True)")
+    p.add_argument("--package", type=pathlib.Path, help="a directory holding another jsdgpu package")
     a = p.parse_args()
+    if a.package:
+        sys.path.insert(0, str(a.package.resolve()))
     import torch
 
     import jsdgpu.torch as jtorch
+    print("jsdgpu from", jtorch.__file__)
     loss_fn = jtorch.FusedLinearJSDLoss()
+    if a.compiled:
+        loss_fn = torch.compile(loss_fn, fullgraph=True)
     generator = torch.Generator(device="cuda").manual_seed(0)
     for tokens in a.tokens:
         rounds_ms = timed_turns(torch, steps(torch, loss_fn, tokens, generator), a.rounds, a.reps)

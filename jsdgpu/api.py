@@ -31,16 +31,18 @@ def forward(student_input, student_weight, teacher_input, teacher_weight, target
 
 def forward_with(student_input, student_weight, teacher_input, teacher_weight, target,
                  student_bias, teacher_bias, loss_opts, run_opts, token_weights=None, row_scales=None,
-                 g_memory=None):
+                 g_memory=None, weight_memory=None):
     """forward with its options as a LossOptions and a RunOptions. row_scales: the front ends'
     backward of reduction "none" (call.rows_own_backward): grad_output [T], a sum's rows' factors.
     g_memory: where a call of the rows' own losses keeps its gradients, the memory G is held in
     ([T, columns] of the backend's g_row_layout: a front end's buffer that carries it to backward,
-    jsdgpu.jax)."""
+    jsdgpu.jax). weight_memory: float32 [Vs, Hs], where grad_weight's float32 sum over the chunks
+    is kept (where G is not held): the buffer a front end then has backward write a float32
+    gradient into (its `out`), which takes no copy there (jsdgpu.torch's operators)."""
     arrays = dict(student_input=student_input, student_weight=student_weight,
                   teacher_input=teacher_input, teacher_weight=teacher_weight, target=target,
                   student_bias=student_bias, teacher_bias=teacher_bias, token_weights=token_weights,
-                  row_scales=row_scales, g_memory=g_memory)
+                  row_scales=row_scales, g_memory=g_memory, weight_memory=weight_memory)
     return bridged(arrays, lambda native: _forward(native, loss_opts, run_opts))
 
 

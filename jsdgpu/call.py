@@ -144,7 +144,7 @@ def loss_of_call(make_loss, arrays, run_opts, n_rows):
     if run_opts.rows_own and not loss.keeps_row_gradients(n_rows):
         loss = make_loss(dataclasses.replace(run_opts, compute_grad=False))
     loss.token_weights, loss.row_scales = arrays["token_weights"], arrays.get("row_scales")
-    loss.g_memory = arrays.get("g_memory")
+    loss.g_memory, loss.weight_memory = arrays.get("g_memory"), arrays.get("weight_memory")
     return loss
 
 

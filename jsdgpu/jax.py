@@ -89,21 +89,22 @@ def _options(options, with_grads, gpu, loss=LossOptions):
     return loss_opts, RunOptions(compute_grad=with_grads, capturable=gpu or None, **run)
 
 
-def _online(arrays, options, with_grads, gpu, g_memory=None):
+def _online(arrays, options, with_grads, gpu, g_memory=None, weight_memory=None):
     """jsdgpu.forward on the callback's arrays (xs, ws, bs, target, the token weights and row
-    scales, then the teacher's xt, wt, bt); g_memory: G's, where the call carries it (_carried)."""
+    scales, then the teacher's xt, wt, bt); g_memory: G's, where the call carries it (_carried);
+    weight_memory: a float32 grad_weight's output buffer (_call)."""
     xs, ws, bs, target, weights, scales, xt, wt, bt = arrays
     return api.forward_with(xs, ws, xt, wt, target, bs, bt, *_options(options, with_grads, gpu), weights, scales,
-                            g_memory)
+                            g_memory, weight_memory)
 
 
-def _topk(arrays, options, with_grads, gpu, g_memory=None):
+def _topk(arrays, options, with_grads, gpu, g_memory=None, weight_memory=None):
     """jsdgpu.forward_topk on the callback's arrays (xs, ws, bs, target, the token weights and row
     scales, then the teacher's ids and logprobs); a bad row of the top-k, like a bad target,
-    makes the loss NaN on the GPU. g_memory: as _online's."""
+    makes the loss NaN on the GPU. g_memory, weight_memory: as _online's."""
     xs, ws, bs, target, weights, scales, ids, lq = arrays
     return topk.forward_topk_with(xs, ws, ids, lq, target, bs, *_options(options, with_grads, gpu, TopKOptions),
-                                  weights, scales, g_memory)
+                                  weights, scales, g_memory, weight_memory)
 
 
 def _callback(compute, present):
@@ -142,7 +143,10 @@ def _call(forward, options, with_grads, arrays, student):
         shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in student if a is not None]
 
     def compute(out, arrays, gpu):
-        loss, ctx = forward(arrays, options, with_grads, gpu)
+        # a float32 grad_weight's sum over chunks kept in its output buffer (api.forward_with):
+        # backward then writes nothing more there
+        weight_memory = out[2] if with_grads and out[2].dtype == np.float32 else None
+        loss, ctx = forward(arrays, options, with_grads, gpu, weight_memory=weight_memory)
         out[0][...] = loss
         if with_grads:
             api.backward(ctx, 1.0, out=tuple(out[1:]) + (None,) * (4 - len(out)))

@@ -37,12 +37,13 @@ def forward_topk(student_input, student_weight, teacher_indices, teacher_logprob
 
 
 def forward_topk_with(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias,
-                      loss_opts, run_opts, token_weights=None, row_scales=None, g_memory=None):
-    """forward_topk with its options as a TopKOptions and a RunOptions (row_scales, g_memory: as
-    api.forward_with's)."""
+                      loss_opts, run_opts, token_weights=None, row_scales=None, g_memory=None, weight_memory=None):
+    """forward_topk with its options as a TopKOptions and a RunOptions (row_scales, g_memory,
+    weight_memory: as api.forward_with's)."""
     arrays = dict(student_input=student_input, student_weight=student_weight, teacher_indices=teacher_indices,
                   teacher_logprobs=teacher_logprobs, target=target, student_bias=student_bias,
-                  token_weights=token_weights, row_scales=row_scales, g_memory=g_memory)
+                  token_weights=token_weights, row_scales=row_scales, g_memory=g_memory,
+                  weight_memory=weight_memory)
     return bridged(arrays, lambda native: _forward_topk(native, loss_opts, run_opts))
 
 

@@ -35,7 +35,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import api, topk, torch_rows
 from .options import DEFAULTS, LossOptions, RunOptions, TopKOptions
-from .torch_bridge import as_rows, autocast_dtype, caster, check_dtypes, operator_outputs, rows_shaped, weight_rows
+from .torch_bridge import (as_rows, autocast_dtype, caster, check_dtypes, operator_outputs, rows_shaped, weight_memory,
+                           weight_rows)
 from .torch_bridge import current_stream, from_native, to_native  # noqa: F401 (the bridge call.py uses)
 from .torch_sharding import are_plain, plain_inputs
 
@@ -56,24 +57,26 @@ def _fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor,
     gradients empty without compute_grad (or without a bias). student_input [T, Hs], target,
     token_weights and row_scales [T] (row_scales: backward's, of reduction "none": _backward);
     compute_dtype: autocast's, or None for the tensors' own; the models' scales and caps last."""
+    sum_memory = weight_memory(student_weight, compute_grad)
     loss, ctx = _online(student_input, student_weight, teacher_input, teacher_weight, target, student_bias,
                         teacher_bias, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index,
                                        student_logit_scale, teacher_logit_scale, student_logit_softcap,
                                        teacher_logit_softcap),
                         chunk_size, num_valid_tokens, compute_grad, compute_dtype, None, token_weights, reduction,
-                        row_scales)
-    return operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
+                        row_scales, weight_memory=sum_memory)
+    return operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias, sum_memory)
 
 
 def _online(xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_tokens, compute_grad, compute_dtype,
-            vocab_parallel=None, token_weights=None, reduction="mean", row_scales=None, g_memory=None):
+            vocab_parallel=None, token_weights=None, reduction="mean", row_scales=None, g_memory=None,
+            weight_memory=None):
     """jsdgpu.forward on the tensors, the inputs and weights cast to compute_dtype (autocast's;
-    None: as they are): (loss, jsdgpu ctx). options: the LossOptions' fields in order; g_memory:
-    api.forward_with's (jsdgpu.torch_rows)."""
+    None: as they are): (loss, jsdgpu ctx). options: the LossOptions' fields in order; g_memory
+    and weight_memory: api.forward_with's (jsdgpu.torch_rows, torch_bridge.weight_memory)."""
     cast = caster(compute_dtype)
     return api.forward_with(cast(xs), cast(ws), cast(xt), cast(wt), target, bs, bt, _loss_options(*options),
                             _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, vocab_parallel,
-                                         reduction), token_weights, row_scales, g_memory)
+                                         reduction), token_weights, row_scales, g_memory, weight_memory)
 
 
 @functools.lru_cache(maxsize=64)  # the options' checks, once per set of values
@@ -360,22 +363,25 @@ def _fused_linear_topk_jsd(student_input: torch.Tensor, student_weight: torch.Te
     """As jsdgpu::fused_linear_jsd, against the teacher's top-k (jsdgpu.forward_topk): the same
     outputs, and the same positions of the student's tensors and of compute_grad, so that the
     two operators share their autograd rule."""
+    sum_memory = weight_memory(student_weight, compute_grad)
     loss, ctx = _topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias,
                       missing_mass, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index,
                                      student_logit_scale, teacher_logit_scale, student_logit_softcap,
                                      teacher_logit_softcap), chunk_size,
-                      num_valid_tokens, compute_grad, compute_dtype, token_weights, reduction, row_scales)
-    return operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias)
+                      num_valid_tokens, compute_grad, compute_dtype, token_weights, reduction, row_scales,
+                      weight_memory=sum_memory)
+    return operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias, sum_memory)
 
 
 def _topk(xs, ws, ids, lq, target, bs, missing_mass, options, chunk_size, num_valid_tokens, compute_grad,
-          compute_dtype, token_weights=None, reduction="mean", row_scales=None, vocab_parallel=None, g_memory=None):
+          compute_dtype, token_weights=None, reduction="mean", row_scales=None, vocab_parallel=None, g_memory=None,
+          weight_memory=None):
     """jsdgpu.forward_topk on the tensors, as _online."""
     cast = caster(compute_dtype)
     return topk.forward_topk_with(cast(xs), cast(ws), ids, lq, target, bs, _topk_options(options, missing_mass),
                                   _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, vocab_parallel,
                                                reduction),
-                                  token_weights, row_scales, g_memory)
+                                  token_weights, row_scales, g_memory, weight_memory)
 
 
 @_fused_linear_topk_jsd.register_fake

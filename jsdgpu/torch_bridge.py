@@ -170,18 +170,29 @@ def _allocator(device):
     return functools.partial(_torch_memory, device)
 
 
-def operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias):
+def weight_memory(student_weight, compute_grad):
+    """The loss operators' float32 grad_weight where its tensor is float32 (an fp32 master weight),
+    given to the core as the memory of its float32 sum over chunks (api.forward_with), which
+    operator_outputs then has backward write the gradient into: no copy of it; else None."""
+    if compute_grad and student_weight.dtype == torch.float32:
+        return torch.empty(student_weight.shape, dtype=torch.float32, device=student_weight.device)
+    return None
+
+
+def operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias, weight_memory=None):
     """The loss operators' outputs: the loss, its parts and the student's gradients (each in its
     tensor's dtype; empty without compute_grad, or without a bias), each a tensor torch allocated,
     not a view of the core's arrays (from_native's): torch.compile's CUDA-graph trees
     (mode="reduce-overhead") take over the storage of a graph's outputs, which must be the
-    caching allocator's own. The gradients are written into such tensors; the parts are copied."""
+    caching allocator's own. The gradients are written into such tensors (grad_weight into
+    weight_memory where given); the parts are copied."""
     device = loss.device
     grads = [torch.empty(0, device=device) for _ in range(3)]  # distinct: returns may not alias
     if compute_grad:
         input_dtype, weight_dtype = map(torch_dtype, ctx.gradient_dtypes())
         out = (torch.empty(student_input.shape, dtype=input_dtype, device=device),
-               torch.empty(student_weight.shape, dtype=weight_dtype, device=device),
+               torch.empty(student_weight.shape, dtype=weight_dtype, device=device) if weight_memory is None
+               else weight_memory,
                None if student_bias is None else torch.empty(student_bias.shape, dtype=weight_dtype, device=device))
         backward(ctx, out=out)
         grads[:2] = out[0].to(student_input.dtype), out[1].to(student_weight.dtype)

@@ -253,6 +253,25 @@ def _with_fault_handler(target, *args):
     os._exit(0)
 
 
+def weight_sums_spied(monkeypatch, held):
+    """A list of (hold_g, weight_memory given, grad_weight's float32 sum kept in it) for each call
+    of the engine's row_outputs from now; held False: a budget of 1 byte (chunks of chunk_size,
+    G per chunk, grad_weight summed over them), as memory_budget=1, for the front ends, which do
+    not take one."""
+    from jsdgpu import engine, options
+    if not held:
+        monkeypatch.setattr(options.RunOptions, "budget", lambda self, backend, call_bytes: 1)
+    given, row_outputs = [], engine.row_outputs
+
+    def spy(*args, **kwargs):
+        memory = kwargs.get("weight_memory", args[7] if len(args) > 7 else None)
+        out = row_outputs(*args, **kwargs)
+        given.append((args[4], memory is not None, out[2].grad_weight is memory))
+        return out
+    monkeypatch.setattr(engine, "row_outputs", spy)
+    return given
+
+
 @contextlib.contextmanager
 def process_group(rendezvous, rank, world, backend="gloo"):
     """torch.distributed's default process group of a rank, for the block."""

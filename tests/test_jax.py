@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jsdgpu
-from conftest import BF16, assert_upstream_sum_near, make_case, rel_err
+from conftest import BF16, assert_upstream_sum_near, make_case, rel_err, weight_sums_spied
 from test_topk import make_topk_case
 
 jax = pytest.importorskip("jax")
@@ -58,6 +58,25 @@ def test_jit_equals_eager_and_the_reference(rng, jdevice, dtype):
     for a, b, want in zip(jitted[1], eager[1], ref[3:]):
         assert rel_err(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))) <= 1e-6
         assert rel_err(np.asarray(a.astype(jnp.float32)), want) <= tol
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_float32_weight_gradient_in_its_output(rng, jdevice, monkeypatch, held):
+    """Jitted, a float32 weight's gradient is formed in the callback's output buffer: where G is
+    not held for all rows, its float32 sum over the chunks is kept there (no copy into it after);
+    where G is held, its one product writes there. The reference's gradients either way."""
+    given = weight_sums_spied(monkeypatch, held)
+    case = make_case(rng, T=13, bias=True, ignored=0.3)
+    args = [jax.device_put(jnp.asarray(case[k]), jdevice) for k in
+            ("student_input", "student_weight", "teacher_input", "teacher_weight", "target",
+             "student_bias", "teacher_bias")]
+    f = lambda xs, ws, bs: 3.0 * jjax.fused_linear_jsd_loss(xs, ws, args[2], args[3], args[4], bs,  # noqa: E731
+                                                             args[6], beta=0.4, chunk_size=4)
+    loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(args[0], args[1], args[5])
+    assert given == [(held, True, not held)]  # (hold_g, weight_memory given, the sum kept there)
+    ref = jsdgpu.reference(**case, beta=0.4)
+    for got, want in zip(grads, ref[3:]):
+        assert got.dtype == np.float32 and rel_err(np.asarray(got), 3.0 * want) <= 1e-4
 
 
 def counted(monkeypatch, module, name):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jsdgpu
-from conftest import BF16, make_case, process_group, rel_err, run_processes
+from conftest import BF16, make_case, process_group, rel_err, run_processes, weight_sums_spied
 
 torch = pytest.importorskip("torch")
 jtorch = pytest.importorskip("jsdgpu.torch")
@@ -142,6 +142,31 @@ def test_a_compiled_loss_backpropagates_a_retained_graph_again(rng, device):
     first = ts[0].grad.clone()
     loss.backward()
     torch.testing.assert_close(ts[0].grad, 2 * first)
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_compiled_float32_weight_gradient_in_its_output(rng, device, monkeypatch, held):
+    """Traced, an fp32 weight's gradient is formed in the operator's output buffer: where G is not
+    held for all rows, its float32 sum over the chunks is kept there (torch_bridge.weight_memory:
+    no copy into it after); where G is held, its one product writes there. The reference's
+    gradients either way."""
+    given = weight_sums_spied(monkeypatch, held)
+    case = make_case(rng, T=13, bias=True, ignored=0.3)
+    ts = tensors(case, device)
+    torch._dynamo.reset()
+    step = torch.compile(jtorch.FusedLinearJSDLoss(beta=0.4, chunk_size=4), fullgraph=True)
+    loss = step(*ts)
+    (3.0 * loss).backward()
+    assert given == [(held, True, not held)]  # (hold_g, weight_memory given, the sum kept there)
+    ref = jsdgpu.reference(**case, beta=0.4)
+    g = grads_of(ts)
+    for got, want in zip((g[0], g[1], g[5]), ref[3:]):
+        assert rel_err(got, 3.0 * want) <= 1e-4
+    assert ts[1].grad.dtype == torch.float32
+    ts[4][:] = -100  # no valid row: no chunk, the sum (in the buffer, whatever it held) zero
+    ts[1].grad = None
+    step(*ts).backward()
+    assert given[-1] == (False, True, True) and not ts[1].grad.any()
 
 
 def test_gradients_land_without_copies(rng, device):

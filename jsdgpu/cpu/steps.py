@@ -125,7 +125,8 @@ class CpuSteps:
             a *= scale
         if out is None:
             return a.astype(dtype, copy=False)
-        out[...] = a
+        if out.ctypes.data != a.ctypes.data:  # (a in out's memory: api.forward_with's weight_memory)
+            out[...] = a
         return out
 
     @staticmethod
