@@ -36,9 +36,10 @@ def forward_with(student_input, student_weight, teacher_input, teacher_weight, t
     backward of reduction "none" (call.rows_own_backward): grad_output [T], a sum's rows' factors.
     g_memory: where a call of the rows' own losses keeps its gradients, the memory G is held in
     ([T, columns] of the backend's g_row_layout: a front end's buffer that carries it to backward,
-    jsdgpu.jax). weight_memory: float32 [Vs, Hs], where grad_weight's float32 sum over the chunks
-    is kept (where G is not held): the buffer a front end then has backward write a float32
-    gradient into (its `out`), which takes no copy there (jsdgpu.torch's operators)."""
+    jsdgpu.jax). weight_memory: a function that returns float32 [Vs, Hs] (the backend's array),
+    called where grad_weight is summed over the chunks (G not held) for the sum's memory: the
+    buffer a front end then has backward write a float32 gradient into (its `out`), which takes no
+    copy there (jsdgpu.torch's operators, jsdgpu.jax)."""
     arrays = dict(student_input=student_input, student_weight=student_weight,
                   teacher_input=teacher_input, teacher_weight=teacher_weight, target=target,
                   student_bias=student_bias, teacher_bias=teacher_bias, token_weights=token_weights,

@@ -58,8 +58,8 @@ class ChunkLoss:
                             # grad_output of a call of the rows' own losses (call.rows_own_backward)
     g_memory = None         # a call of the rows' own losses': G's memory for all of its rows, where
                             # a front end gives it (api.forward_with), else the engine's own
-    weight_memory = None    # grad_weight's float32 sum's memory ([vs, hs]), where a front end gives
-                            # it (api.forward_with: the buffer backward then writes the gradient into)
+    weight_memory = None    # a function that returns grad_weight's float32 sum's memory ([vs, hs]),
+                            # where a front end gives it (api.forward_with: its gradient's buffer)
     takes_first_product = True  # whether its student logits may be queued ahead (ahead.FirstProduct)
     scales_g = False        # whether its G is stored with row scales (Gradients.g_scale)
     bad_topk_row = None     # a capturable top-k call's first bad row of the top-k (TopKLoss)
@@ -258,7 +258,7 @@ def call_rows(xp, ce, soft, rows, n_all):
 def row_outputs(xp, n_rows, hs, vs, hold_g, has_bias, compute_grad, weight_memory=None):
     """(ce, soft, Gradients, label_terms) for n_rows rows: the per-row losses, and with
     compute_grad the float32 sums (grad_weight's only where G is not held for all rows, in
-    weight_memory where given) and the per-row label terms the row kernel writes (else None,
+    weight_memory()'s where given) and the per-row label terms the row kernel writes (else None,
     None)."""
     ce, soft = xp.zeros(n_rows, dtype=np.float32), xp.zeros(n_rows, dtype=np.float32)
     if not compute_grad:
@@ -267,7 +267,7 @@ def row_outputs(xp, n_rows, hs, vs, hold_g, has_bias, compute_grad, weight_memor
     new = xp.empty if n_rows else xp.zeros
     grad_weight = None
     if not hold_g:
-        grad_weight = new((vs, hs), np.float32) if weight_memory is None else weight_memory
+        grad_weight = new((vs, hs), np.float32) if weight_memory is None else weight_memory()
         if not n_rows:
             grad_weight[...] = 0
     grads = Gradients(new((n_rows, hs), np.float32), grad_weight, new(vs, np.float32) if has_bias else None)

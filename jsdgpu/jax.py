@@ -92,7 +92,7 @@ def _options(options, with_grads, gpu, loss=LossOptions):
 def _online(arrays, options, with_grads, gpu, g_memory=None, weight_memory=None):
     """jsdgpu.forward on the callback's arrays (xs, ws, bs, target, the token weights and row
     scales, then the teacher's xt, wt, bt); g_memory: G's, where the call carries it (_carried);
-    weight_memory: a float32 grad_weight's output buffer (_call)."""
+    weight_memory: a float32 grad_weight's output buffer, as api.forward_with takes it (_call)."""
     xs, ws, bs, target, weights, scales, xt, wt, bt = arrays
     return api.forward_with(xs, ws, xt, wt, target, bs, bt, *_options(options, with_grads, gpu), weights, scales,
                             g_memory, weight_memory)
@@ -145,7 +145,7 @@ def _call(forward, options, with_grads, arrays, student):
     def compute(out, arrays, gpu):
         # a float32 grad_weight's sum over chunks kept in its output buffer (api.forward_with):
         # backward then writes nothing more there
-        weight_memory = out[2] if with_grads and out[2].dtype == np.float32 else None
+        weight_memory = (lambda: out[2]) if with_grads and out[2].dtype == np.float32 else None
         loss, ctx = forward(arrays, options, with_grads, gpu, weight_memory=weight_memory)
         out[0][...] = loss
         if with_grads:

@@ -35,7 +35,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from . import api, topk, torch_rows
 from .options import DEFAULTS, LossOptions, RunOptions, TopKOptions
-from .torch_bridge import (as_rows, autocast_dtype, caster, check_dtypes, operator_outputs, rows_shaped, weight_memory,
+from .torch_bridge import (GradWeight, as_rows, autocast_dtype, caster, check_dtypes, operator_outputs, rows_shaped,
                            weight_rows)
 from .torch_bridge import current_stream, from_native, to_native  # noqa: F401 (the bridge call.py uses)
 from .torch_sharding import are_plain, plain_inputs
@@ -57,14 +57,14 @@ def _fused_linear_jsd(student_input: torch.Tensor, student_weight: torch.Tensor,
     gradients empty without compute_grad (or without a bias). student_input [T, Hs], target,
     token_weights and row_scales [T] (row_scales: backward's, of reduction "none": _backward);
     compute_dtype: autocast's, or None for the tensors' own; the models' scales and caps last."""
-    sum_memory = weight_memory(student_weight, compute_grad)
+    grad_weight = GradWeight.of(student_weight, compute_grad)
     loss, ctx = _online(student_input, student_weight, teacher_input, teacher_weight, target, student_bias,
                         teacher_bias, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index,
                                        student_logit_scale, teacher_logit_scale, student_logit_softcap,
                                        teacher_logit_softcap),
                         chunk_size, num_valid_tokens, compute_grad, compute_dtype, None, token_weights, reduction,
-                        row_scales, weight_memory=sum_memory)
-    return operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias, sum_memory)
+                        row_scales, weight_memory=grad_weight)
+    return operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias, grad_weight)
 
 
 def _online(xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_tokens, compute_grad, compute_dtype,
@@ -72,7 +72,7 @@ def _online(xs, ws, xt, wt, target, bs, bt, options, chunk_size, num_valid_token
             weight_memory=None):
     """jsdgpu.forward on the tensors, the inputs and weights cast to compute_dtype (autocast's;
     None: as they are): (loss, jsdgpu ctx). options: the LossOptions' fields in order; g_memory
-    and weight_memory: api.forward_with's (jsdgpu.torch_rows, torch_bridge.weight_memory)."""
+    and weight_memory: api.forward_with's (jsdgpu.torch_rows, torch_bridge.GradWeight)."""
     cast = caster(compute_dtype)
     return api.forward_with(cast(xs), cast(ws), cast(xt), cast(wt), target, bs, bt, _loss_options(*options),
                             _run_options(chunk_size, compute_grad, num_valid_tokens, ws.dtype, vocab_parallel,
@@ -363,14 +363,14 @@ def _fused_linear_topk_jsd(student_input: torch.Tensor, student_weight: torch.Te
     """As jsdgpu::fused_linear_jsd, against the teacher's top-k (jsdgpu.forward_topk): the same
     outputs, and the same positions of the student's tensors and of compute_grad, so that the
     two operators share their autograd rule."""
-    sum_memory = weight_memory(student_weight, compute_grad)
+    grad_weight = GradWeight.of(student_weight, compute_grad)
     loss, ctx = _topk(student_input, student_weight, teacher_indices, teacher_logprobs, target, student_bias,
                       missing_mass, (weight_hard_loss, weight_soft_loss, beta, temperature, ignore_index,
                                      student_logit_scale, teacher_logit_scale, student_logit_softcap,
                                      teacher_logit_softcap), chunk_size,
                       num_valid_tokens, compute_grad, compute_dtype, token_weights, reduction, row_scales,
-                      weight_memory=sum_memory)
-    return operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias, sum_memory)
+                      weight_memory=grad_weight)
+    return operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias, grad_weight)
 
 
 def _topk(xs, ws, ids, lq, target, bs, missing_mass, options, chunk_size, num_valid_tokens, compute_grad,

@@ -170,29 +170,45 @@ def _allocator(device):
     return functools.partial(_torch_memory, device)
 
 
-def weight_memory(student_weight, compute_grad):
-    """The loss operators' float32 grad_weight where its tensor is float32 (an fp32 master weight),
-    given to the core as the memory of its float32 sum over chunks (api.forward_with), which
-    operator_outputs then has backward write the gradient into: no copy of it; else None."""
-    if compute_grad and student_weight.dtype == torch.float32:
-        return torch.empty(student_weight.shape, dtype=torch.float32, device=student_weight.device)
-    return None
+class GradWeight:
+    """A loss operator's float32 grad_weight (an fp32 master weight's), made when first asked for:
+    by the core, as its float32 sum over the chunks (api.forward_with's weight_memory: called
+    where G is not held), so that backward writes nothing more there, or else by operator_outputs
+    for backward's product, after forward (made before it, it would add its size to the peak of a
+    call holding G)."""
+    __slots__ = ("weight", "tensor")
+
+    def __init__(self, weight):
+        self.weight, self.tensor = weight, None
+
+    def get(self):
+        if self.tensor is None:
+            self.tensor = torch.empty(self.weight.shape, dtype=torch.float32, device=self.weight.device)
+        return self.tensor
+
+    def __call__(self):
+        return to_native(self.get())
+
+    @staticmethod
+    def of(student_weight, compute_grad):
+        """A GradWeight where the operator's grad_weight is float32, else None."""
+        return GradWeight(student_weight) if compute_grad and student_weight.dtype == torch.float32 else None
 
 
-def operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias, weight_memory=None):
+def operator_outputs(loss, ctx, compute_grad, student_input, student_weight, student_bias, grad_weight=None):
     """The loss operators' outputs: the loss, its parts and the student's gradients (each in its
     tensor's dtype; empty without compute_grad, or without a bias), each a tensor torch allocated,
     not a view of the core's arrays (from_native's): torch.compile's CUDA-graph trees
     (mode="reduce-overhead") take over the storage of a graph's outputs, which must be the
     caching allocator's own. The gradients are written into such tensors (grad_weight into
-    weight_memory where given); the parts are copied."""
+    grad_weight's, a GradWeight, where given); the parts are copied."""
     device = loss.device
     grads = [torch.empty(0, device=device) for _ in range(3)]  # distinct: returns may not alias
     if compute_grad:
         input_dtype, weight_dtype = map(torch_dtype, ctx.gradient_dtypes())
         out = (torch.empty(student_input.shape, dtype=input_dtype, device=device),
-               torch.empty(student_weight.shape, dtype=weight_dtype, device=device) if weight_memory is None
-               else weight_memory,
+               torch.empty(student_weight.shape, dtype=weight_dtype, device=device) if grad_weight is None
+               else grad_weight.get(),
                None if student_bias is None else torch.empty(student_bias.shape, dtype=weight_dtype, device=device))
         backward(ctx, out=out)
         grads[:2] = out[0].to(student_input.dtype), out[1].to(student_weight.dtype)

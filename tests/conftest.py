@@ -254,19 +254,22 @@ def _with_fault_handler(target, *args):
 
 
 def weight_sums_spied(monkeypatch, held):
-    """A list of (hold_g, weight_memory given, grad_weight's float32 sum kept in it) for each call
-    of the engine's row_outputs from now; held False: a budget of 1 byte (chunks of chunk_size,
-    G per chunk, grad_weight summed over them), as memory_budget=1, for the front ends, which do
-    not take one."""
+    """A list of (hold_g, weight_memory given, how often the engine asked for it, grad_weight's
+    float32 sum kept in the memory it got) for each call of the engine's row_outputs from now;
+    held False: a budget of 1 byte (chunks of chunk_size, G per chunk, grad_weight summed over
+    them), as memory_budget=1, for the front ends, which do not take one."""
     from jsdgpu import engine, options
     if not held:
         monkeypatch.setattr(options.RunOptions, "budget", lambda self, backend, call_bytes: 1)
     given, row_outputs = [], engine.row_outputs
+    address = lambda a: a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr  # noqa: E731
 
-    def spy(*args, **kwargs):
-        memory = kwargs.get("weight_memory", args[7] if len(args) > 7 else None)
-        out = row_outputs(*args, **kwargs)
-        given.append((args[4], memory is not None, out[2].grad_weight is memory))
+    def spy(xp, n_rows, hs, vs, hold_g, has_bias, compute_grad, weight_memory=None):
+        got = []
+        asked = None if weight_memory is None else lambda: got.append(weight_memory()) or got[-1]
+        out = row_outputs(xp, n_rows, hs, vs, hold_g, has_bias, compute_grad, asked)
+        kept = len(got) == 1 and address(out[2].grad_weight) == address(got[0])
+        given.append((hold_g, weight_memory is not None, len(got), kept))
         return out
     monkeypatch.setattr(engine, "row_outputs", spy)
     return given

@@ -64,7 +64,8 @@ def test_jit_equals_eager_and_the_reference(rng, jdevice, dtype):
 def test_float32_weight_gradient_in_its_output(rng, jdevice, monkeypatch, held):
     """Jitted, a float32 weight's gradient is formed in the callback's output buffer: where G is
     not held for all rows, its float32 sum over the chunks is kept there (no copy into it after);
-    where G is held, its one product writes there. The reference's gradients either way."""
+    where G is held, the core does not ask for it, and its one product writes there. The
+    reference's gradients either way."""
     given = weight_sums_spied(monkeypatch, held)
     case = make_case(rng, T=13, bias=True, ignored=0.3)
     args = [jax.device_put(jnp.asarray(case[k]), jdevice) for k in
@@ -73,7 +74,8 @@ def test_float32_weight_gradient_in_its_output(rng, jdevice, monkeypatch, held):
     f = lambda xs, ws, bs: 3.0 * jjax.fused_linear_jsd_loss(xs, ws, args[2], args[3], args[4], bs,  # noqa: E731
                                                              args[6], beta=0.4, chunk_size=4)
     loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(args[0], args[1], args[5])
-    assert given == [(held, True, not held)]  # (hold_g, weight_memory given, the sum kept there)
+    # (hold_g, weight_memory given, asked for that often, the sum kept there): G held, not made
+    assert given == [(held, True, int(not held), not held)]
     ref = jsdgpu.reference(**case, beta=0.4)
     for got, want in zip(grads, ref[3:]):
         assert got.dtype == np.float32 and rel_err(np.asarray(got), 3.0 * want) <= 1e-4

@@ -147,9 +147,10 @@ def test_a_compiled_loss_backpropagates_a_retained_graph_again(rng, device):
 @pytest.mark.parametrize("held", [True, False])
 def test_compiled_float32_weight_gradient_in_its_output(rng, device, monkeypatch, held):
     """Traced, an fp32 weight's gradient is formed in the operator's output buffer: where G is not
-    held for all rows, its float32 sum over the chunks is kept there (torch_bridge.weight_memory:
-    no copy into it after); where G is held, its one product writes there. The reference's
-    gradients either way."""
+    held for all rows, its float32 sum over the chunks is kept there (torch_bridge.GradWeight: no
+    copy into it after); where G is held, the core never asks for the buffer (made after forward,
+    it adds nothing to forward's peak) and its one product writes there. The reference's gradients
+    either way."""
     given = weight_sums_spied(monkeypatch, held)
     case = make_case(rng, T=13, bias=True, ignored=0.3)
     ts = tensors(case, device)
@@ -157,7 +158,8 @@ def test_compiled_float32_weight_gradient_in_its_output(rng, device, monkeypatch
     step = torch.compile(jtorch.FusedLinearJSDLoss(beta=0.4, chunk_size=4), fullgraph=True)
     loss = step(*ts)
     (3.0 * loss).backward()
-    assert given == [(held, True, not held)]  # (hold_g, weight_memory given, the sum kept there)
+    # (hold_g, weight_memory given, asked for that often, the sum kept there): G held, not made
+    assert given == [(held, True, int(not held), not held)]
     ref = jsdgpu.reference(**case, beta=0.4)
     g = grads_of(ts)
     for got, want in zip((g[0], g[1], g[5]), ref[3:]):
@@ -166,7 +168,7 @@ def test_compiled_float32_weight_gradient_in_its_output(rng, device, monkeypatch
     ts[4][:] = -100  # no valid row: no chunk, the sum (in the buffer, whatever it held) zero
     ts[1].grad = None
     step(*ts).backward()
-    assert given[-1] == (False, True, True) and not ts[1].grad.any()
+    assert given[-1] == (False, True, 1, True) and not ts[1].grad.any()
 
 
 def test_gradients_land_without_copies(rng, device):
