@@ -6,10 +6,12 @@ step took 0.95 and 0.87 ms longer than on bf16 weights at T = 1024, less than th
 (1.13 and 1.12 ms: the step's own work partly hides them), and 1.62 and 1.88 ms longer at T =
 8192, 0.45 and 0.70 ms (1.5% and 2.4% of the step) beyond the casts (1.17 and 1.18): the float32
 gradients' wider writes (grad_input, and the master weight's gradient, written in float32).
-Compiled (--compiled --tokens 4096 8192 --rounds 3 --reps 10, one H100, 2026-12-06, two runs
-alternating with --package of the code before, whose operator copied the float32 sum into its
-output): autocast added 1.42 and 2.13 ms at T = 4096 and 0.68 and 1.18 at 8192 (casts 1.6),
-against 3.41 and 3.41, and 1.19 and 1.86 with the copy.
+Compiled (--compiled --tokens 4096 8192 --rounds 3 --reps 10, two H100s, 2026-12-06, two runs
+on each alternating with --package of the code before, whose operator copied the float32 sum
+into its output): the autocast step took 17.08, 17.91, 16.89 and 17.41 ms at T = 4096 against
+18.74, 18.84, 17.65 and 17.61 with the copy, and 31.64, 31.74, 31.94 and 32.09 at 8192 against
+32.81, 32.14, 31.99 and 32.23 (less in each of the eight pairs); it added 1.22-2.13 ms to the
+bf16 step at T = 4096 and 0.68-1.26 at 8192 (casts 1.6).
 
 Three steps on the same inputs, in turns (--rounds rounds of --reps steps each, the median of
 each round's median), after a second of all three (the GPU at its power cap), V = 128256, Hs =
