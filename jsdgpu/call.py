@@ -85,8 +85,9 @@ def bridged(arrays, compute):
         return compute(arrays)
     like = next(a for a in arrays.values() if a is not None)
     with bridge.current_stream(like):
-        # (a function among them, api.forward_with's weight_memory, returns a native array itself)
-        loss, ctx = compute({k: v if v is None or callable(v) else bridge.to_native(v) for k, v in arrays.items()})
+        # (weight_memory, api.forward_with's, is a function that returns a native array itself)
+        loss, ctx = compute({k: v if v is None or k == "weight_memory" else bridge.to_native(v)
+                             for k, v in arrays.items()})
         ctx._bridge, ctx._like = bridge, like
         ctx.hard_loss, ctx.soft_loss = bridge.from_native(ctx.hard_loss), bridge.from_native(ctx.soft_loss)
         return bridge.from_native(loss), ctx

@@ -109,11 +109,11 @@ def _check_token_weights(arrays):
 
 
 def _kind(arrays):
-    """The arrays' kind, 'numpy' or 'cupy' (None entries left out, and a function: api.forward_with's
-    weight_memory): all of one kind, on one device."""
+    """The arrays' kind, 'numpy' or 'cupy' (None entries left out, and weight_memory: a function,
+    api.forward_with's): all of one kind, on one device."""
     kinds = {}
     for name, a in arrays.items():
-        if a is not None and not callable(a):
+        if a is not None and name != "weight_memory":
             kinds[name] = array_kind(a)
             if kinds[name] is None:
                 raise TypeError(f"{name} must be a NumPy or CuPy array (or a DLPack tensor of "

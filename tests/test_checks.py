@@ -78,6 +78,9 @@ BAD_INPUTS = [
     ("num_valid_tokens text", None, {"num_valid_tokens": "8"}, TypeError, "num_valid_tokens"),
     ("not an array", _set("student_weight", lambda c, xp: [[1.0]]), {}, TypeError,
      "student_weight"),
+    # a function too (api.forward_with's weight_memory is the one argument that may be one)
+    ("a function", _set("student_input", lambda c, xp: lambda: c["student_input"]), {}, TypeError,
+     "student_input"),
 ]
 
 
