@@ -42,7 +42,12 @@ label holds all but 7e-9 of the mass: their CE of 7e-9 came out -1.6e-7 before t
 (--torch, 2026-12-06): eagerly seeds 0-599 of each loss, compiled (fullgraph) 0-79 of each, flag
 only the top-k's 214 (the cap); after the operators' outputs became tensors of torch's own
 (9801c5a), compiled seeds 0-59 of each flag none on the GPU (one H100), and 0-79 of each none on
-the CPU (the code of e4dde53).
+the CPU (the code of e4dde53). Seeds 7000-7599 of the online loss (2026-12-06, CI's kind of
+machine) flag 7146, one sharp row (T = 1, Vs = 2, its label 25 nats ahead, the hard part alone,
+weight 228: its CE of 3e-9 came out 0, right to a few ulps of its largest logit absolutely, as the
+contract says), and 7331, the JSD at its ln 2 ceiling (p and q on disjoint columns), whose
+gradients of 2e-7 and less are right to 3e-9, as 1131's; the top-k loss's 7000-7999 flag 7779 and
+7833, each a student deep in a cap of 1 (within 5e-7 with a cap of 30 in its place).
 """
 
 import argparse
