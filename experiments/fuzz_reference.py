@@ -47,7 +47,8 @@ machine) flag 7146, one sharp row (T = 1, Vs = 2, its label 25 nats ahead, the h
 weight 228: its CE of 3e-9 came out 0, right to a few ulps of its largest logit absolutely, as the
 contract says), and 7331, the JSD at its ln 2 ceiling (p and q on disjoint columns), whose
 gradients of 2e-7 and less are right to 3e-9, as 1131's; the top-k loss's 7000-7999 flag 7779 and
-7833, each a student deep in a cap of 1 (within 5e-7 with a cap of 30 in its place).
+7833, each a student deep in a cap of 1 (within 5e-7 with a cap of 30 in its place). Through
+jsdgpu.torch eagerly on the CPU, seeds 7000-7199 of each loss flag only 7146, as above.
 """
 
 import argparse
