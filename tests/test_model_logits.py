@@ -164,6 +164,7 @@ def deep_in_the_cap(case, with_one_rounding=True):
 
 
 def deep_case(rng):
+    """test_deep_in_the_cap's inputs: 8 rows (about a fifth ignored) of 53 columns, logits of std 8."""
     return make_case(rng, T=8, vs=53, vt=53, ignored=0.2, logit_std=8.0)
 
 
