@@ -85,8 +85,7 @@ def bridged(arrays, compute):
         return compute(arrays)
     like = next(a for a in arrays.values() if a is not None)
     with bridge.current_stream(like):
-        # (weight_memory, api.forward_with's, is a function that returns a native array itself)
-        loss, ctx = compute({k: v if v is None or k == "weight_memory" else bridge.to_native(v)
+        loss, ctx = compute({k: v if v is None or k in checks.FUNCTIONS else bridge.to_native(v)
                              for k, v in arrays.items()})
         ctx._bridge, ctx._like = bridge, like
         ctx.hard_loss, ctx.soft_loss = bridge.from_native(ctx.hard_loss), bridge.from_native(ctx.soft_loss)

@@ -108,12 +108,18 @@ def _check_token_weights(arrays):
         raise TypeError(f"token_weights must have a float dtype, got {w.dtype}")
 
 
+# the entries of a call's arrays that are functions, not arrays: api.forward_with's weight_memory
+# (one that returns a native array itself); named, so that a function passed as an array still
+# fails the checks (call.bridged passes these on as they are)
+FUNCTIONS = frozenset({"weight_memory"})
+
+
 def _kind(arrays):
-    """The arrays' kind, 'numpy' or 'cupy' (None entries left out, and weight_memory: a function,
-    api.forward_with's): all of one kind, on one device."""
+    """The arrays' kind, 'numpy' or 'cupy' (None entries and FUNCTIONS left out): all of one
+    kind, on one device."""
     kinds = {}
     for name, a in arrays.items():
-        if a is not None and name != "weight_memory":
+        if a is not None and name not in FUNCTIONS:
             kinds[name] = array_kind(a)
             if kinds[name] is None:
                 raise TypeError(f"{name} must be a NumPy or CuPy array (or a DLPack tensor of "
