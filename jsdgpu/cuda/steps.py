@@ -98,9 +98,10 @@ class CudaSteps:
             return kernels.scale_cast(a, scale, dtype, out)
         if scale is not None:
             a *= scale
-        if out is None or out.data.ptr == a.data.ptr:  # (a in out's memory: api.forward_with's weight_memory)
-            return a if out is None else out
-        cupy.copyto(out, a)
+        if out is None:
+            return a
+        if out.data.ptr != a.data.ptr:  # (a in out's memory: api.forward_with's weight_memory)
+            cupy.copyto(out, a)
         return out
 
     @staticmethod
