@@ -106,6 +106,11 @@ def to_numpy(a):
     return a.get()
 
 
+# How far softmax(z) may be off, absolutely, at a label that holds most of its row's mass, where
+# p - 1 is the gradient (docs/contract.md, "Numerics")
+LABEL_P_ABS = 1e-6
+
+
 def rel_err(a, ref):
     a = np.asarray(to_numpy(a), dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jsdgpu
-from conftest import DTYPES, float32_logits, head_logits, make_case, rel_err, to_numpy, to_xp
+from conftest import DTYPES, LABEL_P_ABS, float32_logits, head_logits, make_case, rel_err, to_numpy, to_xp
 from jsdgpu.reference import model_logits, reference_logits
 from test_api import check_against_reference
 from test_parallel import assert_matches_single
@@ -40,14 +40,23 @@ def test_label_dominant_rows(xp, rng, model, beta):
     """Rows whose label holds most of softmax(z), at temperature 1 with one vocabulary: the one-hot
     term goes into G there (where softmax(z) < 1/2 it is kept apart), and the fused kernel folds
     the model's derivative into p in pass 2, so the label's term takes the derivative at the label
-    (FusedRow::passes, FOLD). Each row's label is its largest z; at least two rows are dominated."""
+    (FusedRow::passes, FOLD). Each row's label is its largest z; at least two rows are dominated.
+    Where every row's label holds nearly all of its mass, and the JSD is at its ceiling (p and q on
+    other columns: its gradient nearly 0), the gradients are the labels' p - 1 alone, right to the
+    contract's LABEL_P_ABS absolutely (test_numerics.py, test_confident_rows_gradient_at_the_label)."""
     case = make_case(rng, T=int(rng.integers(5, 20)), vs=53, bias=True, logit_std=12.0)
-    z = model_logits(head_logits(case, "student"), model.get("student_logit_scale", 1.0),
-                     model.get("student_logit_softcap"))[0]
-    case["target"] = z.argmax(axis=1)
+    z, derivative = model_logits(head_logits(case, "student"), model.get("student_logit_scale", 1.0),
+                                 model.get("student_logit_softcap"))
+    rows = np.arange(len(z))
+    case["target"] = target = z.argmax(axis=1)
     p_label = 1.0 / np.exp(z - z.max(axis=1, keepdims=True)).sum(axis=1)  # softmax(z) at the label
     assert (p_label >= 0.5).sum() >= 2, p_label
-    check_against_reference(case, xp, np.dtype(np.float32), beta=beta, **model)
+    # each dominated row's G at its label (weight_hard_loss 0.5, the mean over the rows), along the
+    # label's weight row in grad_input, its input row in grad_weight
+    off = np.where(p_label >= 0.5, LABEL_P_ABS * np.broadcast_to(derivative, z.shape)[rows, target] * 0.5 / len(z), 0.0)
+    floors = (off @ np.linalg.norm(case["student_weight"][target], axis=1),
+              off @ np.linalg.norm(case["student_input"], axis=1), off.sum())
+    check_against_reference(case, xp, np.dtype(np.float32), grad_floors=floors, beta=beta, **model)
 
 
 @pytest.mark.gpu

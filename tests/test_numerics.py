@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jsdgpu
-from conftest import DTYPES, assert_near_float64, float64_logits, make_case, rel_err, to_numpy, to_xp
+from conftest import DTYPES, LABEL_P_ABS, assert_near_float64, float64_logits, make_case, rel_err, to_numpy, to_xp
 from jsdgpu.reference import reference_logits
 
 SCALES = (1.0, 8.0, 40.0)  # logits' std
@@ -192,3 +192,47 @@ def test_confident_rows_cross_entropy(xp, rng, loss, vt):
     want = np.logaddexp.reduce(s, axis=1) - s[np.arange(T), target]
     assert (ce >= 0).all(), ce.min()
     assert (np.abs(ce - want) <= 4 * 2.0**-23 * s.max(1) + 1e-7).all(), np.abs(ce - want).max()
+
+
+@pytest.mark.parametrize("options,vt", [({}, 1031), (dict(temperature=2.0), 1031),
+                                        (dict(student_logit_scale=1.5), 1031), ({}, 1040), ({}, 327680 + 9)])
+def test_confident_rows_gradient_at_the_label(xp, rng, options, vt):
+    """Rows whose label holds all but 4e-9 to 5e-3 of the mass, at logits of 30-120 (logsumexps of
+    up to 173 bits, whose float32 rounding is up to 8e-6 bits): the gradient at the label, p - 1,
+    is right to LABEL_P_ABS absolutely (docs/contract.md, "Numerics"), as the label's own term over
+    the row's sum; from the logsumexp rounded to float32, p was up to 5e-6 off. The fused kernel
+    with softmax(s) p, with a temperature, with the model's derivative folded into p, with pad
+    columns, and the phase kernels (a teacher past 327680)."""
+    error, rest = confident_rows_label_error(xp, rng, options, vt)
+    assert error.max() <= LABEL_P_ABS, (error.max(), rest[error.argmax()])
+
+
+def confident_rows_label_error(xp, rng, options, vt):
+    """(each row's error in p - 1 at its label, the rows' 1 - p) of a call of 32 such rows: the
+    hard part alone, each row on an axis of the hidden space of its own, so that
+    grad_weight[label, axis] / size is the row's G at its label (the model's derivative times p - 1)."""
+    T = H = 32
+    vs = 1031
+    labels = rng.choice(np.arange(300, vs), T, replace=False)  # past the CPU's first 256 columns
+    axis = rng.permutation(H)
+    size = rng.uniform(30.0, 120.0, T)
+    margin = rng.uniform(11.0, 25.0, T)  # 1 - p of about 250 e^-margin
+    weight = np.empty((vs, H))
+    weight[:, axis] = 1.0 - (margin + 3.0 * np.abs(rng.standard_normal((vs, T)))) / size
+    weight[labels, axis] = 1.0
+    weight = weight.astype(np.float32)
+    x = (np.eye(H)[axis] * size[:, None]).astype(np.float32)
+    teacher_weight = np.concatenate([weight, rng.standard_normal((vt - vs, H)).astype(np.float32)])
+    arrays = dict(student_input=x, student_weight=weight, teacher_input=x, teacher_weight=teacher_weight,
+                  target=labels)
+    _, ctx = jsdgpu.forward(**to_xp(arrays, xp), weight_hard_loss=1.0, weight_soft_loss=0.0, reduction="sum",
+                            **options)
+    _, grad_weight, _ = jsdgpu.backward(ctx)
+    scale = options.get("student_logit_scale", 1.0)
+    z = scale * (x.astype(np.float64) @ weight.T.astype(np.float64))
+    others = np.exp(z - z[np.arange(T), labels][:, None])
+    others[np.arange(T), labels] = 0.0
+    rest = others.sum(axis=1) / (1.0 + others.sum(axis=1))  # 1 - p, with no cancellation
+    assert rest.max() < 1e-2, rest
+    got = to_numpy(grad_weight)[labels, axis].astype(np.float64) / size.astype(np.float32)
+    return np.abs(got / scale + rest), rest

@@ -120,8 +120,14 @@ struct FusedRow {
           const int c = column(k);
           const bool tail = c == ns4 && ns4 != ns, label = (label_column & ~3) == c;
           if (!tail && !label) continue;
+          // softmax(s) at the label, which holds most of the row's mass here, from s's statistic:
+          // its own term over the sum that holds that very term, so that p - 1 is right to the
+          // sum's roundings (a few 1e-7). From the logsumexp rounded to float32 it was off by
+          // that rounding, relatively: 2^-24 of a logsumexp of a hundred bits, 4e-6 in p - 1
+          const float label_softmax =
+              label ? one * (ex2(fmaf(stats[3], LOG2E, -stats[7])) * __frcp_rn(stats[8])) : 0.0f;
           float out[4];
-          gradient<MODE, SOFTMAX_IS_P>(k, kl, label ? label_column - c : -1, out, one);
+          gradient<MODE, SOFTMAX_IS_P>(k, kl, label ? label_column - c : -1, out, one, label_softmax);
           if (tail) {
             store4<OUT>(G, g0 + 4 * k * THREADS, out, ns & 3);  // the columns c + [0, ns - c)
           } else {
@@ -180,15 +186,17 @@ struct FusedRow {
   }
 
   // The gradient values of group k; its value j_label (if 0..3) with the label's one-hot term
-  // (one: its value, 1 or the model's derivative there: passes).
+  // (one: its value, 1 or the model's derivative there; label_softmax: softmax(s) there, times
+  // one: passes).
   template <int MODE, bool SOFTMAX_IS_P>
-  __device__ __forceinline__ void gradient(int k, float kl, int j_label, float out[4], float one = 1.0f) const {
+  __device__ __forceinline__ void gradient(int k, float kl, int j_label, float out[4], float one = 1.0f,
+                                           float label_softmax = 0.0f) const {
     const float4 s4 = S(k), h4 = T(k);
     const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, hv[4] = {h4.x, h4.y, h4.z, h4.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float p = SOFTMAX_IS_P ? sv[j] : ex2(fmaf(sv[j], rm.scale2, -rm.lse_z2));
-      const float softmax = SOFTMAX_IS_P ? p : softmax_of(sv[j], rm);
+      const float softmax = j == j_label ? label_softmax : SOFTMAX_IS_P ? p : softmax_of(sv[j], rm);
       out[j] = grad_value<MODE, SOFTMAX_IS_P>(softmax, p, hv[j], j == j_label ? one : 0.0f, kl, rm);
     }
     if (!SOFTMAX_IS_P && with_model) {  // sv: z (where SOFTMAX_IS_P, pass 2 folded it into p)

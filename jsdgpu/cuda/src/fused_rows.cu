@@ -86,8 +86,9 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
   __shared__ float4 inbox_stats[4 * CLUSTER], inbox_sums[CLUSTER + 1];
   __shared__ unsigned long long bars[3];  // their mbarriers, and the copies': one phase per row
   // the cluster's statistics, for every thread: lse_s (nats), lse_z2, lse_t2, the label's logit,
-  // the reference column's s and t, and h_ref (RELATIVE_H: row_math.cuh, "A sharp row")
-  __shared__ float row_values[7];
+  // the reference column's s and t, h_ref (RELATIVE_H: row_math.cuh, "A sharp row"), and the
+  // max (in bits) and sum of s's statistic (FusedRow::passes: softmax(s) at the label)
+  __shared__ float row_values[9];
   // The row after this one (rows_queued[parity ^ 1]) and the one after that (rows_queued[parity],
   // from rank 0 with the statistics), for every thread: read from here where they are needed
   // rather than held in registers through the passes (ptxas spilled them)
@@ -297,6 +298,8 @@ __device__ __forceinline__ void fused_rows_body(const float* S, long long lds, c
         const float eps = rounding_error(bits, total.m, log_s);
         if (stat == 0) {
           row_values[0] = bits * LN2;
+          row_values[7] = total.m;
+          row_values[8] = total.s;
           if (!z_apart) {
             row_values[1] = bits;
             inbox_sums[CLUSTER].x = eps;

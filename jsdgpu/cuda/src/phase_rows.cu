@@ -167,6 +167,7 @@ struct Finish {
   long long row;
   RowMath rm;
   float soft_b, target_logit, s_ref, t_ref;  // the reference column's logits
+  float sum_s;    // s's statistic's sum, over its largest logit s_ref
   SoftPoly poly;  // (its Q: the gradient's h where |d| < 1)
   float4 sums;  // phase_kl's, over every rank: a, b, precise, weights
   float2 pq;    // the sums of p and q
@@ -192,8 +193,13 @@ struct Finish {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const ColumnTerms c = phase_column_terms<MODE>(s[k], t[k], rm, soft_b, poly, s_ref, t_ref);
-        // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns
-        g[k] = grad_value<MODE, false>(softmax_of(s[k], rm), c.p, c.h, i + k == y && !label_apart ? 1.0f : 0.0f, a_n, rm);
+        // softmax(s) from its own logsumexp: the rank cannot see whether another has pad columns.
+        // At the label, which may hold nearly all the row's mass, its term over the sum that
+        // holds it (as the fused kernel's FusedRow::passes), so that p - 1 is right to the sum's
+        // roundings, not off by the logsumexp's
+        const bool label = i + k == y;
+        const float softmax = label ? __expf(s[k] - s_ref) / sum_s : softmax_of(s[k], rm);
+        g[k] = grad_value<MODE, false>(softmax, c.p, c.h, label && !label_apart ? 1.0f : 0.0f, a_n, rm);
       }
       const int count = min(4, vs - i);
       store4<OUT>(G, row * ldg + i, g, count);
@@ -210,7 +216,7 @@ __global__ void __launch_bounds__(THREADS)
   const RowMath rm = phase_row_math(stats, row, rows, inv_temp, beta, one_minus_beta, w_hard, w_soft_over_t);
   const long long n = rows;
   Finish<OUT, THREADS> f = {S + row * lds, Tl + row * ldt, bias_s, bias_t, vs, target[row], row, rm, soft_b,
-                            stats[6 * n + row], stats[row], stats[7 * n + row], SOFT_POLY_OF_PARAMS,
+                            stats[6 * n + row], stats[row], stats[7 * n + row], stats[3 * n + row], SOFT_POLY_OF_PARAMS,
                             make_float4(kl[row], kl[n + row], kl[2 * n + row], kl[3 * n + row]),
                             make_float2(kl[4 * n + row], kl[5 * n + row]),
                             ce_out, jsd_out, label_terms, G, ldg};
