@@ -9,6 +9,7 @@ import pytest
 
 import jsdgpu
 from conftest import DTYPES, LABEL_P_ABS, float32_logits, head_logits, make_case, rel_err, to_numpy, to_xp
+from jsdgpu.options import DEFAULTS
 from jsdgpu.reference import model_logits, reference_logits
 from test_api import check_against_reference
 from test_parallel import assert_matches_single
@@ -51,9 +52,10 @@ def test_label_dominant_rows(xp, rng, model, beta):
     case["target"] = target = z.argmax(axis=1)
     p_label = 1.0 / np.exp(z - z.max(axis=1, keepdims=True)).sum(axis=1)  # softmax(z) at the label
     assert (p_label >= 0.5).sum() >= 2, p_label
-    # each dominated row's G at its label (weight_hard_loss 0.5, the mean over the rows), along the
-    # label's weight row in grad_input, its input row in grad_weight
-    off = np.where(p_label >= 0.5, LABEL_P_ABS * np.broadcast_to(derivative, z.shape)[rows, target] * 0.5 / len(z), 0.0)
+    # each dominated row's G at its label (the default weight_hard_loss, the mean over the rows),
+    # along the label's weight row in grad_input, its input row in grad_weight
+    at_label = np.broadcast_to(derivative, z.shape)[rows, target] * DEFAULTS.weight_hard_loss / len(z)
+    off = np.where(p_label >= 0.5, LABEL_P_ABS * at_label, 0.0)
     floors = (off @ np.linalg.norm(case["student_weight"][target], axis=1),
               off @ np.linalg.norm(case["student_input"], axis=1), off.sum())
     check_against_reference(case, xp, np.dtype(np.float32), grad_floors=floors, beta=beta, **model)
