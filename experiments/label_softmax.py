@@ -13,12 +13,27 @@ logits. Answer (2026-12-06; docs/design.md, "Numerics"), 5000 rows: before, a me
 a 99th percentile of 5.2e-6, at most 5.4e-6, 62% of the rows past 1e-6; after, 5.3e-8, 2.6e-7,
 at most 4.6e-7, none past 1e-6.
 
+--library numpy or cupy measures the library itself instead: the test's helper
+(confident_rows_label_error, 32 rows a call) for seeds 0 .. SEEDS - 1 of each of the test's five
+cases, the largest error of each against LABEL_P_ABS; and test_label_dominant_rows for seeds
+0 .. DOMINANT - 1 of each of its six cases. --package DIR takes the jsdgpu package in DIR (for the
+kernels before 866f467: git archive 866f467^ jsdgpu | tar -x -C DIR). Answer (one H100,
+2026-12-06): with the kernels since, the largest error of seeds 0-192 is 2.8e-7 to 3.8e-7 by case,
+none past 1e-6, and test_label_dominant_rows passes seeds 0-3664; with the kernels before, seeds
+0-125 give 5.4e-6 (softmax(s) = p) to 1.0e-5 (a model scale of 1.5), and in pytest the test's five
+cases each failed (4.1e-6 to 7.5e-6).
+
     python experiments/label_softmax.py --rows 5000
+    python experiments/label_softmax.py --library cupy --seeds 193 --dominant 3665
 """
 
 import argparse
+import pathlib
+import sys
 
 import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 LOG2E = np.float32(np.log2(np.e))
 
@@ -59,13 +74,51 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=5000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--library", choices=["numpy", "cupy"], help="measure the library's own calls instead")
+    p.add_argument("--seeds", type=int, default=100, help="with --library: seeds of the label's error")
+    p.add_argument("--dominant", type=int, default=0, help="with --library: seeds of test_label_dominant_rows")
+    p.add_argument("--package", type=pathlib.Path, help="with --library: a directory holding another jsdgpu")
     a = p.parse_args()
+    if a.library:
+        return library(a)
     rng = np.random.default_rng(a.seed)
     errors = np.array([row_errors(rng) for _ in range(a.rows)])
     print(f"| p - 1 at the label, {a.rows} rows | median | 99th percentile | largest | rows past 1e-6 |")
     print("| --- | --- | --- | --- | --- |")
     for name, e in zip(("the logsumexp rounded (before)", "the term over the sum (after)"), errors.T):
         print(f"| {name} | {np.median(e):.2e} | {np.quantile(e, 0.99):.2e} | {e.max():.2e} | {(e > 1e-6).mean():.1%} |")
+
+
+def library(a):
+    """The library's own p - 1 at the label over seeds, and test_label_dominant_rows's draws."""
+    sys.path[:0] = ([str(a.package.resolve())] if a.package else []) + [str(ROOT), str(ROOT / "tests")]
+    import importlib
+
+    import jsdgpu
+    from conftest import LABEL_P_ABS
+    from test_model_logits import test_label_dominant_rows
+    from test_numerics import confident_rows_label_error
+
+    xp = importlib.import_module(a.library)
+    print("jsdgpu from", pathlib.Path(jsdgpu.__file__).parent)
+    cases = [({}, 1031), (dict(temperature=2.0), 1031), (dict(student_logit_scale=1.5), 1031), ({}, 1040),
+             ({}, 327680 + 9)]  # the test's
+    print(f"| case, seeds 0-{a.seeds - 1} | largest error of p - 1 | calls past {LABEL_P_ABS:g} |")
+    print("| --- | --- | --- |")
+    for options, vt in cases:
+        errors = [confident_rows_label_error(xp, np.random.default_rng(seed), options, vt)[0].max()
+                  for seed in range(a.seeds)]
+        print(f"| {options or 'softmax(s) = p'}, vt {vt} | {max(errors):.2e} | {sum(e > LABEL_P_ABS for e in errors)} |")
+    failed = []
+    for seed in range(a.dominant):
+        for model in (dict(student_logit_softcap=30.0, teacher_logit_softcap=30.0), dict(student_logit_scale=2.0)):
+            for beta in (0.0, 0.5, 1.0):
+                try:
+                    test_label_dominant_rows(xp, np.random.default_rng(seed), model, beta)
+                except AssertionError:
+                    failed.append((seed, model, beta))
+    if a.dominant:
+        print(f"test_label_dominant_rows: {len(failed)} of {6 * a.dominant} draws failed", failed[:4])
 
 
 if __name__ == "__main__":
