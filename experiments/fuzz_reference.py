@@ -52,10 +52,11 @@ jsdgpu.torch eagerly on the CPU, seeds 7000-7199 of each loss flag only 7146, as
 seeds 7000-7059 of each, none. Seeds 7600-7899 of the online loss flag 7816, a sharp row as 7146
 (T = 3, Vs = 2, scale 5, the hard part alone: a CE of 1.6e-6 at logits of -6 and -20 came out
 5e-9 off, and its gradient, p - 1 at the label, 3e-8 off, each right absolutely as the contract
-says); the top-k loss's 8000-8399 flag none. Seeds 7900-8199 of the online loss flag none. On
-the GPU (one H100, 2026-12-06, with the label's softmax over its own sum: docs/design.md,
-"Numerics"), seeds 9000-9399 of the online loss flag 9291 alone, a student deep in a cap of 1
-(scale 40), flagged alike on the CPU.
+says); the top-k loss's 8000-8399 flag none. Seeds 7900-8199 of the online loss flag none, and the
+top-k loss's 8400-8699 none; through jsdgpu.torch eagerly, the online loss's 7200-7349 flag only
+7331, as above. On the GPU (one H100, 2026-12-06, with the label's softmax over its own sum:
+docs/design.md, "Numerics"), seeds 9000-9399 of the online loss flag 9291 alone, a student deep in
+a cap of 1 (scale 40), flagged alike on the CPU.
 """
 
 import argparse
