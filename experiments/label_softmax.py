@@ -20,8 +20,8 @@ cases, the largest error of each against LABEL_P_ABS; and test_label_dominant_ro
 kernels before 866f467: git archive 866f467^ jsdgpu | tar -x -C DIR). Answer (one H100,
 2026-12-06): with the kernels since, the largest error of seeds 0-192 is 2.8e-7 to 3.8e-7 by case,
 none past 1e-6, and test_label_dominant_rows passes seeds 0-3664; with the kernels before, seeds
-0-125 give 5.4e-6 (softmax(s) = p) to 1.0e-5 (a model scale of 1.5), and in pytest the test's five
-cases each failed (4.1e-6 to 7.5e-6).
+0-125 give 5.4e-6 (softmax(s) = p) to 1.0e-5 (a model scale of 1.5), every call past 1e-6, and in
+pytest the test's five cases each failed (4.1e-6 to 7.5e-6).
 
     python experiments/label_softmax.py --rows 5000
     python experiments/label_softmax.py --library cupy --seeds 193 --dominant 3665
