@@ -30,6 +30,7 @@ import time
 def main():
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="jsdgpu_numba_")  # (before numba is imported)
+    import numba
     import numpy as np
     from numba.core import event
 
@@ -51,7 +52,7 @@ def main():
     stats, kl = np.empty((8, n)), np.empty((2, n))
     calls = {
         "fused_kernel": lambda: rows.fused_kernel(s, t, target, 1.0, mode, beta, 1 - beta, soft_b, poly, 1.0, 1.0, ce,
-                                                  jsd, G, label_terms, True, 1.0, 0.0),
+                                                  jsd, G, label_terms, True, 1.0, 0.0, numba.get_num_threads()),
         "stats_kernel": lambda: rows.stats_kernel(s, t, target, 1.0, stats),
         "kl_kernel": lambda: rows.kl_kernel(s, t, 1.0, mode, beta, stats, kl),
         "finish_kernel": lambda: rows.finish_kernel(s, t, target, 1.0, mode, beta, 1.0, 1.0, stats, kl, ce, jsd, G,

@@ -80,14 +80,15 @@ def reference_column(s, s_max):
 
 
 @numba.njit(fastmath=FAST)
-def padded(s, vt):
-    """The student's row with the teacher's pad (zeros: z = 0 there) where the teacher has one, else
-    itself. (A function of its own: in the kernel's body Numba's array analysis took the two for
-    arrays of one size, and asserted it.)"""
-    if vt == len(s):
+def padded(s, z):
+    """The student's row with the teacher's pad (zeros: z = 0 there) in z, a buffer of the
+    teacher's width, where the teacher has one (z longer than s), else itself. (A function of its
+    own: in the kernel's body Numba's array analysis took the two for arrays of one size, and
+    asserted it.)"""
+    if len(z) <= len(s):
         return s
-    z = np.zeros(vt, np.float32)
     z[:len(s)] = s
+    z[len(s):] = 0.0
     return z
 
 

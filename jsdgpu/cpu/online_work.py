@@ -3,6 +3,7 @@ float32 logits a chunk by NumPy's products, and the Numba row kernels of rows.py
 
 import dataclasses
 
+import numba
 import numpy as np
 
 from .divergences import precise_terms
@@ -93,7 +94,7 @@ class CpuOnlineRows:
         fused_kernel(work.s[:n], work.t[:n], target, 1.0 / opts.temperature, int(opts.divergence), opts.beta,
                      opts.one_minus_beta, soft_b, poly, opts.weight_hard_loss, opts.w_soft_over_t, ce, jsd,
                      G if compute_grad else _NO_G, label_terms if compute_grad else _NO_TERMS, compute_grad, scale,
-                     inv_cap)
+                     inv_cap, numba.get_num_threads())
 
     @staticmethod
     def row_stats(work, target, opts):

@@ -195,8 +195,9 @@ _row_function = numba.njit(fastmath=FAST, error_model="numpy")
 
 @_row_function
 def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, poly, w_hard, w_soft_over_t, ce, jsd, G,
-               label_terms, write_grad, model_scale, model_inv_cap):
-    """Row i of fused_kernel (_kernels')."""
+               label_terms, write_grad, model_scale, model_inv_cap, p, h, z):
+    """Row i of fused_kernel (_kernels'), in its part's row buffers p, h and z (the teacher's
+    width; z empty where the student's is the same)."""
     vs, vt = s.shape[1], t.shape[1]
     scale = F32(inv_temp)
     same_z = scale == F32(1.0) and vt == vs  # z is s
@@ -210,14 +211,13 @@ def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, po
     # then goes in with the column's
     w_p = F32(w_hard) if same_z else F32(0.0)
     s_i, t_i, y = s[i], t[i], target[i]
-    p = np.empty(vt, np.float32)  # exp(z - shift), then p
-    h = np.empty(vt, np.float32)  # exp(t / T - shift), then h
+    # p: exp(z - shift), then p; h: exp(t / T - shift), then h
     shift_s, sum_s = shifted_exp_sum(s_i, F32(1.0), 0, p if same_z else np.empty(0, np.float32))
     shift_z, sum_z = (shift_s, sum_s) if same_z else shifted_exp_sum(s_i, scale, vt - vs, p)
     shift_t, sum_t = shifted_exp_sum(t_i, scale, 0, h)
     lse_s, lse_z, lse_t = shift_s + math.log(sum_s), shift_z + math.log(sum_z), shift_t + math.log(sum_t)
     c = lse_z - lse_t
-    z_cols = padded(s_i, vt)
+    z_cols = padded(s_i, z)
     # h relative to the reference column's h_ref (row_math.cuh, "A sharp row"): reverse KL's from
     # the logits' difference, the JSD's by column32 itself (so that it comes out 0 there)
     diff_ref, h_ref32, h_ref = F32(0.0), F32(0.0), 0.0
@@ -310,17 +310,26 @@ def _kernels(sources):
     @rows_in_parallel
     @numba.njit(parallel=True, fastmath=FAST, cache=True)
     def fused_kernel(s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, poly, w_hard, w_soft_over_t, ce, jsd,
-                     G, label_terms, write_grad, model_scale, model_inv_cap):
+                     G, label_terms, write_grad, model_scale, model_inv_cap, parts):
         """Each row's CE and soft part, and with write_grad its gradient row (without the 1/N of the
         mean; in the raw logits where s is the student model's: _model_derivative) and label term:
         the three phases' work on one row at a time, read from memory once, its columns in float32
         (divergences.column32) and its sums and logsumexps in float64. soft_b and poly: the JSD's b
         and column32's twenty-seven coefficients (divergences.precise_terms). G may be s's
-        memory."""
+        memory. The rows in `parts` runs of consecutive rows (one a thread: Numba's own split of a
+        loop over the rows), each with its row buffers made once: made for each row, at V =
+        128256 glibc at times grew and shrank its heap around each row, whose buffers' pages were
+        faulted in anew, the kernel three times as long (docs/design.md, "The CPU backend").
+        (Numba's thread count or index read inside a kernel would keep it from its cache.)"""
         sources  # (its cache key: _kernels)
-        for i in numba.prange(s.shape[0]):
-            _fused_row(np.int64(i), s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, poly, w_hard,
-                       w_soft_over_t, ce, jsd, G, label_terms, write_grad, model_scale, model_inv_cap)
+        for part in numba.prange(parts):
+            vt = t.shape[1]
+            p, h = np.empty(vt, np.float32), np.empty(vt, np.float32)
+            z = np.empty(vt if vt > s.shape[1] else 0, np.float32)  # the student's row and the teacher's pad
+            k, n = np.int64(part), s.shape[0]  # (the loop's index is unsigned in its body: _kernels)
+            for i in range(k * n // parts, (k + 1) * n // parts):
+                _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, poly, w_hard, w_soft_over_t,
+                           ce, jsd, G, label_terms, write_grad, model_scale, model_inv_cap, p, h, z)
 
     # ---- the three phases (vocab parallelism: each rank's shard, combined between them) ----
 
