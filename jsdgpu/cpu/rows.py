@@ -197,7 +197,7 @@ _row_function = numba.njit(fastmath=FAST, error_model="numpy")
 def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, poly, w_hard, w_soft_over_t, ce, jsd, G,
                label_terms, write_grad, model_scale, model_inv_cap, p, h, z):
     """Row i of fused_kernel (_kernels'), in its part's row buffers p, h and z (the teacher's
-    width; z empty where the student's is the same)."""
+    width; z empty where the student's width is the teacher's)."""
     vs, vt = s.shape[1], t.shape[1]
     scale = F32(inv_temp)
     same_z = scale == F32(1.0) and vt == vs  # z is s
