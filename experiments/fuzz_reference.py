@@ -56,7 +56,9 @@ says); the top-k loss's 8000-8399 flag none. Seeds 7900-8199 of the online loss 
 top-k loss's 8400-8699 none; through jsdgpu.torch eagerly, the online loss's 7200-7349 flag only
 7331, as above. On the GPU (one H100, 2026-12-06, with the label's softmax over its own sum:
 docs/design.md, "Numerics"), seeds 9000-9399 of the online loss flag 9291 alone, a student deep in
-a cap of 1 (scale 40), flagged alike on the CPU.
+a cap of 1 (scale 40), flagged alike on the CPU. On the CPU since (the code of c9ff5ad): the
+online loss's seeds 8200-8499 flag none, the top-k loss's 8700-8999 none, and through
+jsdgpu.torch compiled, seeds 7060-7119 of each loss none.
 """
 
 import argparse
