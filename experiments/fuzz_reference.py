@@ -58,7 +58,8 @@ top-k loss's 8400-8699 none; through jsdgpu.torch eagerly, the online loss's 720
 docs/design.md, "Numerics"), seeds 9000-9399 of the online loss flag 9291 alone, a student deep in
 a cap of 1 (scale 40), flagged alike on the CPU. On the CPU since (the code of c9ff5ad): the
 online loss's seeds 8200-8499 flag none, the top-k loss's 8700-8999 none, and through
-jsdgpu.torch compiled, seeds 7060-7119 of each loss none.
+jsdgpu.torch compiled, seeds 7060-7119 of each loss none, and eagerly 7350-7499 of each none; on
+the GPU (one H100), the online loss's seeds 9400-9799 none.
 """
 
 import argparse
