@@ -14,7 +14,9 @@ extras (cuda-bindings), nvdisasm from `pip install nvidia-cuda-nvdisasm` (or a C
 
 Answer (NVRTC 13.0, 2026-12-06; docs/design.md, "Small divergences"): 79 instructions a column
 with a branch per column for the polynomials and the mixture's log (the sources before), 58 with
-the columns straight (column_terms' STRAIGHT).
+the columns straight (column_terms' STRAIGHT); 54.5 since the JSD's mirroring is a constant of
+the kernel, where a test of the row's beta took 58.7 (docs/design.md, "Where a divergence's math
+lives").
 """
 
 import argparse

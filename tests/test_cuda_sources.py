@@ -7,6 +7,7 @@ were checked (docs/design.md, "Registers")."""
 
 import re
 
+import numpy as np
 import pytest
 
 from jsdgpu.cuda import sources
@@ -80,6 +81,20 @@ def test_each_teacher_vocabulary_takes_the_narrowest_fused_shape_that_holds_it()
     cases = [(1, narrow), (131072, narrow), (131073, extra), (151936, extra), (163840, extra), (163841, wide),
              (262144, wide), (262145, wide_extra), (262208, wide_extra), (327680, wide_extra), (327681, None)]
     assert [sources.fused_shape(vt) for vt, _ in cases] == [shape for _, shape in cases]
+
+
+def test_the_row_kernels_mirror_the_jsd_where_they_took_beta_above_a_half_in_float32():
+    """sources.row_mode: JSD_MIRRORED exactly where the kernels' own test of the row's beta (float32,
+    above 1/2) mirrored the JSD before it became a code; the KLs keep their codes at 0 and 1."""
+    from jsdgpu.options import Divergence
+    jsd, mirrored = int(Divergence.JSD), sources.JSD_MIRRORED
+    assert mirrored not in [int(d) for d in Divergence]
+    above = float(np.nextafter(np.float32(0.5), np.float32(1)))  # the float32 next above 1/2
+    cases = [(Divergence.FORWARD_KL, 0.0, int(Divergence.FORWARD_KL)), (Divergence.REVERSE_KL, 1.0,
+             int(Divergence.REVERSE_KL)), (Divergence.JSD, 1e-6, jsd), (Divergence.JSD, 0.5, jsd),
+             (Divergence.JSD, 0.5 + 1e-9, jsd), (Divergence.JSD, above, mirrored), (Divergence.JSD, 0.9, mirrored),
+             (Divergence.JSD, 1 - 1e-6, mirrored)]
+    assert [sources.row_mode(d, beta) for d, beta, _ in cases] == [mode for _, _, mode in cases]
 
 
 def test_another_fused_shape_compiles():

@@ -72,7 +72,7 @@ class _LaunchConfig(ctypes.Structure):
 
 
 class FusedKernel:
-    """The fused row kernel of one dtype and shape on one device, a function per divergence
+    """The fused row kernel of one dtype and shape on one device, a function per row mode
     (compiled at its first launch), and how many of its clusters fit the GPU at once (the most it
     is launched with)."""
 
@@ -81,22 +81,23 @@ class FusedKernel:
         self._functions = {}
         self.max_clusters = None
 
-    def function(self, divergence):
-        if divergence not in self._functions:
-            self._functions[divergence] = self._load(divergence)
-        return self._functions[divergence]
+    def function(self, mode):
+        """The kernel of this row mode (sources.row_mode's)."""
+        if mode not in self._functions:
+            self._functions[mode] = self._load(mode)
+        return self._functions[mode]
 
     def fits(self):
         """Whether a cluster of this shape fits the GPU at all: the wide shapes' 16 CTAs of 1024
         threads need 16 SMs of one GPC, which a Hopper part may not have (where it does not, its
         rows take the phase kernels: online_work.fused_holds). Loads a function if none is."""
         if self.max_clusters is None:
-            self.function(Divergence.JSD)
+            self.function(int(Divergence.JSD))
         return self.max_clusters > 0
 
-    def _load(self, divergence):
+    def _load(self, mode):
         shape = self.shape
-        name = sources.fused_rows(self.dtype, divergence, shape)
+        name = sources.fused_rows(self.dtype, mode, shape)
         function = _module(self.device_id, "fused_rows", (name,), self.source).get_function(name)
         ptr = function.kernel.ptr
         if shape.cluster > 8:  # beyond the portable cluster size: allowed on Hopper, asked for explicitly
@@ -140,11 +141,16 @@ def _row_args(logits_s, logits_t, bias_s, bias_t, target, vs, vt):
             _pointer(bias_s), _pointer(bias_t), target, np.int32(vs), np.int32(vt))
 
 
+def _row_mode(opts):
+    """The online loss's row kernels' mode for these options (sources.row_mode)."""
+    return sources.row_mode(opts.divergence, opts.beta)
+
+
 def launch_fused_rows(kernel, rows, logits_s, logits_t, bias_s, bias_t, target, vs, vt, opts,
                       ce, jsd, G, label_terms, row_counter):
     """The fused row kernel over the first `rows` rows of the chunk's logits (G None: the loss
     alone): as many clusters as fit the GPU at once, each taking rows until none is left."""
-    function = kernel.function(opts.divergence)
+    function = kernel.function(_row_mode(opts))
     row_counter.fill(0)  # the kernel hands out rows past each cluster's first two from it
     args = _row_args(logits_s, logits_t, bias_s, bias_t, target, vs, vt) + (
         np.int32(kernel.slice(vt)), np.int32(rows), np.float32(1.0 / opts.temperature),
@@ -181,14 +187,14 @@ def phase_kl(row_inputs, opts, stats):
     """kl [6, rows]: this rank's part of the fast sums a and b, the precise sum and its weights',
     and the sums of p and q (phase_rows.cu)."""
     kl = cupy.empty((6, stats.shape[1]), np.float32)
-    launch_phase(sources.phase_kl(), row_inputs, opts, np.int32(opts.divergence), np.float32(opts.beta),
+    launch_phase(sources.phase_kl(), row_inputs, opts, np.int32(_row_mode(opts)), np.float32(opts.beta),
                  np.float32(opts.one_minus_beta), *sources.soft_terms(opts.divergence, opts.beta), stats, kl)
     return kl
 
 
 def phase_finish(dtype, row_inputs, opts, stats, kl, ce, jsd, G, label_terms):
     """The rows' CE and JSD values, and with G this rank's gradient columns."""
-    launch_phase(sources.phase_finish(dtype), row_inputs, opts, np.int32(opts.divergence), np.float32(opts.beta),
+    launch_phase(sources.phase_finish(dtype), row_inputs, opts, np.int32(_row_mode(opts)), np.float32(opts.beta),
                  np.float32(opts.one_minus_beta), *sources.soft_terms(opts.divergence, opts.beta),
                  np.float32(opts.weight_hard_loss), np.float32(opts.w_soft_over_t), stats, kl, ce, jsd, _pointer(G),
                  np.int64(0 if G is None else G.shape[1]), _NULL if G is None else label_terms)

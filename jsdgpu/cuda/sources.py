@@ -25,6 +25,18 @@ NVRTC_OPTIONS = OPTIONS + ("--device-as-default-execution-space", "-ftz=true")
 FORMATS = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(ml_dtypes.bfloat16): 2}
 _FORMAT_NAMES = ("OUT_F32", "OUT_F16", "OUT_BF16")
 
+# The online loss's row kernels take the JSD whose weight distribution is q (beta > 1/2:
+# divergences.cuh, Jsd) as a code of its own, so that their column terms hold no test of it
+JSD_MIRRORED = len(Divergence)
+ROW_MODES = tuple(int(d) for d in Divergence) + (JSD_MIRRORED,)
+
+
+def row_mode(divergence, beta):
+    """The online loss's row kernels' mode: the divergence's code, JSD_MIRRORED for the JSD where
+    beta > 1/2 in float32 (as the kernels take beta)."""
+    mirrored = Divergence(divergence) == Divergence.JSD and np.float32(beta) > np.float32(0.5)
+    return JSD_MIRRORED if mirrored else int(divergence)
+
 
 @dataclasses.dataclass(frozen=True)
 class FusedShape:
@@ -125,8 +137,8 @@ def tanh_poly():
     return tuple(np.float32(c) for c in in_x(np.polynomial.Polynomial([-1.0, 2 / top])).coef)
 
 
-def fused_rows(dtype, divergence, shape=FUSED):
-    return (f"fused_rows<{int(divergence)}, {FORMATS[np.dtype(dtype)]}, {shape.cluster}, {shape.threads}, "
+def fused_rows(dtype, mode, shape=FUSED):
+    return (f"fused_rows<{int(mode)}, {FORMATS[np.dtype(dtype)]}, {shape.cluster}, {shape.threads}, "
             f"{shape.groups}, {shape.extra}, {shape.min_ctas}>")
 
 
@@ -223,7 +235,7 @@ _ALL_DTYPES = tuple(FORMATS)
 _16BIT = _ALL_DTYPES[1:]
 # Every instantiation the library launches, by family (the source file's stem)
 FAMILIES = {
-    "fused_rows": [fused_rows(d, m, shape) for shape in FUSED_SHAPES for d in _ALL_DTYPES for m in Divergence],
+    "fused_rows": [fused_rows(d, m, shape) for shape in FUSED_SHAPES for d in _ALL_DTYPES for m in ROW_MODES],
     "phase_rows": [phase_stats(), phase_kl()] + [phase_finish(d) for d in _ALL_DTYPES],
     "gradient_sums": ([scale_cast(d) for d in _16BIT] + [label_rows(d) for d in _ALL_DTYPES]
                       + [scale_rows(d) for d in _ALL_DTYPES] + ["model_logits"]
@@ -245,9 +257,11 @@ def arch(family):
 
 
 def prelude():
-    """The codes the sources use, from Python's: the divergences, the formats, topk_logits' tiles
-    (which topk_finish reads the partials of), and the soft caps' tanh polynomial."""
-    codes = [(d.name, int(d)) for d in Divergence] + list(zip(_FORMAT_NAMES, range(3)))
+    """The codes the sources use, from Python's: the divergences (and the row kernels'
+    JSD_MIRRORED), the formats, topk_logits' tiles (which topk_finish reads the partials of), and
+    the soft caps' tanh polynomial."""
+    codes = [(d.name, int(d)) for d in Divergence] + [("JSD_MIRRORED", JSD_MIRRORED)]
+    codes += list(zip(_FORMAT_NAMES, range(3)))
     codes += [("TOPK_LOGITS_ROWS", TOPK_LOGITS_TILE[0]), ("TOPK_LOGITS_COLUMNS", TOPK_LOGITS_TILE[1]),
               ("TOPK_LOGITS_K_STEP", TOPK_LOGITS_K_STEP), ("TANH_POLY_BELOW", f"{TANH_POLY_BELOW}f")]
     codes += [(f"TANH_P{i}", f"{float(c):.9g}f") for i, c in enumerate(tanh_poly())]

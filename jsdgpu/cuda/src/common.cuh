@@ -1,7 +1,8 @@
 // What every kernel family shares: float constants, the fast exp2 and log2, the 16-bit output
-// formats and float4 helpers. The mode codes (FORWARD_KL, JSD, REVERSE_KL) and the format codes
-// (OUT_F32, OUT_F16, OUT_BF16) are defined ahead of this header by the loader
-// (jsdgpu/cuda/sources.py), from the Python enums that the launchers use too.
+// formats and float4 helpers. The mode codes (FORWARD_KL, JSD, REVERSE_KL, and the row kernels'
+// JSD_MIRRORED) and the format codes (OUT_F32, OUT_F16, OUT_BF16) are defined ahead of this header
+// by the loader (jsdgpu/cuda/sources.py), from the Python enums and codes that the launchers use
+// too.
 #pragma once
 
 #define NEG_INF __int_as_float(0xff800000)

@@ -42,7 +42,7 @@ __device__ __forceinline__ float w_phi(const Column& c) { return fmaf(c.o, fmaf(
 //     ref_h<SMALL_B>(s_ref, t_ref, r, soft_b, poly) (r.c_h 0) and shift every column's h and the
 //     row's kl by it (column's h less it: c_h = h_shift(h_ref, r)).
 //   SMALL_B: whether it has a variant for a small mixture weight b (< SMALL_B_BELOW).
-//   weight_is_q(r): whether its weight distribution is q (mirrored).
+//   weight_is_q(r): whether its weight distribution is q (mirrored; a constant of each code).
 //   column<SMALL_B, STRAIGHT>(c, r, soft_b, k): a column's h, a and b into k; returns what its
 //     far_soft takes (the JSD's; 0 elsewhere). STRAIGHT: by selects, not branches (column_terms).
 //   far_soft<SMALL_B>(c, k, r, soft_b, far): the column's precise term where |d| >= 1 (below 1,
@@ -142,12 +142,16 @@ struct Divergence<REVERSE_KL> {
 };
 
 // The generalized JSD, beta KL(q || m) + (1 - beta) KL(p || m), m = (1 - beta) p + beta q: weight
-// p (q where beta > 1/2), b its mixture weight of the other; dz = (1 - beta) p (h - kl), h =
-// lp - lm relative to a reference column (a saturated row: row_math.cuh, "A sharp row")
-template <>
-struct Divergence<JSD> {
+// p (q where beta > 1/2: MIRRORED, the code JSD_MIRRORED), b its mixture weight of the other; dz =
+// (1 - beta) p (h - kl), h = lp - lm relative to a reference column (a saturated row:
+// row_math.cuh, "A sharp row"). Which distribution weighs is the kernel's constant, not a test of
+// the row's beta: its selects took 4 of pass 2's 59 instructions a column, and the kernel 4-6% of
+// its time (docs/design.md, "Where a divergence's math lives").
+template <bool MIRRORED>
+struct Jsd {
   enum : bool { RELATIVE_H = true, SMALL_B = true, GRAD_OF_P = true };
-  __device__ static __forceinline__ bool weight_is_q(const RowMath& r) { return r.beta > 0.5f; }
+  static constexpr int CODE = MIRRORED ? JSD_MIRRORED : JSD;
+  __device__ static __forceinline__ bool weight_is_q(const RowMath&) { return MIRRORED; }
   template <bool SMALL, bool STRAIGHT>
   __device__ static __forceinline__ float column(const Column& c, const RowMath& r, float soft_b, ColumnTerms& k) {
     const bool mirrored = weight_is_q(r);
@@ -219,7 +223,7 @@ struct Divergence<JSD> {
   template <bool SMALL>
   __device__ static __forceinline__ float ref_h(float s_ref, float t_ref, const RowMath& r, float soft_b,
                                                 const SoftPoly& poly) {
-    return column_terms<JSD, SMALL>(s_ref, t_ref, r, soft_b, poly).h;
+    return column_terms<CODE, SMALL>(s_ref, t_ref, r, soft_b, poly).h;
   }
   __device__ static __forceinline__ float h_shift(float h_ref, const RowMath&) { return h_ref; }
   __device__ static __forceinline__ float grad_factor(const RowMath& r) {
@@ -249,18 +253,27 @@ struct Divergence<JSD> {
   __device__ static __forceinline__ double rest_b(double) { return 0.0; }
 };
 
+template <>
+struct Divergence<JSD> : Jsd<false> {};
+template <>
+struct Divergence<JSD_MIRRORED> : Jsd<true> {};
+
 template <int M>
 struct Mode {
   static constexpr int value = M;
 };
 
-// f(Mode<MODE>()) for the runtime mode: every divergence's code
-template <typename F>
+// f(Mode<MODE>()) for the runtime mode: every divergence's code. MIRRORED_JSD: whether the kernel
+// takes JSD_MIRRORED (the online loss's row kernels); the top-k's categories weigh by neither
+// distribution, and its kernels take the JSD's code for every beta
+template <bool MIRRORED_JSD = true, typename F>
 __device__ __forceinline__ void mode_dispatch(int mode, F&& f) {
   if (mode == FORWARD_KL)
     f(Mode<FORWARD_KL>());
   else if (mode == JSD)
     f(Mode<JSD>());
+  else if (MIRRORED_JSD && mode == JSD_MIRRORED)
+    f(Mode<MIRRORED_JSD ? JSD_MIRRORED : JSD>());
   else
     f(Mode<REVERSE_KL>());
 }

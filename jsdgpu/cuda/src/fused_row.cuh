@@ -162,7 +162,7 @@ struct FusedRow {
                           // With branches (column_terms' STRAIGHT false), and in the KLs one column
                           // at a time: each other way some mode spilled (here or under NVRTC 13.5:
                           // tests/test_cuda_sources.py)
-#pragma unroll(MODE == JSD ? 4 : 1)
+#pragma unroll((MODE == JSD || MODE == JSD_MIRRORED) ? 4 : 1)
         for (int j = 0; j < 4; ++j) {
           const float2 ph = column_sum<MODE, FOLD, SMALL_B, false>(extra_value(k, 0, j), extra_value(k, 1, j), sums, poly);
           extra_value(k, 1, j) = ph.y;

@@ -4,9 +4,10 @@
 // so that each exp is one ex2 of one FFMA and each log one lg2. The log-ratio h and the KL sums
 // a and b are in bits; they turn into natural units (times ln 2) once per row.
 //
-// MODE (FORWARD_KL, JSD, REVERSE_KL) is a template parameter: the kernels' inner loops hold no
-// branch on it. Each kernel switches on its mode argument once (mode_dispatch). What differs
-// between the divergences is Divergence<MODE>'s (divergences.cuh); what they share is here.
+// MODE (FORWARD_KL, JSD, JSD_MIRRORED, REVERSE_KL) is a template parameter: the kernels' inner
+// loops hold no branch on it. Each kernel switches on its mode argument once (mode_dispatch).
+// What differs between the divergences is Divergence<MODE>'s (divergences.cuh); what they share
+// is here.
 #pragma once
 
 #include "common.cuh"

@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(THREADS, 3) topk_rows(const float* S, long lon
                                                      double one_minus_beta, float w_hard, float w_soft_over_t,
                                                      float* ce_out, float* soft_out, void* G, long long ldg,
                                                      float* label_terms, float* row_scale) {
-  mode_dispatch(mode, [&](auto m) {
+  mode_dispatch<false>(mode, [&](auto m) {
     topk_rows_body<decltype(m)::value, OUT, THREADS, STAGES>(S, lds, bias_s, target, vs, ids, lq, k, scale2, bucket, beta,
                                                      one_minus_beta, w_hard, w_soft_over_t, ce_out, soft_out, G,
                                                      ldg, label_terms, row_scale);
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(THREADS, 640 / THREADS)  // 20 warps an SM at 
                 const unsigned short* ws, int hs, const float* bias, const unsigned* bitmap, int words, int* ready,
                 const int* slots_before) {
   const FromProduct fp = {partials, n_tiles, ref, xs, ws, hs, bias, bitmap, words, ready, slots_before};
-  mode_dispatch(mode, [&](auto m) {
+  mode_dispatch<false>(mode, [&](auto m) {
     topk_rows_body<decltype(m)::value, OUT_BF16, THREADS, 1, true>(
         S, lds, nullptr, target, vs, ids, lq, k, LOG2E, bucket, beta, one_minus_beta, w_hard, w_soft_over_t,
         ce_out, soft_out, G, ldg, label_terms, row_scale, fp);
