@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jsdgpu.cuda import sources
+from jsdgpu.options import Divergence
 
 
 def compile_sm90(source, names, arch="sm_90"):
@@ -85,8 +86,7 @@ def test_each_teacher_vocabulary_takes_the_narrowest_fused_shape_that_holds_it()
 
 def test_the_row_kernels_mirror_the_jsd_where_they_took_beta_above_a_half_in_float32():
     """sources.row_mode: JSD_MIRRORED exactly where the kernels' own test of the row's beta (float32,
-    above 1/2) mirrored the JSD before it became a code; the KLs keep their codes at 0 and 1."""
-    from jsdgpu.options import Divergence
+    above 1/2) mirrored the JSD before it became a code; the KLs (beta 0 and 1) keep their codes."""
     jsd, mirrored = int(Divergence.JSD), sources.JSD_MIRRORED
     assert mirrored not in [int(d) for d in Divergence]
     above = float(np.nextafter(np.float32(0.5), np.float32(1)))  # the float32 next above 1/2
