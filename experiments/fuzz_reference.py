@@ -61,7 +61,8 @@ online loss's seeds 8200-8499 flag none, the top-k loss's 8700-8999 none, and th
 jsdgpu.torch compiled, seeds 7060-7119 of each loss none, and eagerly 7350-7499 of each none; on
 the GPU (one H100), the online loss's seeds 9400-9799 none. On the CPU (the code of 6791910): the
 online loss's seeds 8500-8799 none, the top-k loss's 9000-9299 none, and through jsdgpu.torch
-eagerly, seeds 7500-7559 of each loss none.
+eagerly, seeds 7500-7559 of each loss none; compiled, seeds 7120-7149 of each flag only 7146, as
+above.
 """
 
 import argparse
