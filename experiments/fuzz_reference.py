@@ -59,7 +59,7 @@ docs/design.md, "Numerics"), seeds 9000-9399 of the online loss flag 9291 alone,
 a cap of 1 (scale 40), flagged alike on the CPU. On the CPU since (the code of c9ff5ad): the
 online loss's seeds 8200-8499 flag none, the top-k loss's 8700-8999 none, and through
 jsdgpu.torch compiled, seeds 7060-7119 of each loss none, and eagerly 7350-7499 of each none; on
-the GPU (one H100), the online loss's seeds 9400-9799 none. On the CPU (the code of 6791910): the
+the GPU (one H100), the online loss's seeds 9400-9799 none. On the CPU (the code of 50bfb31): the
 online loss's seeds 8500-8799 none, the top-k loss's 9000-9299 none, and through jsdgpu.torch
 eagerly, seeds 7500-7559 of each loss none; compiled, seeds 7120-7149 of each flag only 7146, as
 above.
