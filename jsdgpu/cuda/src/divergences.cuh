@@ -268,12 +268,19 @@ struct Mode {
 // distribution, and its kernels take the JSD's code for every beta
 template <bool MIRRORED_JSD = true, typename F>
 __device__ __forceinline__ void mode_dispatch(int mode, F&& f) {
-  if (mode == FORWARD_KL)
+  if (mode == FORWARD_KL) {
     f(Mode<FORWARD_KL>());
-  else if (mode == JSD)
+    return;
+  }
+  if (mode == JSD) {
     f(Mode<JSD>());
-  else if (MIRRORED_JSD && mode == JSD_MIRRORED)
-    f(Mode<MIRRORED_JSD ? JSD_MIRRORED : JSD>());
-  else
-    f(Mode<REVERSE_KL>());
+    return;
+  }
+  if constexpr (MIRRORED_JSD) {
+    if (mode == JSD_MIRRORED) {
+      f(Mode<JSD_MIRRORED>());
+      return;
+    }
+  }
+  f(Mode<REVERSE_KL>());
 }
