@@ -33,7 +33,9 @@ the row's scale, weight 206 over temperature 0.05), and 2494, a student deep in 
 top-k loss (--topk, seeds 0-1999, 2026-12-06): 3 flagged (214, 608, 894), each a student deep
 in a cap of 1 (scale x / c up to 33-127), each within 1.4e-6 with a cap of 30 in its place.
 A top-k teacher whose slots hold all of its mass in reverse KL gives an infinite divergence, as
-the reference does; such draws count as right. On the GPU (one H100, 2026-12-06): the online
+the reference does; such draws count as right, their gradients wherever both sides are
+non-finite (NaN where an inf meets a capped student's derivative that float32 rounds to 0, inf
+in float64). On the GPU (one H100, 2026-12-06): the online
 loss's seeds 2000-2599 flag 2494 alone (2077 is right there: every such column's h the same); the
 top-k loss's seeds 0-599 flag 214 (the cap), and 326 and 460, the hard part alone on rows whose
 label holds all but 7e-9 of the mass: their CE of 7e-9 came out -1.6e-7 before the kernels wrote
@@ -64,7 +66,11 @@ online loss's seeds 8500-8799 none, the top-k loss's 9000-9299 none, and through
 eagerly, seeds 7500-7559 of each loss none; compiled, seeds 7120-7149 of each flag only 7146, as
 above. On the GPU (one H100, the code of 86987ad), the online loss's seeds 9800-10199 flag 10117
 alone, flagged alike on the CPU: a sharp row (T = 3, one row weighted 0.87 and two 0, its label 14
-nats ahead, beta 1), whose gradient of 1e-5 came out 1e-8 off, right absolutely as 7146.
+nats ahead, beta 1), whose gradient of 1e-5 came out 1e-8 off, right absolutely as 7146. On the
+CPU (the code of 50bfb31), the online loss's seeds 10200-10499 flag none; the top-k loss's
+9300-9599 flag 9527, a student deep in a cap of 5 at scale 5 (x / c up to 7), and flagged 9382,
+an infinite reverse KL whose gradient was NaN at two columns deep in the student's cap where
+the reference's is inf, before such gradients counted as right (above).
 """
 
 import argparse
@@ -193,18 +199,23 @@ def errors(arrays, weights, opts, run, upstream, call):
         factor = max(1, int((arrays["target"] != -100).sum())) / run["num_valid_tokens"]
         want = [None if w is None else w * factor for w in want]
 
-    def rel(got, w):
+    def rel(got, w, any_non_finite=False):
         got, w = np.asarray(got, np.float64), np.asarray(w, np.float64)
         # an infinite divergence (a teacher's top-k that holds all of its mass, in reverse KL) is
-        # right where it is the reference's infinity, or its NaN (times a weight of 0)
+        # right where it is the reference's infinity, or its NaN (times a weight of 0); its
+        # gradients, where non-finite on both sides (any_non_finite): an inf times a cap's
+        # derivative that float32 rounds to 0 is NaN where float64's is inf
         finite = np.isfinite(got) & np.isfinite(w)
-        if not ((got == w) | (np.isnan(got) & np.isnan(w)))[~finite].all():
+        same = np.isfinite(got) == np.isfinite(w) if any_non_finite else (got == w) | (np.isnan(got) & np.isnan(w))
+        if not same[~finite].all():
             return np.inf
         got, w = got[finite], w[finite]
         return float(np.linalg.norm(got - w) / max(np.linalg.norm(w), 1e-6))
-    found = dict(loss=rel(loss, want[0]), grad_input=rel(grads[0], want[3]), grad_weight=rel(grads[1], want[4]))
+    infinite = bool(np.isinf(np.asarray(want[0], np.float64)).any())
+    found = dict(loss=rel(loss, want[0]), grad_input=rel(grads[0], want[3], infinite),
+                 grad_weight=rel(grads[1], want[4], infinite))
     if grads[2] is not None:
-        found["grad_bias"] = rel(grads[2], want[5])
+        found["grad_bias"] = rel(grads[2], want[5], infinite)
     return found
 
 
