@@ -70,7 +70,13 @@ nats ahead, beta 1), whose gradient of 1e-5 came out 1e-8 off, right absolutely 
 CPU (the code of 50bfb31), the online loss's seeds 10200-10499 flag none; the top-k loss's
 9300-9599 flag 9527, a student deep in a cap of 5 at scale 5 (x / c up to 7), and flagged 9382,
 an infinite reverse KL whose gradient was NaN at two columns deep in the student's cap where
-the reference's is inf, before such gradients counted as right (above).
+the reference's is inf, before such gradients counted as right (above). On the GPU (one H100,
+the code of bd52bf5): the top-k loss's seeds 10200-10599 flag none; through jsdgpu.torch eagerly,
+seeds 7600-7749 of the online loss none and of the top-k loss 7747 alone, a label that holds all
+but 1e-39 of its row at a logit of 72, whose p - 1 the top-k kernel takes 7.6e-7 off (its
+logsumexp's round trip through nats: docs/design.md, "Numerics"; right on the CPU); compiled,
+seeds 7150-7169 of each none. On the CPU through jsdgpu.torch eagerly, seeds 7560-7659 of each
+loss none.
 """
 
 import argparse
