@@ -195,14 +195,22 @@ def test_confident_rows_cross_entropy(xp, rng, loss, vt):
 
 
 @pytest.mark.parametrize("options,vt", [({}, 1031), (dict(temperature=2.0), 1031),
-                                        (dict(student_logit_scale=1.5), 1031), ({}, 1040), ({}, 327680 + 9)])
-def test_confident_rows_gradient_at_the_label(xp, rng, options, vt):
+                                        (dict(student_logit_scale=1.5), 1031), ({}, 1040), ({}, 327680 + 9),
+                                        ({}, None), (dict(temperature=2.0), None),
+                                        (dict(student_logit_scale=1.5, missing_mass="renormalize"), None)])
+def test_confident_rows_gradient_at_the_label(request, xp, rng, options, vt):
     """Rows whose label holds all but 4e-9 to 5e-3 of the mass, at logits of 30-120 (logsumexps of
     up to 173 bits, whose float32 rounding is up to 8e-6 bits): the gradient at the label, p - 1,
     is right to LABEL_P_ABS absolutely (docs/contract.md, "Numerics"), as the label's own term over
     the row's sum; from the logsumexp rounded to float32, p was up to 5e-6 off. The fused kernel
     with softmax(s) p, with a temperature, with the model's derivative folded into p, with pad
-    columns, and the phase kernels (a teacher past 327680)."""
+    columns, and the phase kernels (a teacher past 327680); the top-k loss (vt None), whose GPU
+    kernel takes the logsumexp through nats and back, which puts p - 1 off by 1.06e-8 of the logit
+    (1.3e-6 at 120): expected to fail there until that is mended (docs/design.md, "Numerics"),
+    strictly, so that the mend shows."""
+    if vt is None and xp is not np:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError,
+                                              reason="the top-k kernel's logsumexp through nats and back"))
     error, rest = confident_rows_label_error(xp, rng, options, vt)
     assert error.max() <= LABEL_P_ABS, (error.max(), rest[error.argmax()])
 
@@ -210,7 +218,9 @@ def test_confident_rows_gradient_at_the_label(xp, rng, options, vt):
 def confident_rows_label_error(xp, rng, options, vt):
     """(each row's error in p - 1 at its label, the rows' 1 - p) of a call of 32 such rows: the
     hard part alone, each row on an axis of the hidden space of its own, so that
-    grad_weight[label, axis] / size is the row's G at its label (the model's derivative times p - 1)."""
+    grad_weight[label, axis] / size is the row's G at its label (the model's derivative times p - 1).
+    vt None: the top-k loss, four slots a row, the label among them in half the rows (the slots'
+    pass) and not in the others (the rest's)."""
     T = H = 32
     vs = 1031
     labels = rng.choice(np.arange(300, vs), T, replace=False)  # past the CPU's first 256 columns
@@ -222,11 +232,19 @@ def confident_rows_label_error(xp, rng, options, vt):
     weight[labels, axis] = 1.0
     weight = weight.astype(np.float32)
     x = (np.eye(H)[axis] * size[:, None]).astype(np.float32)
-    teacher_weight = np.concatenate([weight, rng.standard_normal((vt - vs, H)).astype(np.float32)])
-    arrays = dict(student_input=x, student_weight=weight, teacher_input=x, teacher_weight=teacher_weight,
-                  target=labels)
-    _, ctx = jsdgpu.forward(**to_xp(arrays, xp), weight_hard_loss=1.0, weight_soft_loss=0.0, reduction="sum",
-                            **options)
+    opts = dict(weight_hard_loss=1.0, weight_soft_loss=0.0, reduction="sum", **options)
+    if vt is None:
+        others = np.array([rng.choice(np.setdiff1d(np.arange(vs), [y]), 4, replace=False) for y in labels])
+        others[::2, 0] = labels[::2]
+        lq = np.log(np.tile(np.float32([0.4, 0.3, 0.2, 0.05]), (T, 1)))
+        arrays = dict(student_input=x, student_weight=weight, teacher_indices=others, teacher_logprobs=lq,
+                      target=labels)
+        _, ctx = jsdgpu.forward_topk(**to_xp(arrays, xp), **opts)
+    else:
+        teacher_weight = np.concatenate([weight, rng.standard_normal((vt - vs, H)).astype(np.float32)])
+        arrays = dict(student_input=x, student_weight=weight, teacher_input=x, teacher_weight=teacher_weight,
+                      target=labels)
+        _, ctx = jsdgpu.forward(**to_xp(arrays, xp), **opts)
     _, grad_weight, _ = jsdgpu.backward(ctx)
     scale = options.get("student_logit_scale", 1.0)
     z = scale * (x.astype(np.float64) @ weight.T.astype(np.float64))
