@@ -234,10 +234,10 @@ def confident_rows_label_error(xp, rng, options, vt):
     x = (np.eye(H)[axis] * size[:, None]).astype(np.float32)
     opts = dict(weight_hard_loss=1.0, weight_soft_loss=0.0, reduction="sum", **options)
     if vt is None:
-        others = np.array([rng.choice(np.setdiff1d(np.arange(vs), [y]), 4, replace=False) for y in labels])
-        others[::2, 0] = labels[::2]
+        ids = np.array([rng.choice(np.setdiff1d(np.arange(vs), [y]), 4, replace=False) for y in labels])
+        ids[::2, 0] = labels[::2]
         lq = np.log(np.tile(np.float32([0.4, 0.3, 0.2, 0.05]), (T, 1)))
-        arrays = dict(student_input=x, student_weight=weight, teacher_indices=others, teacher_logprobs=lq,
+        arrays = dict(student_input=x, student_weight=weight, teacher_indices=ids, teacher_logprobs=lq,
                       target=labels)
         _, ctx = jsdgpu.forward_topk(**to_xp(arrays, xp), **opts)
     else:
