@@ -98,16 +98,13 @@ def library(a):
     import jsdgpu
     from conftest import LABEL_P_ABS
     from test_model_logits import test_label_dominant_rows
-    from test_numerics import confident_rows_label_error
+    from test_numerics import CONFIDENT_ROWS_CASES, confident_rows_label_error
 
     xp = importlib.import_module(a.library)
     print("jsdgpu from", pathlib.Path(jsdgpu.__file__).parent)
-    cases = [({}, 1031), (dict(temperature=2.0), 1031), (dict(student_logit_scale=1.5), 1031), ({}, 1040),
-             ({}, 327680 + 9), ({}, None), (dict(temperature=2.0), None),
-             (dict(student_logit_scale=1.5, missing_mass="renormalize"), None)]  # the test's (vt None: top-k)
     print(f"| case, seeds 0-{a.seeds - 1} | largest error of p - 1 | calls past {LABEL_P_ABS:g} |")
     print("| --- | --- | --- |")
-    for options, vt in cases:
+    for options, vt in CONFIDENT_ROWS_CASES:
         errors = [confident_rows_label_error(xp, np.random.default_rng(seed), options, vt)[0].max()
                   for seed in range(a.seeds)]
         print(f"| {options or 'softmax(s) = p'}, vt {vt} | {max(errors):.2e} | {sum(e > LABEL_P_ABS for e in errors)} |")
