@@ -73,8 +73,9 @@ an infinite reverse KL whose gradient was NaN at two columns deep in the student
 the reference's is inf, before such gradients counted as right (above). On the GPU (one H100,
 the code of bd52bf5): the top-k loss's seeds 10200-10599 flag none; through jsdgpu.torch eagerly,
 seeds 7600-7749 of the online loss none and of the top-k loss 7747 alone, a label that holds all
-but 1e-39 of its row at a logit of 72, whose p - 1 the top-k kernel takes 7.6e-7 off (its
-logsumexp's round trip through nats: docs/design.md, "Numerics"; right on the CPU); compiled,
+but 1e-39 of its row at a logit of 72, whose p - 1 the top-k kernel took 7.6e-7 off (its
+logsumexp's round trip through nats, mended since: docs/design.md, "Numerics"; right on the
+CPU); compiled,
 seeds 7150-7169 of each none. On the CPU through jsdgpu.torch eagerly, seeds 7560-7659 of each
 loss none.
 """

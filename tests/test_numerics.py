@@ -202,19 +202,15 @@ CONFIDENT_ROWS_CASES = [({}, 1031), (dict(temperature=2.0), 1031), (dict(student
 
 
 @pytest.mark.parametrize("options,vt", CONFIDENT_ROWS_CASES)
-def test_confident_rows_gradient_at_the_label(request, xp, rng, options, vt):
+def test_confident_rows_gradient_at_the_label(xp, rng, options, vt):
     """Rows whose label holds all but 4e-9 to 5e-3 of the mass, at logits of 30-120 (logsumexps of
     up to 173 bits, whose float32 rounding is up to 8e-6 bits): the gradient at the label, p - 1,
     is right to LABEL_P_ABS absolutely (docs/contract.md, "Numerics"), as the label's own term over
     the row's sum; from the logsumexp rounded to float32, p was up to 5e-6 off. The fused kernel
     with softmax(s) p, with a temperature, with the model's derivative folded into p, with pad
     columns, and the phase kernels (a teacher past 327680); the top-k loss (vt None), whose GPU
-    kernel takes the logsumexp through nats and back, which puts p - 1 off by 1.06e-8 of the logit
-    (1.3e-6 at 120): expected to fail there until that is mended (docs/design.md, "Numerics"); not
-    strictly, since a draw whose rows all lie below a logit of about 104 may pass."""
-    if vt is None and xp is not np:
-        request.applymarker(pytest.mark.xfail(raises=AssertionError,
-                                              reason="the top-k kernel's logsumexp through nats and back"))
+    kernel takes p against the logsumexp in the bits it was summed in, where its round trip through
+    nats put p - 1 off by 1.06e-8 of the logit (1.3e-6 at 120)."""
     error, rest = confident_rows_label_error(xp, rng, options, vt)
     assert error.max() <= LABEL_P_ABS, (error.max(), rest[error.argmax()])
 

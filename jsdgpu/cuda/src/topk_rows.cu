@@ -236,7 +236,10 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
     }
     st = block_all<THREADS>(ts.parts(rest_sum));
   }
-  const double lse_s = lse_bits(st.s) * LN2, lse_z2 = lse_bits(st.z), lse_rest2 = lse_bits(st.rest);
+  // s's logsumexp stays in the bits it was summed in (x LOG2E): the softmax's 2^(x LOG2E - lse_s2)
+  // is then 1 at a label that holds all of the mass. Taken to nats by LN2 and back by LOG2E (their
+  // float32 product is 1 - 1.06e-8), p - 1 came out 1.1e-8 |x| off there: 1.3e-6 at logits of 120
+  const double lse_s2 = lse_bits(st.s), lse_z2 = lse_bits(st.z), lse_rest2 = lse_bits(st.rest);
 
   if constexpr (FUSED)  // the slots' logits from their places (each thread reads back only its own slots)
 #pragma unroll 4
@@ -289,6 +292,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
                                                               log_one_minus_beta)
                                : Category{0.0, 0.0, 0.0};
   const double soft = sums.soft + rest.d, u_bar = sums.pu + rest.pu;
+  const double lse_s = lse_s2 * (1.0 / (double)LOG2E);  // in the logits' units, the bits' own way back
   const bool label_apart = G != nullptr && target_logit - (float)lse_s < -LN2;  // softmax(s)[y] < 1/2
   if (threadIdx.x == 0) {
     const double ce = lse_s - (double)target_logit;
@@ -300,7 +304,7 @@ __device__ __forceinline__ void topk_rows_body(const float* __restrict__ S, long
 
   // 4. the gradient row: every column as the rest's (RestGradient), then the slots' columns
   //    written over
-  const double lse_s2 = lse_s * LOG2E, lse_p2 = lse_z2 + p_shift * LOG2E;
+  const double lse_p2 = lse_z2 + p_shift * LOG2E;
   const RestGradient g(lse_s2, lse_p2, lse_rest2, bucket ? Divergence<MODE>::rest_a(u_bar, rest) : 0.0,
                        bucket ? Divergence<MODE>::rest_b(lq_rest) : 0.0, scale2, w_hard, w_soft_over_t);
   const int label = label_apart ? -1 : y;  // where G takes the label's one-hot term
