@@ -5,9 +5,22 @@ its gradient written over the student's logits, which are restored, untimed, bef
 its statistics, KL sums, results and gradient row on one chunk of logits, the teacher the
 student plus noise, for each divergence at temperatures 1 and 2, with the gradient; the best of
 five calls after one, ms. It times the jsdgpu that PYTHONPATH gives (this script puts no path of
-its own first), so two codes compare in turns, each with a Numba cache of its own (the older
-codes' kernels are keyed by rows.py alone, and would not see a change made in a module they
-inline):
+its own first). With --against DIR, another code (DIR/jsdgpu) is imported under another name and
+each call of this one is paired with a call of it, in turns in one process; the median of the
+pairs' ratios is the comparison to read on a machine whose speed moves from minute to minute (this
+project's CI kind: the same code's JSD took from 14.5 to 27.6 ms a call, process to process, in
+one hour on 2026-12-07):
+
+    mkdir -p /tmp/old && git archive a2d5ccf jsdgpu | tar -x -C /tmp/old
+    PYTHONPATH=. python experiments/cpu_row_kernel.py --against /tmp/old --beta 0.5 0.25 --temperature 1 --repeats 31
+
+Answer (2026-12-07, the CI's kind, two runs; a2d5ccf's JSD with nine terms of its mixture log
+against six from b = 1/3: docs/design.md, "The CPU backend"): at beta 1/2 the older code took
+1.045 and 1.063 times this one's time (best calls 15.27 / 14.70 and 15.55 / 14.71 ms), at beta
+1/4, where both take nine, 1.006 and 1.003.
+
+Or two codes in processes in turns, each with a Numba cache of its own (the older codes' kernels
+are keyed by rows.py alone, and would not see a change made in a module they inline):
 
     mkdir -p /tmp/old && git archive d2285bd jsdgpu | tar -x -C /tmp/old
     for r in 1 2; do
@@ -32,6 +45,11 @@ against 10.61-11.33, 8.16-8.45 against 8.49-8.77: 1-5% less in every run but for
 """
 
 import argparse
+import importlib
+import pathlib
+import shutil
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -42,46 +60,65 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--noise", type=float, default=1.0, help="the teacher's logits: the student's plus this times N(0, 1)")
+    p.add_argument("--beta", type=float, nargs="+", default=[0.0, 0.5, 1.0])
+    p.add_argument("--temperature", type=float, nargs="+", default=[1.0, 2.0])
+    p.add_argument("--repeats", type=int, default=6, help="calls of each code per case, the first not counted")
     p.add_argument("--placements", action="store_true",
                    help="each case also with the logits in NumPy's own arrays (16 bytes past a cache line), the two "
                         "in turns, where the backend's buffers start on a line (jsdgpu.cpu.steps.row_buffer)")
+    p.add_argument("--against", type=pathlib.Path, metavar="DIR",
+                   help="a directory holding another jsdgpu (git archive REV jsdgpu | tar -x -C DIR): imported "
+                        "under another name, its kernel and this one called in turns in this one process, and the "
+                        "median of each pair's ratio printed (a noisy machine moves both alike)")
     a = p.parse_args(argv)
 
-    from jsdgpu.cpu.online_work import CpuOnlineRows, CpuWork
-    from jsdgpu.options import LossOptions
-    try:
-        from jsdgpu.cpu.steps import row_buffer
-    except ImportError:  # a code from before the backend's own buffers (its logits were NumPy's arrays)
-        def row_buffer(*shape):
-            return np.empty(shape, np.float32)
+    codes = {"this": "jsdgpu"}
+    if a.against:
+        renamed = pathlib.Path(tempfile.mkdtemp(prefix="jsdgpu_against_"))
+        shutil.copytree(a.against / "jsdgpu", renamed / "jsdgpu_against")  # (its imports are relative)
+        sys.path.insert(0, str(renamed))
+        codes["against"] = "jsdgpu_against"
 
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((a.tokens, a.vocab), dtype=np.float32) * 4
     teacher = logits + rng.standard_normal((a.tokens, a.vocab), dtype=np.float32) * np.float32(a.noise)
     target = rng.integers(0, a.vocab, a.tokens).astype(np.int32)
     ce, jsd, label_terms = (np.empty(a.tokens, np.float32) for _ in range(3))
-    placements = {"backend's buffers": row_buffer}
-    if a.placements:
-        placements["NumPy's arrays"] = lambda *shape: np.empty(shape, np.float32)
-    works = {}
-    for name, empty in placements.items():
-        s, t = empty(*logits.shape), empty(*logits.shape)  # G is written over s: restored before each call
-        t[...] = teacher
-        works[name] = CpuWork(None, None, None, None, s, t, fused=True)
-    print("| divergence | temperature | " + " | ".join(f"ms, {name}" for name in works) + " |\n"
-          + "| --- " * (2 + len(works)) + "|")
-    for beta in (0.0, 0.5, 1.0):
-        for temperature in (1.0, 2.0):
-            opts = LossOptions(beta=beta, temperature=temperature)
+    works = {}  # name: (the code's CpuOnlineRows, its LossOptions, its work)
+    for code, package in codes.items():
+        online_work = importlib.import_module(package + ".cpu.online_work")
+        loss_options = importlib.import_module(package + ".options").LossOptions
+        try:
+            row_buffer = importlib.import_module(package + ".cpu.steps").row_buffer
+        except AttributeError:  # a code from before the backend's own buffers (its logits were NumPy's arrays)
+            def row_buffer(*shape):
+                return np.empty(shape, np.float32)
+        placements = {"backend's buffers": row_buffer}
+        if a.placements and code == "this":
+            placements["NumPy's arrays"] = lambda *shape: np.empty(shape, np.float32)
+        for where, empty in placements.items():
+            s, t = empty(*logits.shape), empty(*logits.shape)  # G is written over s: restored before each call
+            t[...] = teacher
+            name = where if len(codes) == 1 else code
+            works[name] = online_work.CpuOnlineRows, loss_options, online_work.CpuWork(None, None, None, None, s, t,
+                                                                                       fused=True)
+    ratio = " | against ÷ this, median of the pairs" if a.against else ""
+    print("| divergence | beta | temperature | " + " | ".join(f"ms, {name}" for name in works) + f"{ratio} |\n"
+          + "| --- " * (3 + len(works) + bool(a.against)) + "|")
+    for beta in a.beta:
+        for temperature in a.temperature:
             times = {name: [] for name in works}
-            for _ in range(6):  # (the first: compilation, or Numba's cache)
-                for name, work in works.items():
+            for _ in range(a.repeats):  # (the first: compilation, or Numba's cache)
+                for name, (online_rows, loss_options, work) in works.items():
+                    opts = loss_options(beta=beta, temperature=temperature)
                     work.s[...] = logits
                     start = time.perf_counter()
-                    CpuOnlineRows.fused_rows(work, target, opts, ce, jsd, work.s, label_terms)  # (the backend's call)
+                    online_rows.fused_rows(work, target, opts, ce, jsd, work.s, label_terms)  # (the backend's call)
                     times[name].append(time.perf_counter() - start)
-            print(f"| {opts.divergence.name.lower()} | {temperature:g} | "
-                  + " | ".join(f"{min(ts[1:]) * 1e3:.2f}" for ts in times.values()) + " |")
+            pairs = (f" | {np.median(np.array(times['against'][1:]) / np.array(times['this'][1:])):.3f}"
+                     if a.against else "")
+            print(f"| {opts.divergence.name.lower()} | {beta:g} | {temperature:g} | "
+                  + " | ".join(f"{min(ts[1:]) * 1e3:.2f}" for ts in times.values()) + f"{pairs} |")
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ def test_cpu_row_functions_divide_on_vectors(rng, row_options):
 
     import numba
     from jsdgpu.cpu import fused_row, rows
-    from jsdgpu.cpu.divergences import JSD, precise_terms
+    from jsdgpu.cpu.divergences import JSD, mixture_form, precise_terms
     from jsdgpu.options import Divergence
     f32 = np.float32
     s, t = rng.standard_normal(40, dtype=f32), rng.standard_normal(40, dtype=f32)
@@ -191,7 +191,8 @@ def test_cpu_row_functions_divide_on_vectors(rng, row_options):
     row = (f32(0.0), f32(1.0), f32(0.0), f32(0.0), False, f32(0.5), f32(0.5), f32(b))
     compile_ = rows._row_function if row_options else numba.njit(fastmath=rows.FAST)
     row_sums = compile_(fused_row.row_sums.py_func)
-    row_sums(s, t, p, h, f32(1 / p.sum()), f32(1 / h.sum()), JSD, False, row, tuple(poly), f32(0.5), f32(0.5), s, t)
+    row_sums(s, t, p, h, f32(1 / p.sum()), f32(1 / h.sum()), JSD, mixture_form(f32(b)), row, tuple(poly), f32(0.5),
+             f32(0.5), s, t)
     ir = "".join(row_sums.inspect_llvm().values())
     vector_divisions = re.findall(r"fdiv[^\n]*<\d+ x float>", ir)
     assert (len(vector_divisions) > 0) == row_options

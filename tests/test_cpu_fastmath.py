@@ -74,14 +74,17 @@ def test_max32(rng):
     assert np.isnan(max32(np.array([1.0, np.nan, 2.0], np.float32)))
 
 
-@pytest.mark.parametrize("b", [1.0 / 6.0, 0.25, 0.4, 0.5])
+@pytest.mark.parametrize("b", [1.0 / 6.0, 0.25, 0.3333, 1.0 / 3.0, 0.4, 0.5])
 def test_mixture_log_polynomial_is_good_to_float32(b):
     """The JSD column's mixture log, 2 atanh(u) by L (divergences.mixture_log_poly) on the u that a
     column of mixture weight b meets, u in [(b - 1) / (b + 1), 0], evaluated as the fused kernel
-    does (mixture_log_of, float32): within a few float32 roundings of float64's, relative."""
+    does (mixture_log_of in b's form, nine terms or from b = 1/3 six; float32): within a few
+    float32 roundings of float64's, relative."""
     from jsdgpu.cpu import divergences
     _, coefficients = divergences.precise_terms(divergences.JSD, b)
-    log_of = numba.njit(fastmath=fastmath.FAST)(lambda poly, u: divergences.mixture_log_of(poly, u))
+    form = divergences.mixture_form(np.float32(b))
+    assert form == (divergences.MIXTURE_BY_SHORT_LOG if b >= 1.0 / 3.0 else divergences.MIXTURE_BY_LOG)
+    log_of = numba.njit(fastmath=fastmath.FAST)(lambda poly, u: divergences.mixture_log_of(poly, u, form))
     u = np.linspace((b - 1) / (b + 1), 0.0, 20001)[:-1].astype(np.float32)
     got = np.array([log_of(coefficients, x) for x in u], np.float64)
     want = 2 * np.arctanh(u.astype(np.float64))

@@ -72,11 +72,12 @@ def test_small_soft_parts_keep_their_precision(xp, rng, temperature, beta, scale
 
 @pytest.mark.parametrize("noise", [1e-3, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 20.0])
-@pytest.mark.parametrize("beta", [0.0, 1e-6, 1e-3, 0.5, 1.0 - 1e-6, 1.0])
+@pytest.mark.parametrize("beta", [0.0, 1e-6, 1e-3, 0.25, 0.5, 0.7, 1.0 - 1e-6, 1.0])
 def test_small_soft_parts_gradients(xp, rng, beta, temperature, noise):
     """The soft part's gradient alone (weight_hard_loss 0; with the hard part's beside it, a
     small soft part's gradient hides in its rounding), the teacher the student plus noise (1e-3:
-    log-ratios of 1e-4 and less at temperature 20), beta next to 0 and 1: as close to the
+    log-ratios of 1e-4 and less at temperature 20), beta next to 0 and 1, and in each of the CPU
+    JSD's forms of its mixture log (b = 0.25 and 0.3 with nine terms, 1/2 with six): as close to the
     float64 reference as every gradient (assert_near_float64). Formed from the rounded p and q,
     forward KL's p - q and the JSD's ln(p / m) were up to 38 times off at beta 1e-6 and 1e-3
     off where the log-ratios were 1e-4."""

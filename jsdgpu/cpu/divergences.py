@@ -78,32 +78,48 @@ SMALL_B_BELOW = F32(1.0 / 6.0)  # row_math.cuh's SMALL_B_BELOW
 PRECISE_BELOW = 0.1  # nats: where a row's soft part is the precise sum's (row_math.cuh's PRECISE_BELOW_BITS)
 
 
-MIXTURE_LOG_TERMS = 9  # L's coefficients (mixture_log_poly)
+# The JSD's mixture log, by the call's b (each form a column loop of its own: fused_row.row_sums):
+# below SMALL_B_BELOW from the ratio of the smaller of w and o to the larger, by log32; from it as
+# 2 atanh(u) by L (mixture_log_poly) of nine terms, and from SHORT_LOG_FROM (beta in [1/3, 2/3],
+# the default 1/2 among them), where u^2 <= 1/4, of six: three multiply-adds a column fewer and
+# the loop's registers three coefficients freer (the JSD's loop 6% fewer instructions, and fewer of
+# them its spills' reloads, at b = 1/2: docs/design.md, "The CPU backend")
+MIXTURE_BY_RATIO, MIXTURE_BY_LOG, MIXTURE_BY_SHORT_LOG = 0, 1, 2
+SHORT_LOG_FROM = F32(1.0 / 3.0)
+MIXTURE_LOG_TERMS = {MIXTURE_BY_RATIO: 0, MIXTURE_BY_LOG: 9, MIXTURE_BY_SHORT_LOG: 6}  # L's
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def mixture_form(b):
+    """The JSD's mixture log's form for the float32 b (a KL's b is 0, its form unused)."""
+    return MIXTURE_BY_RATIO if b < SMALL_B_BELOW else (MIXTURE_BY_LOG if b < SHORT_LOG_FROM else MIXTURE_BY_SHORT_LOG)
 
 
 @functools.lru_cache(maxsize=None)
 def precise_terms(divergence, beta):
-    """(b, column32's float32 coefficients): P's nine of its precise sum (soft_poly.py), L's nine
-    of the JSD's mixture log (mixture_log_poly; zeros for the KLs and for b below SMALL_B_BELOW,
-    whose columns take log32), then Q's nine of the gradient's first-order part (soft_poly.py,
-    grad_poly)."""
+    """(b, column32's float32 coefficients): P's nine of its precise sum (soft_poly.py), L's of the
+    JSD's mixture log (mixture_log_poly: as many as its form takes, then zeros to nine; all zeros
+    for the KLs and for b below SMALL_B_BELOW, whose columns take log32), then Q's nine of the
+    gradient's first-order part (soft_poly.py, grad_poly)."""
     b = soft_poly.mixture_weight(divergence, beta)
-    # (b in float32, as the kernel tests it: rows.fused_kernel's small_b)
-    log_poly = mixture_log_poly(b) if F32(b) >= SMALL_B_BELOW else np.zeros(MIXTURE_LOG_TERMS)
+    log_poly = np.zeros(9)
+    terms = MIXTURE_LOG_TERMS[mixture_form(F32(b))]  # (b in float32, as the kernel tests it: rows._fused_row)
+    if terms:
+        log_poly[:terms] = mixture_log_poly(b, terms)
     return b, np.concatenate([soft_poly.soft_poly(divergence, beta), log_poly,
                               soft_poly.grad_poly(divergence, beta)]).astype(np.float32)
 
 
-def mixture_log_poly(b):
-    """L's coefficients of x^0 .. x^8 (float64), u L(u^2) = 2 atanh(u) = ln((1 + u) / (1 - u)) on
-    the u that a JSD column of mixture weight b meets: u = (m - l) / (m + l), l the larger of w and
-    o, m the mixture, whose m / l is in [b, 1] (b <= 1/2), so that u^2 <= ((1 - b) / (1 + b))^2. A
-    Chebyshev fit in u^2 at 64 nodes, good to float32's rounding for b >= SMALL_B_BELOW
-    (tests/test_cpu_fastmath.py)."""
+def mixture_log_poly(b, terms):
+    """L's coefficients of x^0 .. x^(terms - 1) (float64), u L(u^2) = 2 atanh(u) = ln((1 + u) / (1 -
+    u)) on the u that a JSD column of mixture weight b meets: u = (m - l) / (m + l), l the larger
+    of w and o, m the mixture, whose m / l is in [b, 1] (b <= 1/2), so that u^2 <= ((1 - b) / (1 +
+    b))^2. A Chebyshev fit in u^2 at 64 nodes, within 2e-8 relative (under float32's rounding) for
+    b >= SMALL_B_BELOW with nine terms, b >= SHORT_LOG_FROM with six (tests/test_cpu_fastmath.py)."""
     top = ((1 - b) / (1 + b)) ** 2
     x = top / 2 * (1 + np.cos(np.pi * (np.arange(64) + 0.5) / 64))
     root = np.sqrt(x)
-    fit = np.polynomial.Chebyshev.fit(x, 2 * np.arctanh(root) / root, MIXTURE_LOG_TERMS - 1, domain=[0, top])
+    fit = np.polynomial.Chebyshev.fit(x, 2 * np.arctanh(root) / root, terms - 1, domain=[0, top])
     return fit.convert(kind=np.polynomial.Polynomial).coef
 
 
@@ -117,10 +133,14 @@ def _horner9(poly, first, x):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def mixture_log_of(poly, u):
-    """ln((1 + u) / (1 - u)) by L (mixture_log_poly) of the nine float32 coefficients past P's in
-    poly (precise_terms'), in u^2."""
-    return u * _horner9(poly, 9, u * u)
+def mixture_log_of(poly, u, form):
+    """ln((1 + u) / (1 - u)) by L (mixture_log_poly) of the float32 coefficients past P's in poly
+    (precise_terms'), in u^2: nine, or six in MIXTURE_BY_SHORT_LOG (form: a constant where
+    column32 calls it)."""
+    x = u * u
+    if form == MIXTURE_BY_SHORT_LOG:
+        return u * (((((poly[14] * x + poly[13]) * x + poly[12]) * x + poly[11]) * x + poly[10]) * x + poly[9])
+    return u * _horner9(poly, 9, x)
 
 
 @numba.njit(fastmath=FAST, inline="always")
@@ -143,17 +163,18 @@ def log1p_small(y):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def column32(s, t, p, q, mode, small_b, row, poly):
+def column32(s, t, p, q, mode, form, row, poly):
     """One column's (a, b, precise, w, h), float32: its shares of the fast sums a = sum p (lp - lm)
     and b = sum q (lq - lm) (m the mixture, p in forward KL, q in reverse KL; in reverse KL and the
     JSD a relative to the reference column, as the GPU's: rows.py), of the precise sum and of the
     weights' sum, and the gradient's h (p - q in forward KL, and a their sum; lp - lm less the reference
     column's in reverse KL and the JSD: rows.py); from its logits s, t and probabilities p, q.
-    mode and small_b (the JSD's b < 1/6): constants where rows.py calls it; row: the row's (c =
+    mode and form (the JSD's mixture_form): constants where rows.py calls it; row: the row's (c =
     lse_z - lse_t, scale = 1 / temperature, the reference column's t - s (reverse KL's) and h
     (the JSD's; 0 where it is being found), mirrored, beta, 1 - beta, b); poly: P's coefficients,
     then L's and Q's (precise_terms')."""
     c, scale, diff_ref, h_ref, mirrored, beta, one_minus_beta, b = row
+    small_b = form == MIXTURE_BY_RATIO
     diff = t - s
     # ln(q / p). c's float32 rounding (up to 3e-8 |c|, the two models' logits' offset at most)
     # shifts every column's d alike: second order in a small divergence's precise sum; in the fast
@@ -197,7 +218,7 @@ def column32(s, t, p, q, mode, small_b, row, poly):
             # division where the ratio and log32 took two, and no range reduction (the JSD 6-9%
             # faster, docs/record.md); 0 where both are 0
             m = (F32(1.0) - b) * w + b * o
-            l = mixture_log_of(poly, (m - larger) / (m + larger) if larger > F32(0.0) else F32(0.0))
+            l = mixture_log_of(poly, (m - larger) / (m + larger) if larger > F32(0.0) else F32(0.0), form)
             y = F32(0.0)  # (unused: |y| >= 1/10 past |d| < 1 where b >= 1/6)
         d_larger = dd if o_larger else F32(0.0)  # ln(larger / w)
         # ln(w / m), ln(o / m): where |d| < 1 from ln(m / w) = d Q(d); with a small b, where |y| <

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import options
 from . import divergences, fastmath, fused_row
-from .divergences import (SMALL_B_BELOW, FORWARD_KL, JSD, REVERSE_KL, column, column32, grad_dz, soft,
+from .divergences import (FORWARD_KL, JSD, REVERSE_KL, column, column32, grad_dz, mixture_form, soft,
                           soft_of_sums)
 from .fastmath import F32, FAST, exp64, max32
 from .fused_row import gradient_columns, next_row, padded, reference_column, row_sums, shifted_exp_sum
@@ -205,6 +205,7 @@ def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, po
                 poly[11], poly[12], poly[13], poly[14], poly[15], poly[16], poly[17], poly[18], poly[19], poly[20],
                 poly[21], poly[22], poly[23], poly[24], poly[25], poly[26])
     b, beta32, one_minus_beta32 = F32(soft_b), F32(beta), F32(one_minus_beta)
+    form = mixture_form(b)
     k_soft, m_scale, m_inv_cap = F32(w_soft_over_t), F32(model_scale), F32(model_inv_cap)
     c_dz = one_minus_beta32 if mode == JSD else F32(1.0)  # grad_dz's
     # the gradient's column part (column_block): softmax(s) is p where z is s, and its hard term
@@ -230,14 +231,14 @@ def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, po
         if not math.isfinite(h_ref):  # (a teacher logit of -inf there: the divergence is inf)
             diff_ref, h_ref = F32(0.0), -c
     elif mode == JSD and ref >= 0:
-        h_ref32 = column32(z_cols[ref], t_i[ref], p[ref] * inv_z, h[ref] * inv_t, JSD, b < SMALL_B_BELOW,
+        h_ref32 = column32(z_cols[ref], t_i[ref], p[ref] * inv_z, h[ref] * inv_t, JSD, form,
                            (F32(c), scale, diff_ref, F32(0.0), beta > 0.5, beta32, one_minus_beta32, b),
                            row_poly)[4]
         h_ref32 = h_ref32 if math.isfinite(h_ref32) else F32(0.0)
         h_ref = np.float64(h_ref32)
     row = (F32(c), scale, diff_ref, h_ref32, beta > 0.5, beta32, one_minus_beta32, b)
     s_next, t_next = next_row(s, t, i, z_cols, t_i)
-    a, b_sum, precise, weights = row_sums(z_cols, t_i, p, h, inv_z, inv_t, mode, b < SMALL_B_BELOW, row, row_poly,
+    a, b_sum, precise, weights = row_sums(z_cols, t_i, p, h, inv_z, inv_t, mode, form, row, row_poly,
                                           w_p, k_soft * c_dz, s_next, t_next)
     target_logit = np.float64(s_i[y]) if y >= 0 else 0.0
     ce[i] = _cross_entropy(lse_s, target_logit)
