@@ -82,7 +82,7 @@ PRECISE_BELOW = 0.1  # nats: where a row's soft part is the precise sum's (row_m
 # below SMALL_B_BELOW from the ratio of the smaller of w and o to the larger, by log32; from it as
 # 2 atanh(u) by L (mixture_log_poly) of nine terms, and from SHORT_LOG_FROM (beta in [1/3, 2/3],
 # the default 1/2 among them), where u^2 <= 1/4, of six: three multiply-adds a column fewer and
-# the loop's registers three coefficients freer (the JSD's loop 6% fewer instructions, and fewer of
+# the loop's registers three coefficients freer (the JSD's loop 5% fewer instructions, fewer of
 # them its spills' reloads, at b = 1/2: docs/design.md, "The CPU backend")
 MIXTURE_BY_RATIO, MIXTURE_BY_LOG, MIXTURE_BY_SHORT_LOG = 0, 1, 2
 SHORT_LOG_FROM = F32(1.0 / 3.0)
@@ -102,7 +102,7 @@ def precise_terms(divergence, beta):
     for the KLs and for b below SMALL_B_BELOW, whose columns take log32), then Q's nine of the
     gradient's first-order part (soft_poly.py, grad_poly)."""
     b = soft_poly.mixture_weight(divergence, beta)
-    log_poly = np.zeros(9)
+    log_poly = np.zeros(MIXTURE_LOG_TERMS[MIXTURE_BY_LOG])
     terms = MIXTURE_LOG_TERMS[mixture_form(F32(b))]  # (b in float32, as the kernel tests it: rows._fused_row)
     if terms:
         log_poly[:terms] = mixture_log_poly(b, terms)
