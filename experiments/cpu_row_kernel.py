@@ -63,13 +63,16 @@ def main(argv=None):
     p.add_argument("--beta", type=float, nargs="+", default=[0.0, 0.5, 1.0])
     p.add_argument("--temperature", type=float, nargs="+", default=[1.0, 2.0])
     p.add_argument("--repeats", type=int, default=6, help="calls of each code per case, the first not counted")
-    p.add_argument("--placements", action="store_true",
-                   help="each case also with the logits in NumPy's own arrays (16 bytes past a cache line), the two "
-                        "in turns, where the backend's buffers start on a line (jsdgpu.cpu.steps.row_buffer)")
-    p.add_argument("--against", type=pathlib.Path, metavar="DIR",
-                   help="a directory holding another jsdgpu (git archive REV jsdgpu | tar -x -C DIR): imported "
-                        "under another name, its kernel and this one called in turns in this one process, and the "
-                        "median of each pair's ratio printed (a noisy machine moves both alike)")
+    compared = p.add_mutually_exclusive_group()
+    compared.add_argument("--placements", action="store_true",
+                          help="each case also with the logits in NumPy's own arrays (16 bytes past a cache line), "
+                               "the two in turns, where the backend's buffers start on a line "
+                               "(jsdgpu.cpu.steps.row_buffer)")
+    compared.add_argument("--against", type=pathlib.Path, metavar="DIR",
+                          help="a directory holding another jsdgpu (git archive REV jsdgpu | tar -x -C DIR): "
+                               "imported under another name, its kernel and this one called in turns in this one "
+                               "process, and the median of each pair's ratio printed (a noisy machine moves both "
+                               "alike)")
     a = p.parse_args(argv)
 
     codes = {"this": "jsdgpu"}
@@ -90,11 +93,11 @@ def main(argv=None):
         loss_options = importlib.import_module(package + ".options").LossOptions
         try:
             row_buffer = importlib.import_module(package + ".cpu.steps").row_buffer
-        except AttributeError:  # a code from before the backend's own buffers (its logits were NumPy's arrays)
+        except (ImportError, AttributeError):  # a code from before the backend's own buffers (NumPy's arrays)
             def row_buffer(*shape):
                 return np.empty(shape, np.float32)
         placements = {"backend's buffers": row_buffer}
-        if a.placements and code == "this":
+        if a.placements:
             placements["NumPy's arrays"] = lambda *shape: np.empty(shape, np.float32)
         for where, empty in placements.items():
             s, t = empty(*logits.shape), empty(*logits.shape)  # G is written over s: restored before each call
