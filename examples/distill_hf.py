@@ -63,9 +63,8 @@ def shard_student(student, device):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="tcp://127.0.0.1:29531",
-                                rank=0, world_size=1)
+    if not dist.is_initialized():  # one rank: its store in this process (no port that another run may hold)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     for layer in student.model.layers:
         fully_shard(layer, mesh=mesh)
