@@ -99,19 +99,32 @@ def log64(x):
     return (n * _LN2_HI + 2.0 * u * s) + n * _LN2_LO
 
 
+def _exp32_poly():
+    """E's six float32 coefficients, of r^0 .. r^5, with 1 + r E(r) = e^r on |r| <= ln(2) / 2: a
+    Chebyshev fit of (e^r - 1) / r at 64 nodes. Evaluated as exp32 does (Horner in float32, the
+    last step an FMA with 1), within 6.4e-8 relative of e^r there (tests/test_cpu_fastmath.py),
+    where the Taylor series to r^7 took two operations more for 7.3e-8."""
+    half = math.log(2.0) / 2
+    nodes = half * np.cos(np.pi * (np.arange(64) + 0.5) / 64)
+    fit = np.polynomial.Chebyshev.fit(nodes, np.expm1(nodes) / nodes, 5, domain=[-half, half])
+    return tuple(F32(c) for c in fit.convert(kind=np.polynomial.Polynomial).coef)
+
+
+_E0, _E1, _E2, _E3, _E4, _E5 = _exp32_poly()
+
+
 @numba.njit(fastmath=FAST, inline="always")
 def exp32(x):
     """e^x of a float32 to 2e-7 relative for |x| <= 40, 4e-7 at the ends of its range
     (tests/test_cpu_fastmath.py; 0 below -87, near where a float32 becomes subnormal, inf from
-    about 88.4, where 2^n is, NaN for a NaN): x = n ln 2 + r, |r| <= ln(2) / 2, e^r by its Taylor
-    series to r^7, 2^n from its bits. (np.floor: math.floor would make n an int64, and the lanes
+    about 88.4, where 2^n is, NaN for a NaN): x = n ln 2 + r, |r| <= ln(2) / 2, e^r = 1 + r E(r)
+    (_exp32_poly), 2^n from its bits. (np.floor: math.floor would make n an int64, and the lanes
     float64.)"""
     c = min(max(x, F32(-87.0)), F32(88.7))
     n = np.floor(c * F32(_LOG2E) + F32(0.5))
     r = (c - n * _LN2_HI32) - n * _LN2_LO32
-    e = (((((F32(1 / 5040) * r + F32(1 / 720)) * r + F32(1 / 120)) * r + F32(1 / 24)) * r + F32(1 / 6)) * r
-         + F32(0.5)) * r
-    e = (e * r + r + F32(1.0)) * _float_of_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+    e = (((((_E5 * r + _E4) * r + _E3) * r + _E2) * r + _E1) * r + _E0) * r + F32(1.0)
+    e *= _float_of_bits((np.int32(n) + np.int32(127)) << np.int32(23))
     return x if x != x else (F32(0.0) if x < F32(-87.0) else e)
 
 
