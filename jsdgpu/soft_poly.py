@@ -36,11 +36,13 @@ def mixture_weight(divergence, beta):
     return min(beta, 1.0 - beta) if Divergence(divergence) == Divergence.JSD else 0.0
 
 
-def soft_poly(divergence, beta):
-    """P's coefficients of d^0 .. d^8 in float64 (d in nats), with d^2 P(d) = F(d) on |d| < 1: a
-    Chebyshev fit of F(d) / d^2 at 64 nodes (analytic there: its nearest singularity is pi or
-    more away), good to float32's rounding (tests/test_cuda_sources.py)."""
-    return _fit_on_unit_interval(soft_term, divergence, beta)
+def soft_poly(divergence, beta, radius=1.0, terms=SOFT_POLY_TERMS):
+    """P's coefficients of d^0 .. d^(terms - 1) in float64 (d in nats), with d^2 P(d) = F(d) on
+    |d| < radius: a Chebyshev fit of F(d) / d^2 at 64 nodes (analytic there: its nearest
+    singularity is pi or more away), good to float32's rounding with nine terms on |d| < 1 (the
+    GPU's) and seven on |d| < 1/2 (the CPU's: jsdgpu/cpu/divergences.py, NEAR_BELOW;
+    tests/test_cuda_sources.py)."""
+    return _fit(soft_term, divergence, beta, radius, terms)
 
 
 def grad_term(divergence, b, d):
@@ -56,20 +58,21 @@ def grad_term(divergence, b, d):
     return np.ones_like(d)
 
 
-def grad_poly(divergence, beta):
-    """Q's coefficients of d^0 .. d^8 in float64 (d in nats), with d Q(d) = forward KL's e^d - 1
-    or the JSD's ln(m / w) on |d| < 1 (grad_term): a Chebyshev fit at 64 nodes, as soft_poly's
+def grad_poly(divergence, beta, radius=1.0, terms=SOFT_POLY_TERMS):
+    """Q's coefficients of d^0 .. d^(terms - 1) in float64 (d in nats), with d Q(d) = forward KL's
+    e^d - 1 or the JSD's ln(m / w) on |d| < radius (grad_term): a Chebyshev fit at 64 nodes, as soft_poly's
     (the JSD's nearest singularity, where 1 + b (e^d - 1) = 0, is pi or more away), good to
     float32's rounding (tests/test_cuda_sources.py). Formed so, a small divergence's gradient is
     right to float32 relative to itself: from the rounded p and q, p - q and ln(p / m) lost to
     their roundings what they are smaller than 1 (at beta 1e-6, the whole gradient)."""
-    return _fit_on_unit_interval(grad_term, divergence, beta)
+    return _fit(grad_term, divergence, beta, radius, terms)
 
 
-def _fit_on_unit_interval(term, divergence, beta):
-    """The coefficients of d^0 .. d^8 (float64) of a Chebyshev fit of term(divergence, b, d) at 64
-    nodes of [-1, 1] (soft_poly's and grad_poly's)."""
+def _fit(term, divergence, beta, radius, terms):
+    """The coefficients of d^0 .. d^(terms - 1) (float64) of a Chebyshev fit of term(divergence, b,
+    d) at 64 nodes of [-radius, radius] (soft_poly's and grad_poly's)."""
     divergence = Divergence(divergence)
-    nodes = np.cos(np.pi * (np.arange(64) + 0.5) / 64)
+    nodes = radius * np.cos(np.pi * (np.arange(64) + 0.5) / 64)
     values = term(divergence, mixture_weight(divergence, beta), nodes)
-    return np.polynomial.chebyshev.cheb2poly(np.polynomial.chebyshev.chebfit(nodes, values, SOFT_POLY_TERMS - 1))
+    fit = np.polynomial.Chebyshev.fit(nodes, values, terms - 1, domain=[-radius, radius])
+    return fit.convert(kind=np.polynomial.Polynomial).coef

@@ -131,22 +131,23 @@ def _horner32(coeffs, x):
                                              (1, 1e-6), (1, 1.0 - 1e-6)])
 @pytest.mark.parametrize("unit", ["bits", "nats"])
 def test_soft_polynomial_is_good_to_float32(divergence, beta, unit):
-    """The precise soft terms' polynomial (F(d) / d^2 on |d| < 1, row_math.cuh's column_terms) as
-    the kernels take it, in bits (sources.soft_terms, the GPU's) and in nats (soft_poly.soft_poly
-    in float32, the CPU's fused kernel's), evaluated as they do (Horner in float32), against F in
-    float64: within a few float32 roundings everywhere; and the float64 F against its plain
-    formula where that does not cancel (|d| >= 1/2)."""
+    """The precise soft terms' polynomial (F(d) / d^2, row_math.cuh's column_terms) as the kernels
+    take it, in bits on |d| < 1 (sources.soft_terms, the GPU's) and in nats on |d| < 1/2
+    (divergences.precise_terms, the CPU's fused kernel's), evaluated as they do (Horner in
+    float32), against F in float64: within a few float32 roundings everywhere; and the float64 F
+    against its plain formula where that does not cancel (|d| >= 1/2)."""
     import numpy as np
     from jsdgpu import soft_poly
+    from jsdgpu.cpu import divergences
     from jsdgpu.options import Divergence
     b = soft_poly.mixture_weight(divergence, beta)
     if unit == "bits":
         coeffs = sources.soft_terms(Divergence(divergence), beta)[1:1 + soft_poly.SOFT_POLY_TERMS]
-        per_unit = np.log(2.0)
+        per_unit, near = np.log(2.0), 1.0
     else:
-        coeffs = soft_poly.soft_poly(divergence, beta).astype(np.float32)
-        per_unit = 1.0
-    d = np.linspace(-1.0, 1.0, 4001)
+        coeffs = divergences.precise_terms(divergence, beta)[1][:divergences.NEAR_TERMS]
+        per_unit, near = 1.0, float(divergences.NEAR_BELOW)
+    d = np.linspace(-near, near, 4001)
     d = d[d != 0.0]
     du = (d / per_unit).astype(np.float32)  # in the kernel's unit, as it takes it
     acc = _horner32(coeffs, du)
@@ -164,22 +165,24 @@ def test_soft_polynomial_is_good_to_float32(divergence, beta, unit):
                                              (1, 1.0 - 1e-6)])
 @pytest.mark.parametrize("unit", ["bits", "nats"])
 def test_gradient_polynomial_is_good_to_float32(divergence, beta, unit):
-    """The gradient's d Q(d) on |d| < 1 (forward KL's e^d - 1, the JSD's ln(m / w); row_math.cuh's
-    SoftPoly) as the kernels take it, in bits (sources.soft_terms: 2^d2 - 1 and log2(m / w)) and
-    in nats (soft_poly.grad_poly in float32, the CPU's), evaluated as they do (Horner in float32),
-    against float64's expm1 and log1p: within a few float32 roundings, relative, down to d = 0."""
+    """The gradient's d Q(d) (forward KL's e^d - 1, the JSD's ln(m / w); row_math.cuh's SoftPoly)
+    as the kernels take it, in bits on |d| < 1 (sources.soft_terms: 2^d2 - 1 and log2(m / w)) and
+    in nats on |d| < 1/2 (divergences.precise_terms, the CPU's), evaluated as they do (Horner in
+    float32), against float64's expm1 and log1p: within a few float32 roundings, relative, down to
+    d = 0."""
     import numpy as np
     from jsdgpu import soft_poly
+    from jsdgpu.cpu import divergences
     from jsdgpu.options import Divergence
     b = soft_poly.mixture_weight(divergence, beta)
     if unit == "bits":
         coeffs = sources.soft_terms(Divergence(divergence), beta)[1 + soft_poly.SOFT_POLY_TERMS:]
-        per_unit = np.log(2.0)
+        per_unit, near = np.log(2.0), 1.0
+        assert len(coeffs) == soft_poly.SOFT_POLY_TERMS
     else:
-        coeffs = soft_poly.grad_poly(divergence, beta).astype(np.float32)
-        per_unit = 1.0
-    assert len(coeffs) == soft_poly.SOFT_POLY_TERMS
-    d = np.concatenate([np.linspace(-1.0, 1.0, 4001), [-1e-7, 1e-7]])
+        coeffs = divergences.precise_terms(divergence, beta)[1][-divergences.NEAR_TERMS:]
+        per_unit, near = 1.0, float(divergences.NEAR_BELOW)
+    d = np.concatenate([np.linspace(-near, near, 4001), [-1e-7, 1e-7]])
     d = d[d != 0.0]
     du = (d / per_unit).astype(np.float32)
     acc = _horner32(coeffs, du)

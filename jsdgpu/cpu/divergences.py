@@ -67,14 +67,21 @@ def grad_dz(p, h, a, mode, c):
 # the weight distribution (p; q in reverse KL, and in the JSD with beta > 1/2: mirrored), d =
 # ln(o / w) the log-ratio of the other's, formed from the logits' difference t - s, and F second
 # order in d, so that no column's term cancels against another's and the exps' roundings reach a
-# small divergence at second order only (docs/design.md, "Small divergences"). On |d| < 1, F(d)
-# = d^2 P(d) (jsdgpu/soft_poly.py, in nats here); elsewhere its formula: w Phi(d) = w + o (d - 1)
+# small divergence at second order only (docs/design.md, "Small divergences"). On |d| <
+# NEAR_BELOW, F(d) = d^2 P(d) (jsdgpu/soft_poly.py, in nats here); elsewhere its formula: w Phi(d) = w + o (d - 1)
 # for the KLs; for the JSD with b >= 1/6 the column's shares of the fast sums, and with a smaller
 # b, b w Phi(d) - w G(y) (row_math.cuh has the math). Unlike the GPU's, the row's logsumexps are
 # float64 and each p and q the exp of a float32 logit less a float32 shift: none of the GPU's
 # corrections for logsumexps rounded to float32 (its unrounded_sums) is needed.
 
 SMALL_B_BELOW = F32(1.0 / 6.0)  # row_math.cuh's SMALL_B_BELOW
+# The near columns, whose soft term and gradient take P and Q (soft_poly.py): |d| < 1/2, where
+# seven terms of each are within float32's rounding, against the GPU's nine on |d| < 1. Four
+# multiply-adds a column fewer, in a kernel bound by its multiply-adds (docs/design.md, "The CPU
+# backend"); the far formulas then cancel by up to 11 times in a column's soft term (forward KL
+# at d = -1/2, where it was 4 at -1), within the contract's precision of a small soft part.
+NEAR_BELOW = F32(0.5)
+NEAR_TERMS = 7
 PRECISE_BELOW = 0.1  # nats: where a row's soft part is the precise sum's (row_math.cuh's PRECISE_BELOW_BITS)
 
 
@@ -97,17 +104,18 @@ def mixture_form(b):
 
 @functools.lru_cache(maxsize=None)
 def precise_terms(divergence, beta):
-    """(b, column32's float32 coefficients): P's nine of its precise sum (soft_poly.py), L's of the
-    JSD's mixture log (mixture_log_poly: as many as its form takes, then zeros to nine; all zeros
-    for the KLs and for b below SMALL_B_BELOW, whose columns take log32), then Q's nine of the
-    gradient's first-order part (soft_poly.py, grad_poly)."""
+    """(b, column32's float32 coefficients): P's NEAR_TERMS of its precise sum (soft_poly.py, on
+    |d| < NEAR_BELOW), L's of the JSD's mixture log (mixture_log_poly: as many as its form takes,
+    then zeros to nine; all zeros for the KLs and for b below SMALL_B_BELOW, whose columns take
+    log32), then Q's NEAR_TERMS of the gradient's first-order part (soft_poly.py, grad_poly)."""
     b = soft_poly.mixture_weight(divergence, beta)
     log_poly = np.zeros(MIXTURE_LOG_TERMS[MIXTURE_BY_LOG])
     terms = MIXTURE_LOG_TERMS[mixture_form(F32(b))]  # (b in float32, as the kernel tests it: rows._fused_row)
     if terms:
         log_poly[:terms] = mixture_log_poly(b, terms)
-    return b, np.concatenate([soft_poly.soft_poly(divergence, beta), log_poly,
-                              soft_poly.grad_poly(divergence, beta)]).astype(np.float32)
+    near = dict(radius=float(NEAR_BELOW), terms=NEAR_TERMS)
+    return b, np.concatenate([soft_poly.soft_poly(divergence, beta, **near), log_poly,
+                              soft_poly.grad_poly(divergence, beta, **near)]).astype(np.float32)
 
 
 def mixture_log_poly(b, terms):
@@ -121,6 +129,18 @@ def mixture_log_poly(b, terms):
     root = np.sqrt(x)
     fit = np.polynomial.Chebyshev.fit(x, 2 * np.arctanh(root) / root, terms - 1, domain=[0, top])
     return fit.convert(kind=np.polynomial.Polynomial).coef
+
+
+# where each polynomial's coefficients start in precise_terms' array
+_P_AT, _L_AT, _Q_AT = 0, NEAR_TERMS, NEAR_TERMS + MIXTURE_LOG_TERMS[MIXTURE_BY_LOG]
+
+
+@numba.njit(fastmath=FAST, inline="always")
+def _horner7(poly, first, x):
+    """The polynomial of the seven float32 coefficients poly[first:first + 7] (of x^0 .. x^6) at
+    x, by Horner (first: a constant where it is inlined)."""
+    return ((((((poly[first + 6] * x + poly[first + 5]) * x + poly[first + 4]) * x + poly[first + 3]) * x
+              + poly[first + 2]) * x + poly[first + 1]) * x + poly[first])
 
 
 @numba.njit(fastmath=FAST, inline="always")
@@ -139,20 +159,21 @@ def mixture_log_of(poly, u, form):
     column32 calls it)."""
     x = u * u
     if form == MIXTURE_BY_SHORT_LOG:
-        return u * (((((poly[14] * x + poly[13]) * x + poly[12]) * x + poly[11]) * x + poly[10]) * x + poly[9])
-    return u * _horner9(poly, 9, x)
+        return u * (((((poly[_L_AT + 5] * x + poly[_L_AT + 4]) * x + poly[_L_AT + 3]) * x + poly[_L_AT + 2]) * x
+                     + poly[_L_AT + 1]) * x + poly[_L_AT])
+    return u * _horner9(poly, _L_AT, x)
 
 
 @numba.njit(fastmath=FAST, inline="always")
 def soft_poly_of(poly, d):
-    """P(d) (soft_poly.py) of the first nine float32 coefficients of poly."""
-    return _horner9(poly, 0, d)
+    """P(d) (soft_poly.py) of the first NEAR_TERMS float32 coefficients of poly."""
+    return _horner7(poly, _P_AT, d)
 
 
 @numba.njit(fastmath=FAST, inline="always")
 def grad_poly_of(poly, d):
-    """Q(d) (soft_poly.py, grad_poly) of the last nine float32 coefficients of poly."""
-    return _horner9(poly, 18, d)
+    """Q(d) (soft_poly.py, grad_poly) of the last NEAR_TERMS float32 coefficients of poly."""
+    return _horner7(poly, _Q_AT, d)
 
 
 @numba.njit(fastmath=FAST, inline="always")
@@ -181,10 +202,10 @@ def column32(s, t, p, q, mode, form, row, poly):
     # sums, up to that many nats, the size of the logits' own roundings there. (c in two parts,
     # (diff scale + c_hi) + c_lo, is reassociated by the fast math into one.)
     d = diff * scale + c
-    # |d| < 1: the gradient's first-order part as d Q(d) (soft_poly.grad_poly), relative to itself,
+    # |d| < NEAR_BELOW: the gradient's first-order part as d Q(d) (soft_poly.grad_poly), relative to itself,
     # where p - q or ln(p / m) from the rounded p and q lost to their roundings what they are
     # smaller than 1 (a converging student's rows; at beta 1e-6 or 1 - 1e-6, every row)
-    near = abs(d) < F32(1.0)
+    near = abs(d) < NEAR_BELOW
     if mode == FORWARD_KL:
         w, o, dd = p, q, d
         # h: the gradient's p - q; a: the row's sum of them (grad_dz)
@@ -219,9 +240,9 @@ def column32(s, t, p, q, mode, form, row, poly):
             # faster, docs/record.md); 0 where both are 0
             m = (F32(1.0) - b) * w + b * o
             l = mixture_log_of(poly, (m - larger) / (m + larger) if larger > F32(0.0) else F32(0.0), form)
-            y = F32(0.0)  # (unused: |y| >= 1/10 past |d| < 1 where b >= 1/6)
+            y = F32(0.0)  # (unused where b >= 1/6)
         d_larger = dd if o_larger else F32(0.0)  # ln(larger / w)
-        # ln(w / m), ln(o / m): where |d| < 1 from ln(m / w) = d Q(d); with a small b, where |y| <
+        # ln(w / m), ln(o / m): where |d| < NEAR_BELOW from ln(m / w) = d Q(d); with a small b, where |y| <
         # 1/10, from ln(1 + y)'s series (l, the log of a number within b of 1, lost it); else from l
         # (no sum with dd, hundreds of nats in a sharp row)
         if near:
@@ -236,7 +257,7 @@ def column32(s, t, p, q, mode, form, row, poly):
         h = h_p - h_ref
         a, bq = p * h, q * (h_w if mirrored else h_o)
         a_abs = p * h_p  # (the share of a not relative)
-    if abs(dd) < F32(1.0):
+    if abs(dd) < NEAR_BELOW:
         precise = w * (dd * dd) * soft_poly_of(poly, dd)
     elif mode != JSD:
         precise = w + o * (dd - F32(1.0))  # w Phi(d)

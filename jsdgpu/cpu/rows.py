@@ -203,7 +203,7 @@ def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, po
     same_z = scale == F32(1.0) and vt == vs  # z is s
     row_poly = (poly[0], poly[1], poly[2], poly[3], poly[4], poly[5], poly[6], poly[7], poly[8], poly[9], poly[10],
                 poly[11], poly[12], poly[13], poly[14], poly[15], poly[16], poly[17], poly[18], poly[19], poly[20],
-                poly[21], poly[22], poly[23], poly[24], poly[25], poly[26])
+                poly[21], poly[22])  # (precise_terms': P's seven, L's nine, Q's seven)
     b, beta32, one_minus_beta32 = F32(soft_b), F32(beta), F32(one_minus_beta)
     form = mixture_form(b)
     k_soft, m_scale, m_inv_cap = F32(w_soft_over_t), F32(model_scale), F32(model_inv_cap)
@@ -316,7 +316,7 @@ def _kernels(sources):
         mean; in the raw logits where s is the student model's: _model_derivative) and label term:
         the three phases' work on one row at a time, read from memory once, its columns in float32
         (divergences.column32) and its sums and logsumexps in float64. soft_b and poly: the JSD's b
-        and column32's twenty-seven coefficients (divergences.precise_terms). G may be s's
+        and column32's twenty-three coefficients (divergences.precise_terms). G may be s's
         memory. The rows in `parts` runs of consecutive rows (one a thread: Numba's own split of a
         loop over the rows), each with its row buffers made once: made for each row, at V =
         128256 glibc at times grew and shrank its heap around each row, whose buffers' pages were
