@@ -60,9 +60,9 @@ def grad_term(divergence, b, d):
 
 def grad_poly(divergence, beta, radius=1.0, terms=SOFT_POLY_TERMS):
     """Q's coefficients of d^0 .. d^(terms - 1) in float64 (d in nats), with d Q(d) = forward KL's
-    e^d - 1 or the JSD's ln(m / w) on |d| < radius (grad_term): a Chebyshev fit at 64 nodes, as soft_poly's
-    (the JSD's nearest singularity, where 1 + b (e^d - 1) = 0, is pi or more away), good to
-    float32's rounding (tests/test_cuda_sources.py). Formed so, a small divergence's gradient is
+    e^d - 1 or the JSD's ln(m / w) on |d| < radius (grad_term): a Chebyshev fit at 64 nodes, as
+    soft_poly's (the JSD's nearest singularity, where 1 + b (e^d - 1) = 0, is pi or more away),
+    good to float32's rounding (tests/test_cuda_sources.py). Formed so, a small divergence's gradient is
     right to float32 relative to itself: from the rounded p and q, p - q and ln(p / m) lost to
     their roundings what they are smaller than 1 (at beta 1e-6, the whole gradient)."""
     return _fit(grad_term, divergence, beta, radius, terms)

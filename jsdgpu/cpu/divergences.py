@@ -68,9 +68,9 @@ def grad_dz(p, h, a, mode, c):
 # ln(o / w) the log-ratio of the other's, formed from the logits' difference t - s, and F second
 # order in d, so that no column's term cancels against another's and the exps' roundings reach a
 # small divergence at second order only (docs/design.md, "Small divergences"). On |d| <
-# NEAR_BELOW, F(d) = d^2 P(d) (jsdgpu/soft_poly.py, in nats here); elsewhere its formula: w Phi(d) = w + o (d - 1)
-# for the KLs; for the JSD with b >= 1/6 the column's shares of the fast sums, and with a smaller
-# b, b w Phi(d) - w G(y) (row_math.cuh has the math). Unlike the GPU's, the row's logsumexps are
+# NEAR_BELOW, F(d) = d^2 P(d) (jsdgpu/soft_poly.py, in nats here); elsewhere its formula: w
+# Phi(d) = w + o (d - 1) for the KLs; for the JSD with b >= 1/6 the column's shares of the fast
+# sums, and with a smaller b, b w Phi(d) - w G(y) (row_math.cuh has the math). Unlike the GPU's, the row's logsumexps are
 # float64 and each p and q the exp of a float32 logit less a float32 shift: none of the GPU's
 # corrections for logsumexps rounded to float32 (its unrounded_sums) is needed.
 
@@ -81,7 +81,7 @@ SMALL_B_BELOW = F32(1.0 / 6.0)  # row_math.cuh's SMALL_B_BELOW
 # backend"); the far formulas then cancel by up to 11 times in a column's soft term (forward KL
 # at d = -1/2, where it was 4 at -1), within the contract's precision of a small soft part.
 NEAR_BELOW = F32(0.5)
-NEAR_TERMS = 7
+NEAR_TERMS = 7  # (_horner7's)
 PRECISE_BELOW = 0.1  # nats: where a row's soft part is the precise sum's (row_math.cuh's PRECISE_BELOW_BITS)
 
 
@@ -202,9 +202,9 @@ def column32(s, t, p, q, mode, form, row, poly):
     # sums, up to that many nats, the size of the logits' own roundings there. (c in two parts,
     # (diff scale + c_hi) + c_lo, is reassociated by the fast math into one.)
     d = diff * scale + c
-    # |d| < NEAR_BELOW: the gradient's first-order part as d Q(d) (soft_poly.grad_poly), relative to itself,
-    # where p - q or ln(p / m) from the rounded p and q lost to their roundings what they are
-    # smaller than 1 (a converging student's rows; at beta 1e-6 or 1 - 1e-6, every row)
+    # |d| < NEAR_BELOW: the gradient's first-order part as d Q(d) (soft_poly.grad_poly), relative
+    # to itself, where p - q or ln(p / m) from the rounded p and q lost to their roundings what
+    # they are smaller than 1 (a converging student's rows; at beta 1e-6 or 1 - 1e-6, every row)
     near = abs(d) < NEAR_BELOW
     if mode == FORWARD_KL:
         w, o, dd = p, q, d
@@ -242,9 +242,9 @@ def column32(s, t, p, q, mode, form, row, poly):
             l = mixture_log_of(poly, (m - larger) / (m + larger) if larger > F32(0.0) else F32(0.0), form)
             y = F32(0.0)  # (unused where b >= 1/6)
         d_larger = dd if o_larger else F32(0.0)  # ln(larger / w)
-        # ln(w / m), ln(o / m): where |d| < NEAR_BELOW from ln(m / w) = d Q(d); with a small b, where |y| <
-        # 1/10, from ln(1 + y)'s series (l, the log of a number within b of 1, lost it); else from l
-        # (no sum with dd, hundreds of nats in a sharp row)
+        # ln(w / m), ln(o / m): where |d| < NEAR_BELOW from ln(m / w) = d Q(d); with a small b,
+        # where |y| < 1/10, from ln(1 + y)'s series (l, the log of a number within b of 1, lost
+        # it); else from l (no sum with dd, hundreds of nats in a sharp row)
         if near:
             m_w = dd * grad_poly_of(poly, dd)
             h_w, h_o = -m_w, dd - m_w
