@@ -82,7 +82,7 @@ SMALL_B_BELOW = F32(1.0 / 6.0)  # row_math.cuh's SMALL_B_BELOW
 # backend"); the far formulas then cancel by up to 11 times in a column's soft term (forward KL
 # at d = -1/2, where it was 4 at -1), within the contract's precision of a small soft part.
 NEAR_BELOW = F32(0.5)
-NEAR_TERMS = 7  # (_horner7's)
+NEAR_TERMS = 7
 PRECISE_BELOW = 0.1  # nats: where a row's soft part is the precise sum's (row_math.cuh's PRECISE_BELOW_BITS)
 
 
@@ -94,7 +94,7 @@ PRECISE_BELOW = 0.1  # nats: where a row's soft part is the precise sum's (row_m
 # them its spills' reloads, at b = 1/2: docs/design.md, "The CPU backend")
 MIXTURE_BY_RATIO, MIXTURE_BY_LOG, MIXTURE_BY_SHORT_LOG = 0, 1, 2
 SHORT_LOG_FROM = F32(1.0 / 3.0)
-MIXTURE_LOG_TERMS = {MIXTURE_BY_RATIO: 0, MIXTURE_BY_LOG: 9, MIXTURE_BY_SHORT_LOG: 6}  # L's
+MIXTURE_LOG_TERMS = (0, 9, 6)  # L's, by the form (a tuple: the kernels index it)
 
 
 @numba.njit(fastmath=FAST, inline="always")
@@ -137,44 +137,33 @@ _P_AT, _L_AT, _Q_AT = 0, NEAR_TERMS, NEAR_TERMS + MIXTURE_LOG_TERMS[MIXTURE_BY_L
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def _horner7(poly, first, x):
-    """The polynomial of the seven float32 coefficients poly[first:first + 7] (of x^0 .. x^6) at
-    x, by Horner (first: a constant where it is inlined)."""
-    return ((((((poly[first + 6] * x + poly[first + 5]) * x + poly[first + 4]) * x + poly[first + 3]) * x
-              + poly[first + 2]) * x + poly[first + 1]) * x + poly[first])
-
-
-@numba.njit(fastmath=FAST, inline="always")
-def _horner9(poly, first, x):
-    """The polynomial of the nine float32 coefficients poly[first:first + 9] (of x^0 .. x^8) at
-    x, by Horner (first: a constant where it is inlined)."""
-    return ((((((((poly[first + 8] * x + poly[first + 7]) * x + poly[first + 6]) * x + poly[first + 5]) * x
-                 + poly[first + 4]) * x + poly[first + 3]) * x + poly[first + 2]) * x + poly[first + 1]) * x
-            + poly[first])
+def _horner(poly, first, terms, x):
+    """The polynomial of the float32 coefficients poly[first:first + terms] (of x^0 upwards) at x,
+    by Horner (first and terms: constants where it is inlined, so that LLVM unrolls the loop)."""
+    acc = poly[first + terms - 1]
+    for k in range(terms - 2, -1, -1):
+        acc = acc * x + poly[first + k]
+    return acc
 
 
 @numba.njit(fastmath=FAST, inline="always")
 def mixture_log_of(poly, u, form):
     """ln((1 + u) / (1 - u)) by L (mixture_log_poly) of the float32 coefficients past P's in poly
-    (precise_terms'), in u^2: nine, or six in MIXTURE_BY_SHORT_LOG (form: a constant where
-    column32 calls it)."""
-    x = u * u
-    if form == MIXTURE_BY_SHORT_LOG:
-        return u * (((((poly[_L_AT + 5] * x + poly[_L_AT + 4]) * x + poly[_L_AT + 3]) * x + poly[_L_AT + 2]) * x
-                     + poly[_L_AT + 1]) * x + poly[_L_AT])
-    return u * _horner9(poly, _L_AT, x)
+    (precise_terms'), in u^2: as many as b's form takes (form: a constant where column32 calls
+    it)."""
+    return u * _horner(poly, _L_AT, MIXTURE_LOG_TERMS[form], u * u)
 
 
 @numba.njit(fastmath=FAST, inline="always")
 def soft_poly_of(poly, d):
     """P(d) (soft_poly.py) of the first NEAR_TERMS float32 coefficients of poly."""
-    return _horner7(poly, _P_AT, d)
+    return _horner(poly, _P_AT, NEAR_TERMS, d)
 
 
 @numba.njit(fastmath=FAST, inline="always")
 def grad_poly_of(poly, d):
     """Q(d) (soft_poly.py, grad_poly) of the last NEAR_TERMS float32 coefficients of poly."""
-    return _horner7(poly, _Q_AT, d)
+    return _horner(poly, _Q_AT, NEAR_TERMS, d)
 
 
 @numba.njit(fastmath=FAST, inline="always")
