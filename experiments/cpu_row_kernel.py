@@ -19,6 +19,17 @@ against six from b = 1/3: docs/design.md, "The CPU backend"): at beta 1/2 the ol
 1.045 and 1.063 times this one's time (best calls 15.27 / 14.70 and 15.55 / 14.71 ms), at beta
 1/4, where both take nine, 1.006 and 1.003.
 
+--phases times the three phase kernels of vocab parallelism in the fused kernel's place
+(statistics, KL sums, then results and a G of its own), as the backend calls them with no
+communicator between them.
+
+Answer (2026-12-07, the Xeon kind of CI's machines, 2 cores, which LLVM names rocketlake; the
+row functions at 512 bits, fastmath.wide_vectors, against the package of 43ca3c2 at 256;
+docs/design.md, "The CPU backend"): `--against DIR --temperature 1 2 --repeats 15`, the code
+before took 1.159 / 1.243 times as long in forward KL (temperature 1 / 2), 1.235 / 1.298 in the
+JSD, 1.238 / 1.303 in reverse KL; `--phases --against DIR --temperature 1 --repeats 9`, 1.472,
+1.371 and 1.187.
+
 Or two codes in processes in turns, each with a Numba cache of its own (the older codes' kernels
 are keyed by rows.py alone, and would not see a change made in a module they inline):
 
@@ -63,6 +74,9 @@ def main(argv=None):
     p.add_argument("--beta", type=float, nargs="+", default=[0.0, 0.5, 1.0])
     p.add_argument("--temperature", type=float, nargs="+", default=[1.0, 2.0])
     p.add_argument("--repeats", type=int, default=6, help="calls of each code per case, the first not counted")
+    p.add_argument("--phases", action="store_true",
+                   help="the three phase kernels (vocab parallelism's: statistics, KL sums, results and G of its "
+                        "own) in one call's place, where no communicator combines them")
     compared = p.add_mutually_exclusive_group()
     compared.add_argument("--placements", action="store_true",
                           help="each case also with the logits in NumPy's own arrays (16 bytes past a cache line), "
@@ -87,6 +101,7 @@ def main(argv=None):
     teacher = logits + rng.standard_normal((a.tokens, a.vocab), dtype=np.float32) * np.float32(a.noise)
     target = rng.integers(0, a.vocab, a.tokens).astype(np.int32)
     ce, jsd, label_terms = (np.empty(a.tokens, np.float32) for _ in range(3))
+    G = np.empty(logits.shape, np.float32)  # (--phases: G of its own)
     works = {}  # name: (the code's CpuOnlineRows, its LossOptions, its work)
     for code, package in codes.items():
         online_work = importlib.import_module(package + ".cpu.online_work")
@@ -116,7 +131,12 @@ def main(argv=None):
                     opts = loss_options(beta=beta, temperature=temperature)
                     work.s[...] = logits
                     start = time.perf_counter()
-                    online_rows.fused_rows(work, target, opts, ce, jsd, work.s, label_terms)  # (the backend's call)
+                    if a.phases:
+                        stats = online_rows.row_stats(work, target, opts)
+                        kl = online_rows.row_kl(work, target, stats, opts)
+                        online_rows.row_finish(work, target, stats, kl, opts, ce, jsd, G, label_terms)
+                    else:
+                        online_rows.fused_rows(work, target, opts, ce, jsd, work.s, label_terms)  # (the backend's call)
                     times[name].append(time.perf_counter() - start)
             pairs = (f" | {np.median(np.array(times['against'][1:]) / np.array(times['this'][1:])):.3f}"
                      if a.against else "")

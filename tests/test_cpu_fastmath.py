@@ -89,3 +89,28 @@ def test_mixture_log_polynomial_is_good_to_float32(b):
     got = np.array([log_of(coefficients, x) for x in u], np.float64)
     want = 2 * np.arctanh(u.astype(np.float64))
     assert _rel_err(got, want) <= 3e-7
+
+
+def test_wide_vectors_marks_its_function_alone():
+    """wide_vectors() puts LLVM's 512-bit preference on the function that calls it, and on no other:
+    where the host has AVX-512 its loop takes 512-bit registers (zmm), whatever LLVM's tuning of the
+    CPU prefers, and a function without it keeps that tuning's width."""
+    def summed(wide):
+        @numba.njit(fastmath=fastmath.FAST)
+        def total(x):
+            if wide:
+                fastmath.wide_vectors()
+            acc = np.float32(0.0)
+            for j in range(len(x)):
+                acc += fastmath.exp32(x[j])
+            return acc
+        x = np.linspace(-1, 1, 1000, dtype=np.float32)
+        assert total(x) == pytest.approx(np.exp(x.astype(np.float64)).sum(), rel=1e-6)
+        (ir,), (asm,) = total.inspect_llvm().values(), total.inspect_asm().values()
+        return ir, asm
+    wide_ir, wide_asm = summed(True)
+    plain_ir, plain_asm = summed(False)
+    assert '"prefer-vector-width"="512"' in wide_ir
+    assert '"prefer-vector-width"' not in plain_ir
+    if "+avx512f" in numba.core.codegen.get_host_cpu_features():
+        assert "zmm" in wide_asm

@@ -68,6 +68,21 @@ def prefetch(typingctx, array, index):
     return types.none(array, types.intp), codegen
 
 
+@intrinsic
+def wide_vectors(typingctx):
+    """Mark the function that calls it (its LLVM function: a row's function, whose loops its
+    inlined helpers hold) to be vectorized at 512 bits where the CPU has them: LLVM's tuning of
+    Intel's AVX-512 cores (CI's Xeon kind among them, which LLVM takes for rocketlake) prefers
+    256-bit vectors, and there the row kernels took 1.16-1.47 times as long (docs/design.md, "The
+    CPU backend"). An LLVM function attribute, so the process's other Numba code keeps its own
+    width (NUMBA_CPU_FEATURES would change all of it); without AVX-512 it changes nothing.
+    (llvmlite's attribute set knows no string attributes, so it is added past its check.)"""
+    def codegen(context, builder, signature, args):
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
 @numba.njit(fastmath=FAST, inline="always")
 def exp64(x):
     """e^x to 2e-15 relative for |x| <= 40, 3e-14 at the ends of its range

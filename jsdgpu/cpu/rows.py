@@ -21,7 +21,7 @@ from .. import options
 from . import divergences, fastmath, fused_row
 from .divergences import (FORWARD_KL, JSD, REVERSE_KL, column, column32, grad_dz, mixture_form, soft,
                           soft_of_sums)
-from .fastmath import F32, FAST, exp64, max32
+from .fastmath import F32, FAST, exp64, max32, wide_vectors
 from .fused_row import gradient_columns, next_row, padded, reference_column, row_sums, shifted_exp_sum
 from .threads import rows_in_parallel
 
@@ -198,6 +198,7 @@ def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, po
                label_terms, write_grad, model_scale, model_inv_cap, p, h, z):
     """Row i of fused_kernel (_kernels'), in its part's row buffers p, h and z (the teacher's
     width; z empty where the student's width is the teacher's)."""
+    wide_vectors()
     vs, vt = s.shape[1], t.shape[1]
     scale = F32(inv_temp)
     same_z = scale == F32(1.0) and vt == vs  # z is s
@@ -257,6 +258,7 @@ def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, po
 @_row_function
 def _stats_row(i, s, t, target, inv_temp, stats):
     """Row i of stats_kernel."""
+    wide_vectors()
     (stats[0, i], stats[1, i], stats[2, i], stats[3, i], stats[4, i], stats[5, i], stats[6, i],
      stats[7, i]) = _row_stats(s[i], t[i], target[i], inv_temp, s.shape[1], t.shape[1])
 
@@ -264,6 +266,7 @@ def _stats_row(i, s, t, target, inv_temp, stats):
 @_row_function
 def _kl_row(i, s, t, inv_temp, mode, beta, stats, kl):
     """Row i of kl_kernel."""
+    wide_vectors()
     none = np.empty(0)
     row = _stats_of(stats, i)
     kl[0, i], kl[1, i] = _row_kl(s[i], t[i], inv_temp, mode, beta, row, _reference_h(row, inv_temp, mode, beta), none,
@@ -274,6 +277,7 @@ def _kl_row(i, s, t, inv_temp, mode, beta, stats, kl):
 def _finish_row(i, s, t, target, inv_temp, mode, beta, w_hard, w_soft_over_t, stats, kl, ce, jsd, G, label_terms,
                 write_grad):
     """Row i of finish_kernel."""
+    wide_vectors()
     vs = s.shape[1]
     row = _stats_of(stats, i)
     h_ref = _reference_h(row, inv_temp, mode, beta)  # (one for its columns' h and its value)
