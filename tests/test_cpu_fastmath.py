@@ -94,7 +94,7 @@ def test_mixture_log_polynomial_is_good_to_float32(b):
 def test_wide_vectors_marks_its_function_alone():
     """wide_vectors() puts LLVM's 512-bit preference on the function that calls it, and on no other:
     where the host has AVX-512 its loop takes 512-bit registers (zmm), whatever LLVM's tuning of the
-    CPU prefers, and a function without it keeps that tuning's width."""
+    CPU prefers; a function without it carries no such attribute."""
     def summed(wide):
         @numba.njit(fastmath=fastmath.FAST)
         def total(x):
