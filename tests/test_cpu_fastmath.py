@@ -109,7 +109,7 @@ def test_wide_vectors_marks_its_function_alone():
         (ir,), (asm,) = total.inspect_llvm().values(), total.inspect_asm().values()
         return ir, asm
     wide_ir, wide_asm = summed(True)
-    plain_ir, plain_asm = summed(False)
+    plain_ir, _ = summed(False)
     assert '"prefer-vector-width"="512"' in wide_ir
     assert '"prefer-vector-width"' not in plain_ir
     if "+avx512f" in numba.core.codegen.get_host_cpu_features():

@@ -189,7 +189,8 @@ def _stats_of(stats, i):
 # take 25-28: docs/design.md, "The CPU backend"). The row's functions compile with the parallel
 # loop's error model, NumPy's: under Python's, njit's default, each float division tests its
 # divisor for zero so as to raise, and LLVM kept such a loop scalar (the JSD's column pass, eight
-# times slower).
+# times slower). Each row's function calls fastmath.wide_vectors() first: its loops are its own
+# LLVM function's, which that marks for 512-bit vectors (a decorator's options cannot).
 _row_function = numba.njit(fastmath=FAST, error_model="numpy")
 
 
