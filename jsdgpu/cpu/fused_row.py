@@ -95,9 +95,10 @@ def padded(s, z):
 
 @numba.njit(fastmath=FAST, inline="always")
 def column_block(s, t, p, h, inv_z, inv_t, mode, form, row, poly, w_p, k_dz):
-    """A block's float32 sums of column32's a, b, precise and w; written over the exps, p and the
-    gradient's column part, w_p p + k_dz grad_dz(p, h) with the row's a taken as 0 and c as 1
-    (gradient_columns has the rest)."""
+    """A block's float32 sums of column32's a, b, precise and w; written over the teacher's exps,
+    the gradient's column part, w_p p + k_dz grad_dz(p, h) with the row's a taken as 0 and c as 1
+    (gradient_columns has the rest). The student's exps stay: the gradient takes p as them times
+    1 / sum, where writing p over them took a store a column."""
     a = b = precise = weights = F32(0.0)
     for j in range(len(s)):
         pj, qj = p[j] * inv_z, h[j] * inv_t
@@ -106,7 +107,6 @@ def column_block(s, t, p, h, inv_z, inv_t, mode, form, row, poly, w_p, k_dz):
         b += db
         precise += dp
         weights += dw
-        p[j] = pj
         h[j] = w_p * pj + k_dz * grad_dz(pj, hj, F32(0.0), mode, F32(1.0))
     return a, b, precise, weights
 
@@ -169,16 +169,16 @@ def next_row(s, t, i, z_cols, t_i):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def gradient_block(s, p, h, k_a, w_hard, softmax_is_p, shift_s, inv_sum_s, model_scale, model_inv_cap):
-    """A block of G's row (float32), written over h: the column part less k_a p, plus w_hard
-    softmax(s) where the column pass did not take it as p (softmax_is_p, a constant here), times
-    the student model's derivative. softmax(s) = exp(s - shift_s) / sum_s, as the statistics made
-    it (where exp(s - lse_s) would take lse_s in one float32, off by up to 1e-5 at a logsumexp of
-    160). (The derivative is model_derivative's written in float32: its float64 1.0 would widen
-    the loop's lanes.)"""
+def gradient_block(s, e, h, k_a, w_hard, softmax_is_p, shift_s, inv_sum_s, model_scale, model_inv_cap):
+    """A block of G's row (float32), written over h: the column part less k_a e (gradient_columns'),
+    plus w_hard softmax(s) where the column pass did not take it as p (softmax_is_p, a constant
+    here), times the student model's derivative. softmax(s) = exp(s - shift_s) / sum_s, as the
+    statistics made it (where exp(s - lse_s) would take lse_s in one float32, off by up to 1e-5 at a
+    logsumexp of 160). (The derivative is model_derivative's written in float32: its float64 1.0
+    would widen the loop's lanes.)"""
     for j in range(len(s)):
         x = s[j]
-        g = h[j] - k_a * p[j]
+        g = h[j] - k_a * e[j]
         if not softmax_is_p:
             g += w_hard * exp32(x - shift_s) * inv_sum_s
         zc = x * model_inv_cap
@@ -186,29 +186,30 @@ def gradient_block(s, p, h, k_a, w_hard, softmax_is_p, shift_s, inv_sum_s, model
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def gradient_columns(s, p, h, k_a, w_hard, softmax_is_p, shift_s, inv_sum_s, model_scale, model_inv_cap, G):
+def gradient_columns(s, e, h, k_a, w_hard, softmax_is_p, shift_s, inv_sum_s, model_scale, model_inv_cap, G):
     """G's row (float32): (w_hard softmax(s) + k_soft dz) times the student model's derivative. dz
     is linear in the row's a (grad_dz's h - a p, or c p (h - a)): the column pass wrote the rest
-    over h (column_block, with the hard term where softmax(s) is p), so that here G is that less
-    k_a p (k_a = k_soft c a). G may be s's memory. Where softmax(s) is p and the logits are no
-    model's, the loop reads neither; else it runs a block at a time over h, then copies the block to
-    G (written straight to G, a loop over s and G in one memory was scalar: LLVM's check that a
-    store does not overlap a later load finds them overlapping, and takes its scalar loop; the row
-    then took 5.5 ms more at 512 rows of 32000). The copy is a loop of its own: a slice's
-    assignment tests its two arrays for overlap, and outside a parallel loop's body it took the
-    kernel at temperature 2 from 15.6 to 17-21 ms at 512 rows of 32000."""
+    over h (column_block, with the hard term where softmax(s) is p), so that here G is that less k_a
+    e (e: the student's exps, which column_block left; k_a = k_soft c a / their sum). G may be s's
+    memory. Where softmax(s) is p and the logits are no model's, the loop reads neither; else it
+    runs a block at a time over h, then copies the block to G (written straight to G, a loop over s
+    and G in one memory was scalar: LLVM's check that a store does not overlap a later load finds
+    them overlapping, and takes its scalar loop; the row then took 5.5 ms more at 512 rows of
+    32000). The copy is a loop of its own: a slice's assignment tests its two arrays for overlap,
+    and outside a parallel loop's body it took the kernel at temperature 2 from 15.6 to 17-21 ms at
+    512 rows of 32000."""
     if softmax_is_p and model_scale == F32(1.0) and model_inv_cap == F32(0.0):
         for j in range(len(G)):
-            G[j] = h[j] - k_a * p[j]
+            G[j] = h[j] - k_a * e[j]
         return
     for lo in range(0, len(G), _BLOCK):
         end = lo + _BLOCK
         h_block = h[lo:end]
         if softmax_is_p:
-            gradient_block(s[lo:end], p[lo:end], h_block, k_a, w_hard, True, shift_s, inv_sum_s, model_scale,
+            gradient_block(s[lo:end], e[lo:end], h_block, k_a, w_hard, True, shift_s, inv_sum_s, model_scale,
                             model_inv_cap)
         else:
-            gradient_block(s[lo:end], p[lo:end], h_block, k_a, w_hard, False, shift_s, inv_sum_s, model_scale,
+            gradient_block(s[lo:end], e[lo:end], h_block, k_a, w_hard, False, shift_s, inv_sum_s, model_scale,
                             model_inv_cap)
         g_block = G[lo:end]
         for j in range(len(g_block)):

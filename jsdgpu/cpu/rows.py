@@ -214,7 +214,7 @@ def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, po
     # then goes in with the column's
     w_p = F32(w_hard) if same_z else F32(0.0)
     s_i, t_i, y = s[i], t[i], target[i]
-    # p: exp(z - shift), then p; h: exp(t / T - shift), then h
+    # p: exp(z - shift); h: exp(t / T - shift), then h (column_block)
     shift_s, sum_s = shifted_exp_sum(s_i, F32(1.0), 0, p if same_z else np.empty(0, np.float32))
     shift_z, sum_z = (shift_s, sum_s) if same_z else shifted_exp_sum(s_i, scale, vt - vs, p)
     shift_t, sum_t = shifted_exp_sum(t_i, scale, 0, h)
@@ -249,7 +249,7 @@ def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, po
         apart = _label_apart(y, target_logit, lse_s)
         label_derivative = _model_derivative(s_i[y], model_scale, model_inv_cap) if y >= 0 else 1.0
         label_terms[i] = -w_hard * label_derivative if apart else 0.0
-        k_a = k_soft * c_dz * F32(a)
+        k_a = k_soft * c_dz * F32(a) * inv_z  # (p is still the exps: column_block)
         inv_sum_s = F32(1.0 / sum_s)
         gradient_columns(s_i, p, h, k_a, F32(w_hard), same_z, shift_s, inv_sum_s, m_scale, m_inv_cap, G[i])
         if y >= 0 and not apart:
