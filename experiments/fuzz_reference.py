@@ -81,7 +81,13 @@ loss none. On the CPU's Xeon kind with the row functions at 512 bits (the code o
 2026-12-07): the online loss's seeds 9500-10099 flag 9523 alone, a sharp row as 7146 (Vs = 2, a
 student scale of 10, beta 1e-6: a label's CE of 7.6e-5 came out 8e-8 off, right absolutely to
 its logits' float32 rounding), flagged alike by the code before (43ca3c2); the top-k loss's
-9800-10099 none; through jsdgpu.torch eagerly, the online loss's 7660-7759 none.
+9800-10099 none; through jsdgpu.torch eagerly, the online loss's 7660-7759 none. With the column
+pass leaving the student's exps (the code of ce9c84b, the Xeon kind): the online loss's seeds
+9500-9799 flag 9523 alone, as before; 10100-10499 flag 10104, the JSD's soft gradient alone
+(temperature 0.055, token weights up to 968) on rows whose p and q sit near one-hot on different
+columns, right absolutely as 2077 (each row's logits' gradient within 1.1e-8 of its weight times
+ln(1 / (1 - beta)) / temperature, where the contract says 1e-7; flagged alike by the code before,
+9c9cc0d); 10500-10799 flag 10556, a student deep in a cap of 1 at scale 40.
 """
 
 import argparse
