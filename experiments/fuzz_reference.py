@@ -87,7 +87,9 @@ pass leaving the student's exps (the code of ce9c84b, the Xeon kind): the online
 (temperature 0.055, token weights up to 968) on rows whose p and q sit near one-hot on different
 columns, right absolutely as 2077 (each row's logits' gradient within 1.1e-8 of its weight times
 ln(1 / (1 - beta)) / temperature, where the contract says 1e-7; flagged alike by the code before,
-9c9cc0d); 10500-10799 flag 10556, a student deep in a cap of 1 at scale 40; through jsdgpu.torch
+9c9cc0d); 10500-10799 flag 10556, a student deep in a cap of 1 at scale 40; 10800-10999 flag
+10937 alone, a sharp row (Vs = 2, a student scale of 40, its label 25 nats ahead), flagged alike
+by the code before; through jsdgpu.torch
 eagerly, the online loss's 7760-7859 flag 7816 alone, the hard part alone (Vs = 2, a student
 scale of 5), whose row CE of 1.6e-6, its label ahead by 13 nats at a largest logit of -6.3, came
 out 5e-9 off: right absolutely to a few ulps of that logit, as the contract says (the same off
