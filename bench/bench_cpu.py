@@ -123,7 +123,7 @@ def row_kernel_bandwidth(T, V, pairs=7):
     of the copy's bandwidth}, the copy's GB/s). The kernel as the backend calls it: its gradient
     written over the student's logits, which are restored (untimed) before each call; the teacher
     the student plus N(0, 1). Each kernel call is followed by a copy, and the share is the median
-    of the pairs' ratios, the GB/s the best of each: these machines' bandwidth moves from minute to
+    of the pairs' ratios, the GB/s the best of each. These machines' bandwidth moves from minute to
     minute: a copy timed apart from the kernels (once, after them) read 44.7 and 35.3 GB/s in two
     runs minutes apart, which put the same kernels at 25-42% and 45-56% of it."""
     import numba
