@@ -2,8 +2,9 @@
 
 Answer (one H200, 2026-12-01): the code after the capturable mode took 4.85-4.89 ms at T = 1024
 where the layout's code (commit 682ba3f) took 4.18-4.34, and 2.72-2.79 against 2.41-2.51 with half
-the rows ignored. On 2026-12-02, c658ff5 against the code that queues the first products ahead of
-the rest: T = 1024 4.87 / 4.41 and 4.78 / 4.83 ms, half ignored 2.79 / 2.58 and 2.79 / 2.59. With --jax (docs/design.md, "The front ends";
+the rows ignored. On 2026-12-02, c658ff5 against
+the code that queues the first products ahead of the rest: T = 1024 4.87 / 4.41 and 4.78 / 4.83
+ms, half ignored 2.79 / 2.58 and 2.79 / 2.59. With --jax (docs/design.md, "The front ends";
 five runs): back to back the jitted step took 1-6% less than the CuPy call at T = 1024 and
 -0.7% to +0.6% at T = 8192; each call waited for, +1% to +7% and -1.6% to +3.3%. With --topk 64
 (docs/design.md, "Top-k"; five pairs), the top-k loop with the first products queued ahead of
