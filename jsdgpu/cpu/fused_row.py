@@ -94,14 +94,14 @@ def padded(s, z):
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def column_block(s, t, p, h, inv_z, inv_t, mode, form, row, poly, w_p, k_dz):
+def column_block(s, t, e, h, inv_z, inv_t, mode, form, row, poly, w_p, k_dz):
     """A block's float32 sums of column32's a, b, precise and w; written over the teacher's exps,
     the gradient's column part, w_p p + k_dz grad_dz(p, h) with the row's a taken as 0 and c as 1
-    (gradient_columns has the rest). The student's exps stay: the gradient takes p as them times
-    1 / sum, where writing p over them took a store a column."""
+    (gradient_columns has the rest). e: the student's exps, whose p is e / sum (inv_z); they stay,
+    and the gradient takes them, where writing p over them took a store a column."""
     a = b = precise = weights = F32(0.0)
     for j in range(len(s)):
-        pj, qj = p[j] * inv_z, h[j] * inv_t
+        pj, qj = e[j] * inv_z, h[j] * inv_t
         da, db, dp, dw, hj = column32(s[j], t[j], pj, qj, mode, form, row, poly)
         a += da
         b += db
@@ -120,7 +120,7 @@ _PREFETCH_BLOCK = 128
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def column_sums(s, t, p, h, inv_z, inv_t, mode, form, row, poly, w_p, k_dz, s_next, t_next):
+def column_sums(s, t, e, h, inv_z, inv_t, mode, form, row, poly, w_p, k_dz, s_next, t_next):
     """The row's sums (float64) of column32's terms, a block at a time, each block's columns of
     the next row's logits s_next, t_next prefetched first (next_row's), so that they are in the
     cache when that row's statistics take them: the row's own column math hides their way from
@@ -133,7 +133,7 @@ def column_sums(s, t, p, h, inv_z, inv_t, mode, form, row, poly, w_p, k_dz, s_ne
         for k in range(lo, min(end, ahead), LINE):
             prefetch(s_next, k)
             prefetch(t_next, k)
-        da, db, dp, dw = column_block(s[lo:end], t[lo:end], p[lo:end], h[lo:end], inv_z, inv_t, mode, form, row,
+        da, db, dp, dw = column_block(s[lo:end], t[lo:end], e[lo:end], h[lo:end], inv_z, inv_t, mode, form, row,
                                       poly, w_p, k_dz)
         a += da
         b += db
@@ -143,19 +143,19 @@ def column_sums(s, t, p, h, inv_z, inv_t, mode, form, row, poly, w_p, k_dz, s_ne
 
 
 @numba.njit(fastmath=FAST, inline="always")
-def row_sums(s, t, p, h, inv_z, inv_t, mode, form, row, poly, w_p, k_dz, s_next, t_next):
+def row_sums(s, t, e, h, inv_z, inv_t, mode, form, row, poly, w_p, k_dz, s_next, t_next):
     """column_sums with the mode and the JSD's mixture form as constants: a loop of its own for each
     (column32's branches on them would be if-converted in one loop, and every divergence pay for
     all)."""
     if mode == FORWARD_KL:
-        return column_sums(s, t, p, h, inv_z, inv_t, FORWARD_KL, MIXTURE_BY_LOG, row, poly, w_p, k_dz, s_next, t_next)
+        return column_sums(s, t, e, h, inv_z, inv_t, FORWARD_KL, MIXTURE_BY_LOG, row, poly, w_p, k_dz, s_next, t_next)
     if mode == REVERSE_KL:
-        return column_sums(s, t, p, h, inv_z, inv_t, REVERSE_KL, MIXTURE_BY_LOG, row, poly, w_p, k_dz, s_next, t_next)
+        return column_sums(s, t, e, h, inv_z, inv_t, REVERSE_KL, MIXTURE_BY_LOG, row, poly, w_p, k_dz, s_next, t_next)
     if form == MIXTURE_BY_RATIO:
-        return column_sums(s, t, p, h, inv_z, inv_t, JSD, MIXTURE_BY_RATIO, row, poly, w_p, k_dz, s_next, t_next)
+        return column_sums(s, t, e, h, inv_z, inv_t, JSD, MIXTURE_BY_RATIO, row, poly, w_p, k_dz, s_next, t_next)
     if form == MIXTURE_BY_SHORT_LOG:
-        return column_sums(s, t, p, h, inv_z, inv_t, JSD, MIXTURE_BY_SHORT_LOG, row, poly, w_p, k_dz, s_next, t_next)
-    return column_sums(s, t, p, h, inv_z, inv_t, JSD, MIXTURE_BY_LOG, row, poly, w_p, k_dz, s_next, t_next)
+        return column_sums(s, t, e, h, inv_z, inv_t, JSD, MIXTURE_BY_SHORT_LOG, row, poly, w_p, k_dz, s_next, t_next)
+    return column_sums(s, t, e, h, inv_z, inv_t, JSD, MIXTURE_BY_LOG, row, poly, w_p, k_dz, s_next, t_next)
 
 
 @numba.njit(fastmath=FAST)

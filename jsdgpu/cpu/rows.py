@@ -196,8 +196,8 @@ _row_function = numba.njit(fastmath=FAST, error_model="numpy")
 
 @_row_function
 def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, poly, w_hard, w_soft_over_t, ce, jsd, G,
-               label_terms, write_grad, model_scale, model_inv_cap, p, h, z):
-    """Row i of fused_kernel (_kernels'), in its part's row buffers p, h and z (the teacher's
+               label_terms, write_grad, model_scale, model_inv_cap, e, h, z):
+    """Row i of fused_kernel (_kernels'), in its part's row buffers e, h and z (the teacher's
     width; z empty where the student's width is the teacher's)."""
     wide_vectors()
     vs, vt = s.shape[1], t.shape[1]
@@ -214,9 +214,9 @@ def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, po
     # then goes in with the column's
     w_p = F32(w_hard) if same_z else F32(0.0)
     s_i, t_i, y = s[i], t[i], target[i]
-    # p: exp(z - shift); h: exp(t / T - shift), then h (column_block)
-    shift_s, sum_s = shifted_exp_sum(s_i, F32(1.0), 0, p if same_z else np.empty(0, np.float32))
-    shift_z, sum_z = (shift_s, sum_s) if same_z else shifted_exp_sum(s_i, scale, vt - vs, p)
+    # e: exp(z - shift), whose p is e / sum_z; h: exp(t / T - shift), then h (column_block)
+    shift_s, sum_s = shifted_exp_sum(s_i, F32(1.0), 0, e if same_z else np.empty(0, np.float32))
+    shift_z, sum_z = (shift_s, sum_s) if same_z else shifted_exp_sum(s_i, scale, vt - vs, e)
     shift_t, sum_t = shifted_exp_sum(t_i, scale, 0, h)
     lse_s, lse_z, lse_t = shift_s + math.log(sum_s), shift_z + math.log(sum_z), shift_t + math.log(sum_t)
     c = lse_z - lse_t
@@ -233,14 +233,14 @@ def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, po
         if not math.isfinite(h_ref):  # (a teacher logit of -inf there: the divergence is inf)
             diff_ref, h_ref = F32(0.0), -c
     elif mode == JSD and ref >= 0:
-        h_ref32 = column32(z_cols[ref], t_i[ref], p[ref] * inv_z, h[ref] * inv_t, JSD, form,
+        h_ref32 = column32(z_cols[ref], t_i[ref], e[ref] * inv_z, h[ref] * inv_t, JSD, form,
                            (F32(c), scale, diff_ref, F32(0.0), beta > 0.5, beta32, one_minus_beta32, b),
                            row_poly)[4]
         h_ref32 = h_ref32 if math.isfinite(h_ref32) else F32(0.0)
         h_ref = np.float64(h_ref32)
     row = (F32(c), scale, diff_ref, h_ref32, beta > 0.5, beta32, one_minus_beta32, b)
     s_next, t_next = next_row(s, t, i, z_cols, t_i)
-    a, b_sum, precise, weights = row_sums(z_cols, t_i, p, h, inv_z, inv_t, mode, form, row, row_poly,
+    a, b_sum, precise, weights = row_sums(z_cols, t_i, e, h, inv_z, inv_t, mode, form, row, row_poly,
                                           w_p, k_soft * c_dz, s_next, t_next)
     target_logit = np.float64(s_i[y]) if y >= 0 else 0.0
     ce[i] = _cross_entropy(lse_s, target_logit)
@@ -249,9 +249,9 @@ def _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, po
         apart = _label_apart(y, target_logit, lse_s)
         label_derivative = _model_derivative(s_i[y], model_scale, model_inv_cap) if y >= 0 else 1.0
         label_terms[i] = -w_hard * label_derivative if apart else 0.0
-        k_a = k_soft * c_dz * F32(a) * inv_z  # (p is still the exps: column_block)
+        k_a = k_soft * c_dz * F32(a) * inv_z  # (p = e inv_z: column_block)
         inv_sum_s = F32(1.0 / sum_s)
-        gradient_columns(s_i, p, h, k_a, F32(w_hard), same_z, shift_s, inv_sum_s, m_scale, m_inv_cap, G[i])
+        gradient_columns(s_i, e, h, k_a, F32(w_hard), same_z, shift_s, inv_sum_s, m_scale, m_inv_cap, G[i])
         if y >= 0 and not apart:
             G[i, y] -= w_hard * label_derivative
 
@@ -330,12 +330,12 @@ def _kernels(sources):
         sources  # (its cache key: _kernels)
         for part in numba.prange(parts):
             vt = t.shape[1]
-            p, h = np.empty(vt, np.float32), np.empty(vt, np.float32)
+            e, h = np.empty(vt, np.float32), np.empty(vt, np.float32)
             z = np.empty(vt if vt > s.shape[1] else 0, np.float32)  # the student's row and the teacher's pad
             k, n = np.int64(part), s.shape[0]  # (the loop's index is unsigned in its body: _kernels)
             for i in range(k * n // parts, (k + 1) * n // parts):
                 _fused_row(i, s, t, target, inv_temp, mode, beta, one_minus_beta, soft_b, poly, w_hard, w_soft_over_t,
-                           ce, jsd, G, label_terms, write_grad, model_scale, model_inv_cap, p, h, z)
+                           ce, jsd, G, label_terms, write_grad, model_scale, model_inv_cap, e, h, z)
 
     # ---- the three phases (vocab parallelism: each rank's shard, combined between them) ----
 
