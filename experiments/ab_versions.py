@@ -175,16 +175,16 @@ def main():
     print(a.label, "; ".join(out))
 
 
-def load_other(root):
-    """The package at root/jsdgpu, imported as jsdgpu_other (its imports are relative)."""
+def load_other(root, name="jsdgpu_other"):
+    """The package at root/jsdgpu, imported as `name` (its imports are relative)."""
     import importlib.util
     import pathlib
     import sys
     package = pathlib.Path(root) / "jsdgpu"
-    spec = importlib.util.spec_from_file_location("jsdgpu_other", package / "__init__.py",
+    spec = importlib.util.spec_from_file_location(name, package / "__init__.py",
                                                   submodule_search_locations=[str(package)])
     module = importlib.util.module_from_spec(spec)
-    sys.modules["jsdgpu_other"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
