@@ -116,11 +116,12 @@ def make_sets(T, weights, rng, valid_fraction=1.0):
 
 # ---- implementations: each returns fn(i) running one step on input set i ----
 
-def impl_jsdgpu(sets, mode, **options):
+def impl_jsdgpu(sets, mode, lib=jsdgpu, **options):
+    """lib: the package (another copy of it: experiments/design_bound.py)."""
     def fn(i):
-        loss, ctx = jsdgpu.forward(*sets[i], compute_grad=mode == "fwd_bwd", **options)
+        loss, ctx = lib.forward(*sets[i], compute_grad=mode == "fwd_bwd", **options)
         if mode == "fwd_bwd":
-            jsdgpu.backward(ctx)
+            lib.backward(ctx)
     return fn
 
 

@@ -137,14 +137,6 @@ def copy_with_form(form, root):
     return load_other(root, "jsdgpu_" + form.replace("-", "_"))
 
 
-def step_of(lib, step):
-    """One forward + backward of step by the package lib."""
-    def run():
-        _, ctx = lib.forward(*step, compute_grad=True)
-        lib.backward(ctx)
-    return run
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-tokens", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -158,6 +150,11 @@ def main():
     import harness
     import jsdgpu
 
+    def step_of(lib, step):
+        """fn() running one forward + backward of step by the package lib."""
+        fn = harness.impl_jsdgpu([step], "fwd_bwd", lib=lib)
+        return lambda: fn(0)
+
     libs = {"jsdgpu": jsdgpu}
     with tempfile.TemporaryDirectory() as tmp:
         for form in FORMS:
@@ -165,7 +162,7 @@ def main():
         ws, wn = bench_run.heads(cupy, 4.0, 1)
         for lib in libs.values():  # the run's history, for each package
             for step in bench_run.history_steps(cupy, ws, wn):
-                harness.time_ms(lambda i: step_of(lib, step)(), 1, 2, 3)
+                harness.time_ms(harness.impl_jsdgpu([step], "fwd_bwd", lib=lib), 1, 2, 3)
         names = ["floor", *libs]
         result = dict(device=harness.device_name(), date=time.strftime("%Y-%m-%d"),
                       command="python experiments/design_bound.py " + " ".join(sys.argv[1:]), run=[])
