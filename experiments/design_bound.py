@@ -24,9 +24,12 @@ library's:
 Prints each T's sums over its ten steps and their ratios to the floor's, and writes the
 per-step medians to OUT/design_bound.json.
 
-Answer (one H100, 2026-12-07; docs/design.md, "The bound of this design"), the ten steps over
-their floor's 36.34 / 133.29 / 267.67 ms at T = 1024 / 4096 / 8192: jsdgpu 1.269 / 1.220 / 1.220,
-bytes 1.174 / 1.118 / 1.123, 16-bit 1.112 / 1.059 / 1.075, none 1.076 / 1.007 / 1.025.
+Answer (docs/design.md, "The bound of this design"), the ten steps over their floor's at T =
+1024 / 4096 / 8192. One H100, 2026-12-07 (floor 36.34 / 133.29 / 267.67 ms): jsdgpu 1.269 / 1.220
+/ 1.220, bytes 1.174 / 1.118 / 1.123, 16-bit 1.112 / 1.059 / 1.075, none 1.076 / 1.007 / 1.025.
+One H200, 2026-12-07, two runs (floor 35.43 / 133.31 / 268.32 ms in the first): jsdgpu 1.269-1.270
+/ 1.215-1.219 / 1.206-1.209, bytes 1.148-1.149 / 1.079-1.090 / 1.075-1.080, 16-bit 1.112-1.118 /
+1.044-1.055 / 1.045-1.050, none 1.071-1.077 / 1.008-1.015 / 1.009-1.014.
 """
 
 import argparse

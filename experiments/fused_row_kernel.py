@@ -18,7 +18,10 @@ Pass 2's columns without branches (H100, 2026-12-06; docs/design.md, "Small dive
 against after at 2048 rows: the JSD 0.710 against 0.625 on the benchmark's chunk, 0.666 against
 0.638 with --noise 0.25. The library's kernel as it is (H100, 2026-12-07), µs per row at 1024 /
 2048 rows: the JSD 0.622 / 0.592 (0.630 / 0.604 with --noise 0.25), forward KL 0.552 / 0.525,
-reverse KL 0.532 / 0.509, temperature 2 0.705 / 0.679, caps of 30 on both 0.814 / 0.785.
+reverse KL 0.532 / 0.509, temperature 2 0.705 / 0.679, caps of 30 on both 0.814 / 0.785. On one
+H200 (2026-12-07, right after ten minutes of the benchmark): the JSD 0.627 / 0.633 (0.631 / 0.603
+with --noise 0.25), forward KL 0.550 / 0.525, reverse KL 0.526 / 0.495, caps of 30 on both 0.819
+/ 0.800.
 
     python experiments/fused_row_kernel.py                               # the library's kernel
     python experiments/fused_row_kernel.py --shapes 16,512,4,2 8,1024,4,1 16,256,8,2
