@@ -28,7 +28,9 @@ one H200 (2026-12-07, right after ten minutes of the benchmark): the JSD 0.627 /
     python experiments/fused_row_kernel.py --shapes 16,512,4,2 8,1024,4,1 16,256,8,2
     python experiments/fused_row_kernel.py --sources jsdgpu/cuda/src /tmp/variant_src   # A/B
     python experiments/fused_row_kernel.py --noise 0.25 --sources ...   # a converging student's rows
+    python experiments/fused_row_kernel.py --configs jsd "jsd, caps 30 on both" --sources ...
     ncu --clock-control none -k regex:fused_rows -c 1 python experiments/fused_row_kernel.py --once
+    ncu ... -c 2 python experiments/fused_row_kernel.py --once "jsd, caps 30 on both" --sources A B
 
 Under ncu (one H100, 2026-12-06; docs/design.md, "The fused row kernel"), the JSD on 1024 rows
 issues 425.7 M instructions, on 70% of the schedulers' cycles. With `--page source --print-source
@@ -78,7 +80,10 @@ def main():
                    help="cluster, threads, groups, CTAs per SM of other shapes to time")
     p.add_argument("--sources", nargs="+", type=pathlib.Path, default=[],
                    help="source directories to time (the first is the reference)")
-    p.add_argument("--once", action="store_true", help="one launch of the library's kernel (for ncu)")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="CONFIG",
+                   help="the options to time (default: all)")
+    p.add_argument("--once", nargs="?", const="jsd", choices=list(CONFIGS), metavar="CONFIG",
+                   help="one launch of each kernel on 1024 rows, of CONFIG (default: jsd; for ncu)")
     p.add_argument("--noise", type=float, help="a converging student: the teacher's logits the student's plus "
                    "noise of this std (logits of std 4); default: the benchmark's independent chunk")
     a = p.parse_args()
@@ -108,15 +113,19 @@ def main():
     works = {name: work if v is None else dataclasses.replace(work, fused=kernels.fused_kernel(
         device, ws.dtype, *v)) for name, v in variants.items()}
     if a.once:
+        options, with_grad = CONFIGS[a.once]
         ce, jsd, terms = (cupy.empty(1024, np.float32) for _ in range(3))
-        CudaBackend.fused_rows(work, target[:1024], jsdgpu.LossOptions(), ce, jsd, G_all[:1024], terms)
+        for w in works.values():
+            CudaBackend.fused_rows(w, target[:1024], jsdgpu.LossOptions(**options), ce, jsd,
+                                   G_all[:1024] if with_grad else None, terms)
         cupy.cuda.Device().synchronize()
         return
     names = list(works)
     print("| options | rows | " + " | ".join(f"{n} µs per row" for n in names)
           + " | max relative difference from the first: CE, JSD, G |")
     print("| --- " * (len(names) + 3) + "|")
-    for config, (options, with_grad) in CONFIGS.items():
+    for config in a.configs:
+        options, with_grad = CONFIGS[config]
         opts = jsdgpu.LossOptions(**options)
         for rows in ROWS:
             outputs, times = [], [[] for _ in names]

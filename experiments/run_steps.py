@@ -7,6 +7,7 @@ step's GPU time by kind: products, row kernels, other kernels, idle from its fir
 its last, and how many products it ran. Needs a GPU and PyTorch.
 
     python experiments/run_steps.py [--tokens 1024 4096] [--kernels]
+    python experiments/run_steps.py --tokens 8192 --impls jsdgpu jsdgpu_softcap  # a feature's steps beside
 
 Answer (one H200): docs/design.md, "A run's inputs".
 """
@@ -36,6 +37,8 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--kernels", action="store_true", help="also each step's kernels by total time")
+    p.add_argument("--impls", nargs="+", default=["jsdgpu"],
+                   help="bench_run.py's implementations to profile (jsdgpu, jsdgpu_softcap, ...)")
     a = p.parse_args()
     import cupy  # needs the GPU: after --help
     import torch
@@ -51,36 +54,38 @@ def main():
     table = []
     for T in a.tokens:
         steps = bench_run.run_steps(cupy, T, ws, wn)
-        fns = [bench_run.implementation("jsdgpu", s) for s in steps]
-        ours = bench_run.timed_turns(fns, a.repeats, 1.0)
         floor = bench_run.timed_turns([bench_run.implementation("gemm_floor", s) for s in steps], a.repeats, 1.0)
+        for impl in a.impls:
+            fns = [bench_run.implementation(impl, s) for s in steps]
+            ours = bench_run.timed_turns(fns, a.repeats, 1.0)
 
-        def turn(_, fns=fns):  # the ten steps, each after a marker kernel
-            for fn in fns:
-                marker((1,), (1,), ())
-                fn()
-        events = profile_one(turn)
-        markers = [e["ts"] for e in events if e["name"] == "step_marker"]
-        for i, step_events in enumerate(split_steps(events, markers)):
-            step_events = [e for e in step_events if e["name"] != "step_marker"]
-            busy = collections.Counter()
-            for e in step_events:
-                busy[kind(e)] += e["dur"] / 1e3
-            span = (max(e["ts"] + e["dur"] for e in step_events) - step_events[0]["ts"]) / 1e3
-            n_products = sum(1 for e in step_events if kind(e) == "products")
-            valid = int((steps[i][4] != -100).sum())
-            table.append((T, i, valid, ours[i], floor[i], busy, span, n_products))
-            if a.kernels:
-                print_kernels(f"T = {T}, step {i}, {valid} valid rows:", step_events)
-        del steps, fns
+            def turn(_, fns=fns):  # the ten steps, each after a marker kernel
+                for fn in fns:
+                    marker((1,), (1,), ())
+                    fn()
+            events = profile_one(turn)
+            markers = [e["ts"] for e in events if e["name"] == "step_marker"]
+            for i, step_events in enumerate(split_steps(events, markers)):
+                step_events = [e for e in step_events if e["name"] != "step_marker"]
+                busy = collections.Counter()
+                for e in step_events:
+                    busy[kind(e)] += e["dur"] / 1e3
+                span = (max(e["ts"] + e["dur"] for e in step_events) - step_events[0]["ts"]) / 1e3
+                n_products = sum(1 for e in step_events if kind(e) == "products")
+                valid = int((steps[i][4] != -100).sum())
+                table.append((impl, T, i, valid, ours[i], floor[i], busy, span, n_products))
+                if a.kernels:
+                    print_kernels(f"{impl}, T = {T}, step {i}, {valid} valid rows:", step_events)
+            del fns
+        del steps
         cupy.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
-    print("| T | step | valid rows | step ms | floor ms | × floor | profiled: products | row kernels | other "
+    print("| implementation | T | step | valid rows | step ms | floor ms | × floor | profiled: products | row kernels | other "
           "| idle | span | products run |")
-    print("| --- " * 12 + "|")
-    for T, i, valid, ms, fl, busy, span, n in table:
+    print("| --- " * 13 + "|")
+    for impl, T, i, valid, ms, fl, busy, span, n in table:
         idle = span - sum(busy.values())
-        print(f"| {T} | {i} | {valid} | {ms:.3f} | {fl:.3f} | {ms / fl:.3f} | {busy.get('products', 0):.3f} | "
+        print(f"| {impl} | {T} | {i} | {valid} | {ms:.3f} | {fl:.3f} | {ms / fl:.3f} | {busy.get('products', 0):.3f} | "
               f"{busy.get('rows', 0):.3f} | {busy.get('other', 0):.3f} | {idle:.3f} | {span:.3f} | {n} |")
 
 
